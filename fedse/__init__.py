@@ -1,0 +1,1 @@
+"""fedse: federated self-evolution of LLM agents over gRPC (shared code of all services)."""

@@ -1,0 +1,199 @@
+"""What every fedse service shares: JSON logs, gRPC server with health and metrics, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Any, Callable, Iterator
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+RPC_SECONDS = prometheus_client.Histogram(
+    "grpc_server_handling_seconds",
+    "Time to handle a gRPC call, by service, method and status code.",
+    ["grpc_service", "grpc_method", "grpc_code"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+RPC_HANDLED = prometheus_client.Counter(
+    "grpc_server_handled", "gRPC calls completed, by service, method and status code.",
+    ["grpc_service", "grpc_method", "grpc_code"],
+)
+
+# Large enough for a 4 MB adapter chunk plus its framing.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if extra:
+            entry.update(extra)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(service: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(JsonFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def log_fields(**fields: Any) -> dict[str, Any]:
+    """`log.info("msg", extra=log_fields(round=3))` adds structured fields to the JSON line."""
+    return {"fields": fields}
+
+
+def _split_method(full: str) -> tuple[str, str]:
+    _, service, method = full.split("/", 2)
+    return service, method
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Records latency and outcome of every call, streaming ones included."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        service, method = _split_method(handler_call_details.method)
+
+        def observe(context: grpc.ServicerContext, start: float, failed: bool) -> None:
+            code = context.code() if hasattr(context, "code") else None
+            if code is None:
+                code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+            name = code.name
+            RPC_SECONDS.labels(service, method, name).observe(time.perf_counter() - start)
+            RPC_HANDLED.labels(service, method, name).inc()
+
+        def wrap_unary(behavior: Callable) -> Callable:
+            def wrapped(request_or_iterator, context):
+                start = time.perf_counter()
+                try:
+                    result = behavior(request_or_iterator, context)
+                except BaseException:
+                    observe(context, start, True)
+                    raise
+                observe(context, start, False)
+                return result
+            return wrapped
+
+        def wrap_stream(behavior: Callable) -> Callable:
+            def wrapped(request_or_iterator, context) -> Iterator:
+                start = time.perf_counter()
+                try:
+                    yield from behavior(request_or_iterator, context)
+                except BaseException:
+                    observe(context, start, True)
+                    raise
+                observe(context, start, False)
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+
+
+class Service:
+    """A gRPC server with the standard health service and Prometheus interceptor.
+
+    Health starts NOT_SERVING; call `ready()` once the servicers can answer.
+    """
+
+    def __init__(self, name: str, address: str, max_workers: int = 16):
+        self.name = name
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
+            interceptors=[MetricsInterceptor()],
+            options=GRPC_OPTIONS,
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC address {address}: is it in use or malformed?")
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self.server.start()
+
+    def ready(self, service_names: list[str]) -> None:
+        for name in ["", *service_names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        self._stopped.set()
+
+    def wait_for_termination(self, grace: float = 5.0) -> None:
+        """Blocks until SIGTERM or SIGINT, then stops gracefully (health goes NOT_SERVING first)."""
+
+        def on_signal(signum, _frame):
+            logging.getLogger(self.name).info("shutting down", extra=log_fields(signal=signum))
+            threading.Thread(target=self.stop, args=(grace,), daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self._stopped.wait()
+
+
+def start_metrics(port: int, address: str = "0.0.0.0") -> int:
+    """Serves Prometheus /metrics on port (0 picks one); returns the bound port, or -1 if disabled."""
+    if port < 0:
+        return -1
+    server, _thread = prometheus_client.start_http_server(port, addr=address)
+    return server.server_port
+
+
+def insecure_channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+
+
+def wait_until_serving(target: str, timeout: float = 60.0) -> None:
+    """Polls the standard health service until SERVING; raises TimeoutError with the target."""
+    deadline = time.monotonic() + timeout
+    with insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} did not become SERVING within {timeout:.0f}s")
+            time.sleep(0.1)

@@ -1,0 +1,164 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoundState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_STATE_UNSPECIFIED: _ClassVar[RoundState]
+    ROUND_STATE_WAITING_FOR_CLIENTS: _ClassVar[RoundState]
+    ROUND_STATE_OPEN: _ClassVar[RoundState]
+    ROUND_STATE_FINISHED: _ClassVar[RoundState]
+ROUND_STATE_UNSPECIFIED: RoundState
+ROUND_STATE_WAITING_FOR_CLIENTS: RoundState
+ROUND_STATE_OPEN: RoundState
+ROUND_STATE_FINISHED: RoundState
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class AdapterSchema(_message.Message):
+    __slots__ = ("tensors", "adapter_config_json")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    adapter_config_json: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., adapter_config_json: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("client_id", "env", "base_model", "schema")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    env: str
+    base_model: str
+    schema: AdapterSchema
+    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
+
+class RunConfig(_message.Message):
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    num_rounds: int
+    min_clients: int
+    round_deadline_s: float
+    strategy: str
+    max_chunk_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("config", "current_round")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    config: RunConfig
+    current_round: int
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., current_round: _Optional[int] = ...) -> None: ...
+
+class RoundStatusRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class RoundStatus(_message.Message):
+    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    state: RoundState
+    num_rounds: int
+    joined: _containers.RepeatedScalarFieldContainer[str]
+    uploaded: _containers.RepeatedScalarFieldContainer[str]
+    deadline_unix: float
+    global_sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class AdapterHeader(_message.Message):
+    __slots__ = ("run_id", "round", "client_id", "sha256", "size", "adapter_config_json", "num_examples", "num_successes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    client_id: str
+    sha256: str
+    size: int
+    adapter_config_json: str
+    num_examples: int
+    num_successes: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client_id: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., num_examples: _Optional[int] = ..., num_successes: _Optional[int] = ...) -> None: ...
+
+class AdapterChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: AdapterHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[AdapterHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadAck(_message.Message):
+    __slots__ = ("round", "sha256", "size")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    sha256: str
+    size: int
+    def __init__(self, round: _Optional[int] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class MetricsReport(_message.Message):
+    __slots__ = ("client_id", "round", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class MetricsAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
