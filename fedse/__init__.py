@@ -1,1 +1,7 @@
 """fedse: federated self-evolution of LLM agents over gRPC (shared code of all services)."""
+
+import os as _os
+
+# fedse never downloads models: base models are the embedded tiny model or a local path.
+_os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

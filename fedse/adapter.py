@@ -1,0 +1,178 @@
+"""LoRA adapters on the wire: PEFT safetensors bytes, schemas, hashing, chunking, validation.
+
+An adapter is a flat dict of tensors keyed as `peft.get_peft_model_state_dict` names them
+(`base_model.model.<module path>.lora_A.weight` / `.lora_B.weight`) plus the text of its
+`adapter_config.json`. On the wire and on disk it is exactly the bytes of
+`adapter_model.safetensors`, so any PEFT tool can read what fedse writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import tempfile
+from typing import Iterator, Mapping
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+CHUNK_BYTES = 4 * 1024 * 1024
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+
+Adapter = dict[str, torch.Tensor]
+
+
+class AdapterError(ValueError):
+    """An adapter that does not fit the run's schema or is not a valid safetensors file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """The tensors of an adapter (names, shapes, dtypes) and its adapter_config.json text."""
+
+    tensors: tuple[TensorSpec, ...]
+    adapter_config_json: str
+
+    @staticmethod
+    def of(adapter: Mapping[str, torch.Tensor], adapter_config_json: str) -> "Schema":
+        specs = tuple(
+            TensorSpec(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in sorted(adapter.items())
+        )
+        return Schema(specs, adapter_config_json)
+
+    def by_name(self) -> dict[str, TensorSpec]:
+        return {spec.name: spec for spec in self.tensors}
+
+    def nbytes(self) -> int:
+        return sum(math.prod(s.shape) * torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
+                   for s in self.tensors)
+
+    def check_compatible(self, other: "Schema") -> None:
+        """Raises AdapterError naming the first difference in tensors (the config text may differ)."""
+        check_tensors(self, {s.name: s for s in other.tensors})
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode(adapter: Mapping[str, torch.Tensor]) -> bytes:
+    """The bytes of adapter_model.safetensors for the adapter (CPU, contiguous)."""
+    return st_save({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()},
+                   metadata={"format": "pt"})
+
+
+def decode(data: bytes) -> Adapter:
+    try:
+        return dict(st_load(data))
+    except Exception as exc:  # safetensors raises its own error types
+        raise AdapterError(f"not a valid safetensors file ({exc})") from None
+
+
+def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+def check_tensors(schema: Schema, tensors: Mapping[str, object]) -> None:
+    """Keys, shapes and dtypes of `tensors` (tensors or TensorSpecs) must equal the schema's."""
+    expected = schema.by_name()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise AdapterError(
+            f"adapter keys differ from the run's schema: {len(missing)} missing (first: {missing[:2]}), "
+            f"{len(unexpected)} unexpected (first: {unexpected[:2]}); train with the run's LoRA settings")
+    for name, spec in expected.items():
+        t = tensors[name]
+        shape = tuple(int(d) for d in t.shape)
+        dtype = t.dtype if isinstance(t, TensorSpec) else str(t.dtype).removeprefix("torch.")
+        if shape != spec.shape:
+            raise AdapterError(f"tensor {name} has shape {list(shape)}, the run expects {list(spec.shape)}")
+        if dtype != spec.dtype:
+            raise AdapterError(f"tensor {name} has dtype {dtype}, the run expects {spec.dtype}")
+
+
+def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_bytes: int) -> Adapter:
+    """Decodes and checks an uploaded adapter; raises AdapterError saying what is wrong."""
+    if declared_size > max_bytes:
+        raise AdapterError(f"adapter of {declared_size} bytes exceeds the limit of {max_bytes} bytes")
+    if len(data) != declared_size:
+        raise AdapterError(f"received {len(data)} bytes but the header declared {declared_size}: "
+                           "the stream was cut short; upload again")
+    actual = sha256_hex(data)
+    if actual != sha256.lower():
+        raise AdapterError(f"sha256 mismatch: header says {sha256}, the bytes hash to {actual}")
+    adapter = decode(data)
+    check_tensors(schema, adapter)
+    for name, t in adapter.items():
+        if not torch.isfinite(t).all():
+            raise AdapterError(f"tensor {name} holds NaN or infinite values")
+    return adapter
+
+
+def kaiming_uniform_a(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """PEFT's default lora_A init: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).mul(bound).to(torch.float32)
+
+
+def fresh(schema: Schema, seed: int) -> Adapter:
+    """A deterministic fresh LoRA for round 0: A as PEFT initialises it (seeded), B = 0, so the
+    adapted model equals the base model."""
+    gen = torch.Generator().manual_seed(seed)
+    out: Adapter = {}
+    for spec in schema.tensors:
+        dtype = getattr(torch, spec.dtype)
+        if ".lora_A." in spec.name:
+            out[spec.name] = kaiming_uniform_a(spec.shape, gen).to(dtype)
+        else:
+            out[spec.name] = torch.zeros(spec.shape, dtype=dtype)
+    return out
+
+
+def write_peft_dir(directory: pathlib.Path, data: bytes, adapter_config_json: str) -> None:
+    """Writes a standard PEFT adapter directory atomically (temp dir, then rename)."""
+    directory = pathlib.Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    (tmp / WEIGHTS_NAME).write_bytes(data)
+    (tmp / CONFIG_NAME).write_text(adapter_config_json)
+    for f in (tmp / WEIGHTS_NAME, tmp / CONFIG_NAME):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, directory)
+
+
+def read_peft_dir(directory: pathlib.Path) -> tuple[bytes, str]:
+    directory = pathlib.Path(directory)
+    return (directory / WEIGHTS_NAME).read_bytes(), (directory / CONFIG_NAME).read_text()
+
+
+def config_with_base(adapter_config_json: str, base_model: str) -> str:
+    """The adapter_config.json text with base_model_name_or_path set (for exported adapters)."""
+    cfg = json.loads(adapter_config_json)
+    cfg["base_model_name_or_path"] = base_model
+    return json.dumps(cfg, indent=2, sort_keys=True)

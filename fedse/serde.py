@@ -1,0 +1,20 @@
+"""Conversions between protobuf messages and fedse's Python objects (one home for all services)."""
+
+from __future__ import annotations
+
+from fedse.adapter import Schema, TensorSpec
+from fedse.v1 import federation_pb2 as fpb
+
+
+def schema_to_proto(schema: Schema) -> fpb.AdapterSchema:
+    return fpb.AdapterSchema(
+        tensors=[fpb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype) for s in schema.tensors],
+        adapter_config_json=schema.adapter_config_json,
+    )
+
+
+def schema_from_proto(msg: fpb.AdapterSchema) -> Schema:
+    return Schema(
+        tensors=tuple(TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype) for t in msg.tensors),
+        adapter_config_json=msg.adapter_config_json,
+    )

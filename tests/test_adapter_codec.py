@@ -1,0 +1,91 @@
+"""The adapter codec: safetensors bytes round trip, hashing, chunking, validation, fresh init."""
+
+import json
+
+import pytest
+import torch
+
+from fedse import adapter as ad
+from fedse import serde
+
+
+def sample_adapter() -> ad.Adapter:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(8, 16, generator=g),
+        "base_model.model.layers.0.q_proj.lora_B.weight": torch.randn(16, 8, generator=g),
+    }
+
+
+def test_round_trip_through_safetensors_bytes_is_exact():
+    a = sample_adapter()
+    data = ad.encode(a)
+    b = ad.decode(data)
+    assert set(b) == set(a)
+    for k in a:
+        assert torch.equal(a[k], b[k])
+    # The same tensors always give the same bytes, so sha256 identifies an adapter.
+    assert ad.sha256_hex(ad.encode(b)) == ad.sha256_hex(data)
+
+
+def test_chunks_reassemble_and_respect_the_limit():
+    data = bytes(range(256)) * 1000
+    parts = list(ad.chunks(data, 1000))
+    assert all(len(p) <= 1000 for p in parts)
+    assert b"".join(parts) == data
+
+
+def test_validate_refuses_each_kind_of_bad_adapter():
+    a = sample_adapter()
+    schema = ad.Schema.of(a, "{}")
+    data = ad.encode(a)
+    sha = ad.sha256_hex(data)
+    assert set(ad.validate(schema, data, sha, len(data), 1 << 20)) == set(a)
+    with pytest.raises(ad.AdapterError, match="sha256"):
+        ad.validate(schema, data, "0" * 64, len(data), 1 << 20)
+    with pytest.raises(ad.AdapterError, match="cut short"):
+        ad.validate(schema, data[:-10], sha, len(data), 1 << 20)
+    with pytest.raises(ad.AdapterError, match="limit"):
+        ad.validate(schema, data, sha, len(data), 100)
+    wrong_shape = dict(a)
+    wrong_shape["base_model.model.layers.0.q_proj.lora_A.weight"] = torch.zeros(4, 16)
+    d = ad.encode(wrong_shape)
+    with pytest.raises(ad.AdapterError, match="shape"):
+        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
+    nan = dict(a)
+    nan["base_model.model.layers.0.q_proj.lora_B.weight"] = torch.full((16, 8), float("nan"))
+    d = ad.encode(nan)
+    with pytest.raises(ad.AdapterError, match="NaN"):
+        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
+    missing = {"base_model.model.layers.0.q_proj.lora_A.weight": a["base_model.model.layers.0.q_proj.lora_A.weight"]}
+    d = ad.encode(missing)
+    with pytest.raises(ad.AdapterError, match="1 missing"):
+        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
+    with pytest.raises(ad.AdapterError, match="safetensors"):
+        ad.validate(schema, b"garbage!", ad.sha256_hex(b"garbage!"), 8, 1 << 20)
+
+
+def test_fresh_adapter_is_deterministic_with_zero_b():
+    schema = ad.Schema.of(sample_adapter(), "{}")
+    one, two = ad.fresh(schema, seed=3), ad.fresh(schema, seed=3)
+    for k in one:
+        assert torch.equal(one[k], two[k])
+    assert torch.count_nonzero(one["base_model.model.layers.0.q_proj.lora_B.weight"]) == 0
+    a = one["base_model.model.layers.0.q_proj.lora_A.weight"]
+    assert a.abs().max() <= 1 / 16 ** 0.5 and a.std() > 0
+    assert not torch.equal(a, ad.fresh(schema, seed=4)["base_model.model.layers.0.q_proj.lora_A.weight"])
+
+
+def test_schema_proto_round_trip():
+    schema = ad.Schema.of(sample_adapter(), json.dumps({"r": 8}))
+    assert serde.schema_from_proto(serde.schema_to_proto(schema)) == schema
+
+
+def test_peft_dir_is_written_atomically_and_replaced(tmp_path):
+    data = ad.encode(sample_adapter())
+    target = tmp_path / "round_0001"
+    ad.write_peft_dir(target, data, '{"r": 8}')
+    ad.write_peft_dir(target, data + b"", '{"r": 4}')
+    got, cfg = ad.read_peft_dir(target)
+    assert got == data and json.loads(cfg) == {"r": 4}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round_0001"]
