@@ -1,0 +1,77 @@
+"""The client's trajectory buffer D_t: expert seeds plus every kept success, persisted on disk.
+
+Trajectories never leave the client. The buffer is an append-only JSON-lines file; each append
+is flushed and fsynced before it counts, so a crash loses no trajectory that was recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    env: str
+    task_id: int
+    instruction: str
+    # (observation shown to the agent, action it took) for every turn.
+    turns: tuple[tuple[str, str], ...]
+    success: bool
+    reward: float
+    source: str  # "expert" or "explore"
+    round: int
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["turns"] = [list(t) for t in self.turns]
+        return json.dumps(d)
+
+    @staticmethod
+    def from_json(line: str) -> "Trajectory":
+        d = json.loads(line)
+        d["turns"] = tuple((o, a) for o, a in d["turns"])
+        return Trajectory(**d)
+
+
+class Buffer:
+    def __init__(self, path: pathlib.Path):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.trajectories: list[Trajectory] = []
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        good = 0
+        with open(self.path, "rb") as fh:
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    self.trajectories.append(Trajectory.from_json(line.decode()))
+                except (ValueError, TypeError, KeyError):
+                    break
+                good += len(line)
+        if good < self.path.stat().st_size:
+            # A torn last record from a crash mid-write: drop it so later appends stay readable.
+            with open(self.path, "r+b") as fh:
+                fh.truncate(good)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def extend(self, trajectories: list[Trajectory]) -> None:
+        if not trajectories:
+            return
+        with open(self.path, "a") as fh:
+            for t in trajectories:
+                fh.write(t.to_json() + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.trajectories.extend(trajectories)
+
+    def rounds_recorded(self) -> set[int]:
+        return {t.round for t in self.trajectories}

@@ -1,0 +1,65 @@
+"""Client agent configuration (flags and FEDSE_* environment variables)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fedse.config import ConfigError, field
+from fedse.tinymodel import TINY_MODEL_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """A Fed-SE client agent: explores its environment, keeps successes, trains LoRA, federates."""
+
+    client_id: str = field("client-0", "unique, stable id of this client in the run")
+    env: str = field("maze", "environment name on the env server")
+    env_server: str = field("127.0.0.1:50051", "env_server gRPC address")
+    aggregator: str = field("127.0.0.1:50060", "aggregator gRPC address")
+    address: str = field("0.0.0.0:50070", "this agent's gRPC health address (port 0 picks one)")
+    metrics_port: int = field(9100, "Prometheus /metrics port (0 picks one, -1 disables)")
+    state_dir: str = field("state/client", "directory for this client's buffer and adapters")
+    base_model: str = field(TINY_MODEL_NAME, f"'{TINY_MODEL_NAME}' (built in code) or a local Hugging Face model directory")
+    device: str = field("", "torch device; empty picks CUDA when present, else CPU")
+    lora_r: int = field(8, "LoRA rank")
+    lora_alpha: int = field(16, "LoRA alpha")
+    lora_dropout: float = field(0.0, "LoRA dropout")
+    target_modules: str = field("all-linear", "LoRA target modules: 'all-linear' or comma-separated names")
+    lr: float = field(3e-3, "AdamW learning rate (cosine schedule); the paper's 5e-5 suits 7B models")
+    epochs: int = field(2, "epochs over the whole buffer per round")
+    batch_size: int = field(16, "training batch size (steps of trajectories)")
+    max_history: int = field(2, "previous turns shown in each prompt")
+    expert_demos: int = field(8, "expert demonstrations seeding the buffer (D_0)")
+    explore_tasks: int = field(32, "training tasks attempted per round")
+    eval_tasks: int = field(0, "held-out test tasks evaluated per round (0 = all)")
+    concurrency: int = field(16, "episodes run at once (one batched model call per step)")
+    temperature: float = field(1.0, "sampling temperature during exploration")
+    policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text")
+    seed: int = field(0, "seed for the base model (tiny), LoRA init, task sampling and training")
+    torch_threads: int = field(0, "torch CPU threads (0 = torch's default)")
+    round_timeout_s: float = field(7200.0, "longest wait for the next round before giving up")
+    log_level: str = field("INFO", "log level")
+
+    def __post_init__(self) -> None:
+        positive = {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "epochs": self.epochs,
+                    "batch_size": self.batch_size, "concurrency": self.concurrency,
+                    "explore_tasks": self.explore_tasks}
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for name in ("expert_demos", "eval_tasks", "max_history", "torch_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be positive, got {self.temperature}")
+        if self.policy not in ("score", "generate"):
+            raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+
+    def lora_targets(self) -> str | list[str]:
+        if self.target_modules == "all-linear":
+            return "all-linear"
+        return [m.strip() for m in self.target_modules.split(",") if m.strip()]

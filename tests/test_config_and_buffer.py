@@ -1,0 +1,48 @@
+"""Configuration from flags and environment; the persisted trajectory buffer."""
+
+import pytest
+
+from fedse.config import ConfigError, parse, to_argv
+from services.aggregator.server import AggregatorConfig
+from services.client_agent.buffer import Buffer, Trajectory
+from services.client_agent.config import ClientConfig
+
+
+def test_flags_win_over_environment_and_defaults_fill_the_rest():
+    cfg = parse(AggregatorConfig, ["--num-rounds", "7"], environ={"FEDSE_NUM_ROUNDS": "3", "FEDSE_STRATEGY": "weighted"})
+    assert cfg.num_rounds == 7 and cfg.strategy == "weighted" and cfg.min_clients == 1
+    assert parse(AggregatorConfig, to_argv(cfg), environ={}) == cfg
+
+
+@pytest.mark.parametrize("argv,environ,match", [
+    (["--num-rounds", "zero"], {}, "--num-rounds: expected int"),
+    (["--strategy", "median"], {}, "strategy 'median' is unknown"),
+    ([], {"FEDSE_MIN_CLIENTS": "0"}, "min-clients must be at least 1"),
+])
+def test_bad_settings_say_which_and_what_is_expected(argv, environ, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(AggregatorConfig, argv, environ=environ)
+
+
+def test_client_config_validation():
+    with pytest.raises(ConfigError, match="--policy"):
+        ClientConfig(policy="magic")
+    assert ClientConfig(target_modules="q_proj, v_proj").lora_targets() == ["q_proj", "v_proj"]
+
+
+def traj(i: int, success: bool = True) -> Trajectory:
+    return Trajectory(env="maze", task_id=i, instruction="go", turns=(("at 1, 1", "move up"), ("at 0, 1", "move left")),
+                      success=success, reward=1.0 if success else 0.0, source="explore", round=0)
+
+
+def test_buffer_persists_and_survives_a_torn_last_line(tmp_path):
+    path = tmp_path / "buffer.jsonl"
+    b = Buffer(path)
+    b.extend([traj(1), traj(2)])
+    with open(path, "a") as fh:
+        fh.write('{"env": "maze", "task_id": 3, "instr')  # a crash mid-write
+    again = Buffer(path)
+    assert [t.task_id for t in again.trajectories] == [1, 2]
+    assert again.trajectories[0] == traj(1)
+    again.extend([traj(4)])
+    assert [t.task_id for t in Buffer(path).trajectories] == [1, 2, 4]
