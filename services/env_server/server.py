@@ -1,0 +1,117 @@
+"""The env server process: configuration, server construction, serving until SIGTERM."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Sequence
+
+from fedse.config import ConfigError, field, parse_or_exit
+from fedse.serving import Service, log_fields, setup_logging, start_metrics
+from fedse.v1 import env_pb2_grpc
+
+from .envs import KNOWN_ENVS, make_environment
+from .envs.wordle import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE
+from .servicer import SERVICE_NAME, EnvServicer
+from .sessions import SessionManager
+
+log = logging.getLogger("env_server")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvServerConfig:
+    """Serves text environments (AgentGym semantics) over gRPC: fedse.v1.EnvService."""
+
+    address: str = field("0.0.0.0:50051", "gRPC listen address host:port (port 0 picks a free one)")
+    envs: str = field("maze,wordle", f"comma-separated environments to host, of {','.join(KNOWN_ENVS)}")
+    metrics_port: int = field(9100, "Prometheus /metrics port (0 picks a free one, -1 disables)")
+    session_ttl_s: float = field(600.0, "seconds a session may idle before the server closes it")
+    max_sessions: int = field(1024, "most sessions open at once; Reset beyond it is RESOURCE_EXHAUSTED")
+    wordle_vocab_size: int = field(100, f"Wordle vocabulary: the N most frequent 5-letter English words "
+                                        f"({MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE})")
+    seed: int = field(0, "seed of the task splits (the same seed gives the same tasks)")
+    log_level: str = field("INFO", f"log level, one of {', '.join(LOG_LEVELS)}")
+
+    def __post_init__(self) -> None:
+        if ":" not in self.address or not self.address.rsplit(":", 1)[1].isdigit():
+            raise ConfigError(f"address: expected host:port, got {self.address!r}")
+        names = self.env_names
+        if not names:
+            raise ConfigError(f"envs: name at least one of {', '.join(KNOWN_ENVS)}")
+        unknown = [n for n in names if n not in KNOWN_ENVS]
+        if unknown:
+            raise ConfigError(f"envs: unknown {', '.join(unknown)}; known are {', '.join(KNOWN_ENVS)}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"envs: {self.envs!r} names an environment twice")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: expected -1 (off), 0 (any) or a port up to 65535, got {self.metrics_port}")
+        if not self.session_ttl_s > 0:
+            raise ConfigError(f"session_ttl_s: expected a positive number of seconds, got {self.session_ttl_s}")
+        if self.max_sessions < 1:
+            raise ConfigError(f"max_sessions: expected at least 1, got {self.max_sessions}")
+        if not MIN_VOCAB_SIZE <= self.wordle_vocab_size <= MAX_VOCAB_SIZE:
+            raise ConfigError(f"wordle_vocab_size: expected {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE}, "
+                              f"got {self.wordle_vocab_size}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.envs.split(",") if n.strip())
+
+
+class EnvServer(Service):
+    """The gRPC server plus the thread that expires idle sessions (started and stopped with it)."""
+
+    def __init__(self, config: EnvServerConfig, manager: SessionManager):
+        super().__init__("env_server", config.address)
+        self.manager = manager
+        env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(manager), self.server)
+        self._sweep_every = min(manager.ttl_s / 2, 30.0)
+        self._stop_sweeping = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="env_server-sweeper", daemon=True)
+
+    def start(self) -> None:
+        super().start()
+        self._sweeper.start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self._stop_sweeping.set()
+        super().stop(grace)
+        if self._sweeper.is_alive():
+            self._sweeper.join()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop_sweeping.wait(self._sweep_every):
+            try:
+                self.manager.sweep()
+            except Exception:  # a failed sweep must not stop later ones; lazy expiry still holds
+                log.exception("session sweep failed")
+
+
+def create_server(config: EnvServerConfig) -> tuple[EnvServer, int]:
+    """Builds the environments and a bound, not yet started server; returns it and its port."""
+    envs = {name: make_environment(name, seed=config.seed, wordle_vocab_size=config.wordle_vocab_size)
+            for name in config.env_names}
+    manager = SessionManager(envs, ttl_s=config.session_ttl_s, max_sessions=config.max_sessions)
+    server = EnvServer(config, manager)
+    return server, server.port
+
+
+def serve(config: EnvServerConfig) -> None:
+    """Runs the env server until SIGTERM or SIGINT."""
+    setup_logging("env_server", config.log_level)
+    metrics_port = start_metrics(config.metrics_port)
+    server, port = create_server(config)
+    server.start()
+    server.ready([SERVICE_NAME])
+    log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, envs=list(config.env_names)))
+    server.wait_for_termination()
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    serve(parse_or_exit(EnvServerConfig, argv))
