@@ -1,0 +1,141 @@
+"""Base model and LoRA adapter handling for the client agent.
+
+The base model is frozen; all learning is in a PEFT LoRA adapter whose tensors are exchanged with the
+aggregator under the names `peft.get_peft_model_state_dict` gives them
+(`base_model.model.<module path>.lora_A.weight` / `.lora_B.weight`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Iterable
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
+
+
+class AdapterMismatch(ValueError):
+    """An adapter state that does not fit the model: missing or unexpected keys, or wrong shapes."""
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """The requested device, else CUDA when available, else CPU."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_base(name_or_path: str, device: str | None = None, seed: int = 0):
+    """(model, tokenizer) with every base parameter frozen, in eval mode, on `device`.
+
+    `name_or_path` is TINY_MODEL_NAME ("fedse-tiny", built in code from `seed`) or a local Hugging
+    Face model directory (never downloaded: local_files_only). Real models load in bf16 on CUDA and
+    fp32 on CPU; the tiny model is always fp32.
+    """
+    dev = pick_device(device)
+    if name_or_path == TINY_MODEL_NAME:
+        model, tokenizer = build_tiny_model(seed)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.to(dev)
+    model.eval()
+    return model, tokenizer
+
+
+def add_lora(model, r: int = 8, alpha: int = 16, dropout: float = 0.0,
+             target_modules: str | list[str] = "all-linear", seed: int = 0) -> PeftModel:
+    """Wraps the (frozen) base model in a fresh LoRA adapter named "default".
+
+    A is drawn (PEFT's default kaiming-uniform) from torch's RNG seeded with `seed` inside a forked RNG
+    state, so every process gets the same initial adapter and the caller's RNG is untouched; B is 0,
+    so the fresh adapter leaves the base model's outputs unchanged.
+    """
+    config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        bias="none",
+    )
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+    # get_peft_model creates the LoRA weights on CPU in fp32 and moves them next to their layer.
+    return peft_model
+
+
+def lora_parameters(peft_model: PeftModel) -> Iterable[torch.nn.Parameter]:
+    return (p for n, p in peft_model.named_parameters() if "lora_" in n)
+
+
+def get_adapter_state(peft_model: PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter's tensors keyed as PEFT saves them; detached CPU fp32 contiguous copies."""
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()}
+
+
+def expected_adapter_shapes(peft_model: PeftModel) -> dict[str, tuple[int, ...]]:
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def check_adapter_state(peft_model: PeftModel, state: dict[str, torch.Tensor]) -> None:
+    """Raises AdapterMismatch unless `state` has exactly the model's adapter keys and shapes."""
+    expected = expected_adapter_shapes(peft_model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing key(s), e.g. {missing[:3]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
+    bad_shapes = [f"{k}: got {tuple(state[k].shape)}, model has {shape}"
+                  for k, shape in sorted(expected.items()) if k in state and tuple(state[k].shape) != shape]
+    if bad_shapes:
+        problems.append(f"{len(bad_shapes)} shape mismatch(es), e.g. {bad_shapes[:3]}")
+    non_finite = [k for k, v in state.items() if k in expected and not torch.isfinite(v).all()]
+    if non_finite:
+        problems.append(f"{len(non_finite)} tensor(s) with NaN/inf, e.g. {non_finite[:3]}")
+    if problems:
+        raise AdapterMismatch("adapter does not fit the model (same base model, r and target modules?): "
+                              + "; ".join(problems))
+
+
+def set_adapter_state(peft_model: PeftModel, state: dict[str, torch.Tensor]) -> None:
+    """Loads adapter tensors into the model's "default" adapter after an exact key and shape check."""
+    check_adapter_state(peft_model, state)
+    result = set_peft_model_state_dict(peft_model, state)
+    # set_peft_model_state_dict loads non-strictly; our own check above is the real guard, this one
+    # catches a renaming inside peft that would silently drop tensors.
+    leftover = [k for k in result.unexpected_keys]
+    missing_lora = [k for k in result.missing_keys if "lora_" in k]
+    if leftover or missing_lora:
+        raise AdapterMismatch(f"peft did not load every adapter tensor: unexpected {leftover[:3]}, "
+                              f"missing {missing_lora[:3]}")
+
+
+def adapter_config_json(peft_model: PeftModel) -> str:
+    """The adapter_config.json text `peft_model.save_pretrained` would write (set values sorted, so
+    the text is the same in every process)."""
+    cfg = copy.deepcopy(peft_model.peft_config["default"])
+    if cfg.base_model_name_or_path is None:
+        cfg.base_model_name_or_path = getattr(peft_model.get_base_model(), "name_or_path", None) or None
+    cfg.inference_mode = True
+    out = cfg.to_dict()
+    for key, value in out.items():
+        if isinstance(value, set):
+            out[key] = sorted(value)
+    return json.dumps(out, indent=2, sort_keys=True)

@@ -1,0 +1,447 @@
+"""The agent's action policy: ReAct-style prompts and choosing among admissible actions.
+
+Two ways to act:
+- Scoring (the default, and the only one the tiny model can use): every admissible action is scored
+  by log p(format_target(action) | prompt), summed over its tokens; exploration samples from the
+  softmax over candidates (temperature 1.0), evaluation takes the argmax. Each prompt is run once:
+  with few candidates (maze) each row holds the prompt followed by every candidate's distinct
+  tokens, with a 4D attention mask that lets each candidate see the prompt and its own earlier
+  tokens only and position ids that restart after the prompt; with many (Wordle's 100 words) the
+  prompts run first and the candidates then run in groups on copies of their prompt's KV cache.
+  Tokens shared by all candidates of a prompt ("Action: ", and "move " in the maze) are appended to
+  the prompt and scored once. The output layer runs only where a scored token is predicted.
+- Generation (for real LLMs): generate "Thought: ... Action: ..." text and match the action to an
+  admissible one (see parse_action); when nothing matches, fall back to the scoring choice.
+
+Prompts are truncated on the left to `max_prompt_tokens` tokens, both here and in training
+(encode_example), so the model is trained on exactly what it sees when acting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+# The tiny model sees the last this many prompt tokens (bytes): in the maze exactly the current
+# observation plus the previous "Action: ..." line in the longest case. Real LLMs see a few thousand.
+TINY_MAX_PROMPT_TOKENS = 160
+DEFAULT_MAX_PROMPT_TOKENS = 3072
+
+
+def default_max_prompt_tokens(model) -> int:
+    """TINY_MAX_PROMPT_TOKENS for the embedded tiny model, else DEFAULT_MAX_PROMPT_TOKENS (capped by
+    the model's max_position_embeddings less room for the action). Scorer and trainer both use it
+    when not told otherwise, so training sees what acting sees."""
+    from fedse.tinymodel import TINY_MODEL_NAME
+
+    config = getattr(_inner(model), "config", None)
+    if config is not None and (getattr(config, "name_or_path", None) == TINY_MODEL_NAME
+                               or getattr(config, "fedse_tiny", None)):  # an export_tiny_model directory
+        return TINY_MAX_PROMPT_TOKENS
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return min(DEFAULT_MAX_PROMPT_TOKENS, limit - 64) if limit and limit > 128 else DEFAULT_MAX_PROMPT_TOKENS
+
+
+def format_target(action: str) -> str:
+    """The agent's own text for one step: what the training loss covers and what scoring scores."""
+    return f"Action: {action}\n"
+
+
+def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observation: str, max_history: int) -> str:
+    """ReAct-style prompt ending exactly where the agent's text (format_target) begins.
+
+    instruction, then the last `max_history` (observation, action) turns, then the current
+    observation:
+        <instruction>
+        Observation: <obs 1>
+        Action: <action 1>
+        Observation: <current obs>
+    """
+    if max_history < 0:
+        raise ValueError(f"max_history must be >= 0, got {max_history}")
+    parts = [instruction.strip(), "\n"]
+    shown = list(turns)[-max_history:] if max_history > 0 else []
+    for obs, action in shown:
+        parts.append(f"Observation: {obs.strip()}\n")
+        parts.append(format_target(action))
+    parts.append(f"Observation: {observation.strip()}\n")
+    return "".join(parts)
+
+
+class TokenCache:
+    """Tokenizes without special tokens and remembers recent texts (candidate targets repeat a lot)."""
+
+    def __init__(self, tokenizer, size: int = 20000):
+        self.tokenizer = tokenizer
+        self.size = size
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        # Tokenizers that normally start a text with BOS (Llama-2 style) get it before each prompt.
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+
+    def prompt(self, text: str, max_prompt_tokens: int | None) -> list[int]:
+        """A prompt's ids: the last max_prompt_tokens tokens (BOS, where the tokenizer uses one, first)."""
+        ids = self(text)
+        if max_prompt_tokens:
+            ids = ids[-(max_prompt_tokens - len(self.bos)):]
+        return self.bos + ids
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            self._cache[text] = ids
+            if len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(text)
+        return ids
+
+
+def encode_example(tokenize: TokenCache, prompt: str, action: str,
+                   max_prompt_tokens: int | None) -> tuple[list[int], list[int]]:
+    """(prompt ids truncated on the left to max_prompt_tokens, target ids of format_target(action))."""
+    return tokenize.prompt(prompt, max_prompt_tokens), tokenize(format_target(action))
+
+
+def _inner(model):
+    """The causal LM under a PeftModel (its layers carry the active LoRA), else the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+_ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.strip().strip("`'\"[]().").lower().split())
+
+
+def parse_action(text: str, candidates: Sequence[str]) -> str | None:
+    """The admissible action a generated ReAct text names, or None.
+
+    Takes the first line after "Action:" (the whole text when there is none), then tries in order:
+    an exact match ignoring case, quotes, brackets and a final period; the longest candidate that the
+    line contains as whole words; a close spelling (difflib ratio >= 0.85).
+    """
+    if not candidates:
+        return None
+    m = _ACTION_RE.search(text)
+    line = m.group(1).splitlines()[0] if m else text.strip().splitlines()[0] if text.strip() else ""
+    said = _normalise(line)
+    if not said:
+        return None
+    by_norm = {}
+    for c in candidates:
+        by_norm.setdefault(_normalise(c), c)
+    if said in by_norm:
+        return by_norm[said]
+    contained = [c for n, c in by_norm.items() if n and re.search(r"(?<!\w)" + re.escape(n) + r"(?!\w)", said)]
+    if contained:
+        return max(contained, key=len)
+    close = difflib.get_close_matches(said, list(by_norm), n=1, cutoff=0.85)
+    return by_norm[close[0]] if close else None
+
+
+class ActionScorer:
+    """Scores and chooses admissible actions with a causal LM (a PeftModel or a plain model)."""
+
+    def __init__(self, model, tokenizer, device: str | torch.device | None = None,
+                 max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
+                 method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.max_prompt_tokens = max_prompt_tokens or default_max_prompt_tokens(model)
+        # Upper bound on (rows x row length) per forward pass; larger inputs are split. On one CPU
+        # thread 4096 was fastest (cache-sized activations); GPUs want much larger passes.
+        self.max_batch_tokens = max_batch_tokens or (4096 if self.device.type == "cpu" else 65536)
+        if method not in ("auto", "packed", "cached"):
+            raise ValueError(f"method must be 'auto', 'packed' or 'cached', got {method!r}")
+        # "packed": one pass, all candidates in the prompt's row (best for a few short candidates);
+        # "cached": a prompt pass keeping the KV cache, then rows of up to `group_size` candidates
+        # packed on a copy of their prompt's cache: attention and copy costs grow linearly, not
+        # quadratically, with the number of candidates (100 Wordle words: ~1.7x faster than packed).
+        # "auto": packed up to `packed_max_candidates` candidates, else cached.
+        self.method = method
+        self.packed_max_candidates = packed_max_candidates
+        self.group_size = max(1, group_size)
+        self.tokenize = TokenCache(tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+        """log p(format_target(c) | prompt) for every candidate c of every prompt (CPU fp32 tensors)."""
+        if len(prompts) != len(candidates):
+            raise ValueError(f"{len(prompts)} prompts but {len(candidates)} candidate lists")
+        for i, cands in enumerate(candidates):
+            if len(cands) == 0:
+                raise ValueError(f"prompt {i} has no candidate actions")
+        items = [self._prepare(p, c) for p, c in zip(prompts, candidates)]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        # Group prompts into forward passes of bounded size (rows are padded to the longest).
+        order = sorted(range(len(items)), key=lambda i: items[i]["length"])
+        batch: list[int] = []
+        longest = 0
+        for i in order:
+            longest_if = max(longest, items[i]["length"])
+            if batch and longest_if * (len(batch) + 1) > self.max_batch_tokens:
+                self._score_batch([items[j] for j in batch], out, batch)
+                batch, longest_if = [], items[i]["length"]
+            batch.append(i)
+            longest = longest_if
+        if batch:
+            self._score_batch([items[j] for j in batch], out, batch)
+        return out  # type: ignore[return-value]
+
+    def _prepare(self, prompt: str, cands: Sequence[str]) -> dict:
+        p = self.tokenize.prompt(prompt, self.max_prompt_tokens)
+        targets = [self.tokenize(format_target(c)) for c in cands]
+        # Tokens all candidates share are scored once as part of the prompt; keep >= 1 token per suffix.
+        shared = min(len(t) for t in targets) - 1
+        first = targets[0]
+        for t in targets[1:]:
+            k = 0
+            while k < shared and t[k] == first[k]:
+                k += 1
+            shared = k
+        shared = max(shared, 0)
+        suffixes = [t[shared:] for t in targets]
+        return {"prompt": p + first[:shared], "n_prompt": len(p), "shared": shared, "suffixes": suffixes,
+                "length": len(p) + shared + sum(len(s) for s in suffixes)}
+
+    def _score_batch(self, items: list[dict], out: list, where: list[int]) -> None:
+        if self.method == "packed" or (self.method == "auto" and
+                                       max(len(it["suffixes"]) for it in items) <= self.packed_max_candidates):
+            return self._score_packed(items, out, where)
+        return self._score_cached(items, out, where)
+
+    def _score_packed(self, items: list[dict], out: list, where: list[int]) -> None:
+        """One forward pass: each row is [prompt | suffix 1 | suffix 2 | ...] with a 4D mask."""
+        dev = self.device
+        P = max(len(it["prompt"]) for it in items)  # prompt block width (left padded)
+        T = max(P + sum(len(s) for s in it["suffixes"]) for it in items)
+        B = len(items)
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((B, T), dtype=torch.long)
+        allowed = torch.zeros((B, T, T), dtype=torch.bool)
+        # (row, predicting position, target token, candidate index or -1 for the shared prefix)
+        rows, src, tgt, cand = [], [], [], []
+        causal = torch.ones((T, T), dtype=torch.bool).tril()
+        for b, it in enumerate(items):
+            prompt = it["prompt"]
+            n = len(prompt)
+            start = P - n
+            ids[b, start:P] = torch.tensor(prompt, dtype=torch.long)
+            pos[b, start:P] = torch.arange(n)
+            allowed[b, start:P, start:P] = causal[:n, :n]
+            for k in range(it["shared"]):  # shared target tokens: last `shared` tokens of the prompt block
+                p_tok = P - it["shared"] + k
+                rows.append(b); src.append(p_tok - 1); tgt.append(prompt[n - it["shared"] + k]); cand.append(-1)
+            cursor = P
+            for j, suf in enumerate(it["suffixes"]):
+                m = len(suf)
+                ids[b, cursor:cursor + m] = torch.tensor(suf, dtype=torch.long)
+                pos[b, cursor:cursor + m] = torch.arange(n, n + m)
+                allowed[b, cursor:cursor + m, start:P] = True
+                allowed[b, cursor:cursor + m, cursor:cursor + m] = causal[:m, :m]
+                for k in range(m):
+                    rows.append(b); src.append(P - 1 if k == 0 else cursor + k - 1); tgt.append(suf[k]); cand.append(j)
+                cursor += m
+            # Padding positions attend to themselves only (keeps softmax finite; never read).
+            idle = torch.ones(T, dtype=torch.bool)
+            idle[start:cursor] = False
+            idle_pos = idle.nonzero().squeeze(1)
+            allowed[b, idle_pos, idle_pos] = True
+        param_dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros((B, 1, T, T), dtype=param_dtype)
+        mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(param_dtype).min)
+        lm = _inner(self.model)
+        hidden = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                                  use_cache=False).last_hidden_state
+        h = hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
+        self._collect(items, out, where, lm, h, rows, tgt, cand)
+
+    def _score_cached(self, items: list[dict], out: list, where: list[int]) -> None:
+        """The prompts once (keeping their KV cache), then the candidates' later tokens in rows of up to
+        `group_size` candidates of one prompt, each row on top of a copy of its prompt's cache."""
+        dev = self.device
+        lm = _inner(self.model)
+        decoder = lm.get_decoder()
+        P = max(len(it["prompt"]) for it in items)
+        B = len(items)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        att = torch.zeros((B, P), dtype=torch.long)
+        pos = torch.zeros((B, P), dtype=torch.long)
+        for b, it in enumerate(items):
+            n = len(it["prompt"])
+            ids[b, P - n:] = torch.tensor(it["prompt"], dtype=torch.long)
+            att[b, P - n:] = 1
+            pos[b, P - n:] = torch.arange(n)
+        first = decoder(input_ids=ids.to(dev), attention_mask=att.to(dev), position_ids=pos.to(dev), use_cache=True)
+        cache, prompt_hidden = first.past_key_values, first.last_hidden_state
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        # Shared-prefix tokens and every suffix's first token are predicted from the prompt pass.
+        rows, src, tgt, cand = [], [], [], []
+        pairs = []  # (prompt row, candidate index, suffix)
+        for b, it in enumerate(items):
+            n, k_sh = len(it["prompt"]), it["shared"]
+            for k in range(k_sh):
+                rows.append(b); src.append(P - k_sh + k - 1); tgt.append(it["prompt"][n - k_sh + k]); cand.append(-1)
+            for j, suf in enumerate(it["suffixes"]):
+                rows.append(b); src.append(P - 1); tgt.append(suf[0]); cand.append(j)
+                if len(suf) > 1:
+                    pairs.append((b, j, suf))
+        h = prompt_hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
+        self._collect(items, out, where, lm, h, rows, tgt, cand)
+        if not pairs:
+            return
+        # Later suffix tokens: rows of up to `group_size` candidates of one prompt, packed after a copy
+        # of that prompt's cache, each candidate seeing the prompt and its own earlier tokens only.
+        by_prompt: dict[int, list[tuple[int, int, list[int]]]] = {}
+        for pr in pairs:
+            by_prompt.setdefault(pr[0], []).append(pr)
+        groups = [mine[g:g + self.group_size] for mine in by_prompt.values()
+                  for g in range(0, len(mine), self.group_size)]
+        widths = [sum(len(suf) - 1 for _, _, suf in grp) for grp in groups]
+        order = sorted(range(len(groups)), key=lambda g: widths[g])
+        param_dtype = next(self.model.parameters()).dtype
+        from transformers import DynamicCache
+
+        c0 = 0
+        while c0 < len(order):
+            # As many rows as fit in max_batch_tokens (rows are sorted by width; the last is widest).
+            c1 = c0 + 1
+            while c1 < len(order) and (c1 + 1 - c0) * (P + widths[order[c1]]) <= self.max_batch_tokens:
+                c1 += 1
+            part = [groups[g] for g in order[c0:c1]]
+            W = max(widths[g] for g in order[c0:c1])
+            c0 = c1
+            R = len(part)
+            sel = torch.tensor([grp[0][0] for grp in part])
+            s_ids = torch.full((R, W), self.pad_id, dtype=torch.long)
+            s_pos = torch.zeros((R, W), dtype=torch.long)
+            allowed = torch.zeros((R, W, P + W), dtype=torch.bool)
+            allowed[:, :, :P] = att.index_select(0, sel).bool().unsqueeze(1)
+            causal = torch.ones((W, W), dtype=torch.bool).tril()
+            rows, src, tgt, cand, owner = [], [], [], [], []
+            for r, grp in enumerate(part):
+                b = grp[0][0]
+                n = len(items[b]["prompt"])
+                cursor = 0
+                for _, j, suf in grp:
+                    m = len(suf) - 1
+                    s_ids[r, cursor:cursor + m] = torch.tensor(suf[:-1], dtype=torch.long)
+                    s_pos[r, cursor:cursor + m] = torch.arange(n, n + m)
+                    allowed[r, cursor:cursor + m, P + cursor:P + cursor + m] = causal[:m, :m]
+                    for k in range(1, len(suf)):
+                        rows.append(r); src.append(cursor + k - 1); tgt.append(suf[k]); cand.append(j); owner.append(b)
+                    cursor += m
+                pad = torch.arange(cursor, W)
+                allowed[r, pad, P + pad] = True  # padding attends to itself only (finite, never read)
+            mask = torch.zeros((R, 1, W, P + W), dtype=param_dtype)
+            mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(param_dtype).min)
+            sel_d = sel.to(dev)
+            past = DynamicCache(ddp_cache_data=[(k.index_select(0, sel_d), v.index_select(0, sel_d)) for k, v in layers])
+            hidden = decoder(input_ids=s_ids.to(dev), attention_mask=mask.to(dev), position_ids=s_pos.to(dev),
+                             past_key_values=past, use_cache=True).last_hidden_state
+            h = hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
+            self._collect(items, out, where, lm, h, owner, tgt, cand)
+
+    @staticmethod
+    def _collect(items, out, where, lm, h, rows, tgt, cand) -> None:
+        """Adds log p(tgt) at hidden states h (one per (prompt row, candidate or -1 = shared)) to out."""
+        logits = lm.get_output_embeddings()(h).float()
+        logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tgt, device=h.device).unsqueeze(1)).squeeze(1)
+        logp = logp.cpu()
+        rows_c, cand_c = torch.tensor(rows), torch.tensor(cand)
+        for b in set(rows):
+            in_row = rows_c == b
+            n_c = len(items[b]["suffixes"])
+            shared = logp[in_row & (cand_c == -1)].sum()
+            per = torch.zeros(n_c).index_add_(0, cand_c[in_row & (cand_c >= 0)], logp[in_row & (cand_c >= 0)])
+            if out[where[b]] is None:
+                out[where[b]] = torch.zeros(n_c)
+            out[where[b]] += per + shared
+
+    # ---- choosing ------------------------------------------------------------------------------
+
+    def choose(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]], greedy: bool,
+               generator: torch.Generator | None = None, temperature: float = 1.0) -> list[int]:
+        """Index of the chosen candidate for each prompt: argmax of the log-likelihood (first on ties)
+        when greedy, else a sample from softmax(log-likelihood / temperature)."""
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        picks = []
+        for s in self.score(prompts, candidates):
+            if greedy:
+                picks.append(int(torch.argmax(s)))
+            else:
+                probs = torch.softmax(s.double() / temperature, dim=0)
+                picks.append(int(torch.multinomial(probs, 1, generator=generator)))
+        return picks
+
+    # ---- generation (real LLMs) ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate_texts(self, prompts: Sequence[str], max_new_tokens: int = 128) -> list[str]:
+        """Greedy ReAct continuations of the prompts, cut after the first "Action: ..." line."""
+        lm = _inner(self.model)
+        encoded = []
+        for p in prompts:
+            encoded.append(self.tokenize.prompt(p, self.max_prompt_tokens))
+        L = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), L), self.pad_id, dtype=torch.long)
+        att = torch.zeros((len(encoded), L), dtype=torch.long)
+        for b, e in enumerate(encoded):
+            ids[b, L - len(e):] = torch.tensor(e, dtype=torch.long)
+            att[b, L - len(e):] = 1
+        gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                                  max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=self.pad_id, eos_token_id=lm.config.eos_token_id,
+                                  stopping_criteria=[_ActionLineDone(self.tokenizer, L)])
+        texts = self.tokenizer.batch_decode(gen[:, L:], skip_special_tokens=True)
+        return [_cut_after_action(t) for t in texts]
+
+    def generate_actions(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]],
+                         max_new_tokens: int = 128) -> list[str]:
+        """Generation mode: the admissible action each prompt's generated text names; where it names
+        none (parse_action gives None), the greedy scoring choice among the candidates."""
+        texts = self.generate_texts(prompts, max_new_tokens)
+        actions: list[str | None] = [parse_action(t, c) for t, c in zip(texts, candidates)]
+        missing = [i for i, a in enumerate(actions) if a is None]
+        if missing:
+            picks = self.choose([prompts[i] for i in missing], [candidates[i] for i in missing], greedy=True)
+            for i, k in zip(missing, picks):
+                actions[i] = candidates[i][k]
+        self.last_generated = texts
+        self.last_fallbacks = len(missing)
+        return actions  # type: ignore[return-value]
+
+
+def _cut_after_action(text: str) -> str:
+    m = _ACTION_RE.search(text)
+    if not m:
+        return text
+    end = text.find("\n", m.start())
+    return text if end < 0 else text[:end + 1]
+
+
+class _ActionLineDone:
+    """Stopping criterion: every row has produced an "Action: ..." line ending in a newline."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.tokenizer = tokenizer
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        done = [bool(re.search(r"Action\s*:[^\n]*\S[^\n]*\n", t, re.IGNORECASE)) for t in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

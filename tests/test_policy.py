@@ -1,0 +1,146 @@
+"""Prompt format, likelihood scoring of admissible actions, and generation-mode parsing."""
+
+import pytest
+import torch
+
+from fedse.tinymodel import build_tiny_model
+from services.client_agent.model import add_lora
+from services.client_agent.policy import (
+    ActionScorer,
+    format_prompt,
+    format_target,
+    parse_action,
+)
+from services.env_server.envs.maze import MazeEnv
+
+torch.set_num_threads(1)
+
+MAZE_ACTIONS = ["move up", "move down", "move left", "move right"]
+WORDS = ["c r a n e", "s l a t e", "c r a t e", "s h i r e", "a b b e y", "c r a n k", "z z z z z"]
+
+
+def _model():
+    model, tok = build_tiny_model()
+    peft_model = add_lora(model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return peft_model, tok
+
+
+def _direct_loglik(model, tok, prompt, action, max_prompt_tokens):
+    """log p(format_target(action) | prompt) from one plain forward pass over prompt + target."""
+    p = tok(prompt, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+    t = tok(format_target(action), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([p + t])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return sum(float(logp[len(p) + k - 1, t[k]]) for k in range(len(t)))
+
+
+def _maze_prompts(n, max_history=1):
+    env = MazeEnv()
+    prompts = []
+    for task in range(n):
+        ep = env.reset(task)
+        turns = [("The goal is at position 8, 6. Somewhere.", MAZE_ACTIONS[task % 4])] * (task % 3)
+        prompts.append(format_prompt(ep.instruction, turns, ep.observation, max_history))
+    return prompts
+
+
+def test_format_prompt_ends_where_the_agent_text_begins_and_keeps_max_history_turns():
+    turns = [("obs 1", "move up"), ("obs 2", "move left"), ("obs 3", "move down")]
+    p = format_prompt("Do the task.", turns, "obs 4", max_history=2)
+    assert p.startswith("Do the task.\n")
+    assert p.endswith("Observation: obs 4\n")
+    assert "obs 1" not in p and "Observation: obs 2\nAction: move left\n" in p and "obs 3" in p
+    assert "obs 2" not in format_prompt("Do the task.", turns, "obs 4", max_history=0)
+    # Training text for a step is exactly prompt + target, and a trajectory reads as one ReAct text.
+    assert format_target("move up") == "Action: move up\n"
+    full = format_prompt("Do the task.", turns[:1], "obs 2", max_history=5) + format_target("move left")
+    assert full == "Do the task.\nObservation: obs 1\nAction: move up\nObservation: obs 2\nAction: move left\n"
+
+
+def test_choose_returns_valid_indices_for_ragged_candidate_lists():
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160)
+    prompts = _maze_prompts(5)
+    cands = [MAZE_ACTIONS[: k + 1] for k in range(4)] + [["guess crane", "guess slate", "x"]]
+    gen = torch.Generator().manual_seed(0)
+    for greedy in (True, False):
+        picks = scorer.choose(prompts, cands, greedy=greedy, generator=gen)
+        assert len(picks) == 5 and all(0 <= k < len(c) for k, c in zip(picks, cands))
+    a = scorer.choose(prompts, cands, greedy=False, generator=torch.Generator().manual_seed(1))
+    b = scorer.choose(prompts, cands, greedy=False, generator=torch.Generator().manual_seed(1))
+    assert a == b
+
+
+@pytest.mark.parametrize("method", ["packed", "cached"])
+def test_greedy_picks_the_max_likelihood_candidate_of_a_direct_forward_pass(method):
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, method=method, group_size=2)
+    prompts = _maze_prompts(6)
+    cands = [MAZE_ACTIONS, ["move left", "move right"], ["move up", "move upward", "move"],
+             WORDS, ["a", "bb", "ccc"], ["move down"]]
+    scores = scorer.score(prompts, cands)
+    picks = scorer.choose(prompts, cands, greedy=True)
+    for prompt, cs, s, k in zip(prompts, cands, scores, picks):
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 160) for c in cs])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+        assert k == int(torch.argmax(direct))
+
+
+@pytest.mark.parametrize("method", ["packed", "cached"])
+def test_batching_and_truncation_do_not_change_scores(method):
+    model, tok = _model()
+    prompts = _maze_prompts(7, max_history=3)
+    cands = [MAZE_ACTIONS] * 3 + [["move up", "move down"]] * 3 + [[f"guess {w}" for w in WORDS]]
+    for limit in (64, 160, 4096):  # 64 and 160 truncate on the left; 4096 keeps every prompt whole
+        batched = ActionScorer(model, tok, max_prompt_tokens=limit, method=method, group_size=3).score(prompts, cands)
+        # One prompt per forward pass (and, for "cached", one candidate per row).
+        small = ActionScorer(model, tok, max_prompt_tokens=limit, method=method, group_size=1, max_batch_tokens=1)
+        for p, c, s in zip(prompts, cands, batched):
+            one = small.score([p], [c])[0]
+            assert torch.allclose(s, one, atol=1e-4), (limit, s, one)
+
+
+def test_sampling_follows_the_softmax_over_candidates():
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160)
+    prompt = _maze_prompts(1)[0]
+    s = scorer.score([prompt], [MAZE_ACTIONS])[0]
+    probs = torch.softmax(s.double() / 8.0, dim=0)
+    gen = torch.Generator().manual_seed(0)
+    n = 400
+    picks = scorer.choose([prompt] * n, [MAZE_ACTIONS] * n, greedy=False, generator=gen, temperature=8.0)
+    freq = torch.bincount(torch.tensor(picks), minlength=4).double() / n
+    assert torch.allclose(freq, probs, atol=0.08), (freq, probs)
+
+
+def test_parse_action_matches_generated_text_to_an_admissible_action():
+    words = ["crane", "slate", "cranes"]
+    assert parse_action("Thought: go up.\nAction: move up\n", MAZE_ACTIONS) == "move up"
+    assert parse_action("Thought: hmm\nAction: \"Move Right\".", MAZE_ACTIONS) == "move right"
+    assert parse_action("Action: I will move left now", MAZE_ACTIONS) == "move left"
+    assert parse_action("Action: crane", words) == "crane"  # exact wins over a longer containing match
+    assert parse_action("Action: guess cranes please", words) == "cranes"
+    assert parse_action("Action: move rihgt", MAZE_ACTIONS) == "move right"  # close spelling
+    assert parse_action("Action: jump", MAZE_ACTIONS) is None
+    assert parse_action("", MAZE_ACTIONS) is None
+    assert parse_action("move down", MAZE_ACTIONS) == "move down"  # no "Action:" at all
+
+
+def test_generate_actions_returns_admissible_actions_with_a_fallback():
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160)
+    prompts = _maze_prompts(3)
+    cands = [MAZE_ACTIONS, ["move left", "move right"], MAZE_ACTIONS]
+    actions = scorer.generate_actions(prompts, cands, max_new_tokens=6)
+    assert all(a in c for a, c in zip(actions, cands))
+    # An untrained byte model does not write "Action: ..."; those rows fall back to greedy scoring.
+    greedy = scorer.choose(prompts, cands, greedy=True)
+    for i, text in enumerate(scorer.last_generated):
+        if parse_action(text, cands[i]) is None:
+            assert actions[i] == cands[i][greedy[i]]
