@@ -34,3 +34,42 @@ def test_local_federation_runs_every_round(tmp_path):
     for rnd in range(3):
         d = results / "state" / "aggregator" / "local" / "global" / f"round_{rnd:04d}"
         assert (d / "adapter_model.safetensors").exists() and (d / "adapter_config.json").exists()
+
+
+def children_of(parent: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `parent`, from /proc."""
+    import os
+
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                out.append(int(pid))
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(tmp_path):
+    import os
+    import signal
+    import time
+
+    results = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "fedse.cli", "run", "--rounds", "3", "--results", str(results)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        if "clients started" in line or time.monotonic() > deadline:
+            break
+    children = children_of(proc.pid)
+    assert len(children) == 5, children  # 2 env servers, the aggregator, 2 client agents
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert "interrupted" in proc.stderr.read()
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid

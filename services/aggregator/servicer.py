@@ -43,6 +43,11 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
 ]
 
 
+for _kind, _code, _reason in _CODES:
+    UPLOADS.labels(_reason)
+UPLOADS.labels("accepted")
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception, counted: bool = False) -> None:
     for kind, code, reason in _CODES:
         if isinstance(exc, kind):

@@ -42,6 +42,10 @@ LOSS = prometheus_client.Gauge("fedse_client_train_loss", "Mean training loss of
 TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds spent training the LoRA.")
 TEST_SUCCESS = prometheus_client.Gauge("fedse_client_test_success_ratio",
                                        "Held-out success rate of the latest global adapter.")
+for _phase in ("expert", "explore", "eval"):
+    STEPS.labels(_phase)
+    for _outcome in ("success", "failure"):
+        EPISODES.labels(_phase, _outcome)
 
 
 def training_examples(trajectories: list[Trajectory], max_history: int) -> list[tuple[str, str]]:

@@ -24,3 +24,13 @@ SESSIONS_EXPIRED = prometheus_client.Counter(
     "fedse_env_sessions_expired", "Sessions closed by the server after idling past the TTL, by environment.",
     ["env"],
 )
+
+
+def init_env(env: str, outcomes: tuple[str, ...]) -> None:
+    """Creates every series of an environment at zero, so dashboards and rate() see it from the start."""
+    OPEN_SESSIONS.labels(env)
+    STEPS.labels(env)
+    INVALID_ACTIONS.labels(env)
+    SESSIONS_EXPIRED.labels(env)
+    for outcome in outcomes:
+        EPISODES_FINISHED.labels(env, outcome)

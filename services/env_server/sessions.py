@@ -122,6 +122,8 @@ class SessionManager:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         self._envs = dict(envs)
+        for env in self._envs.values():
+            metrics.init_env(env.name, tuple(o.value for o in Outcome))
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._clock = clock
