@@ -1,0 +1,158 @@
+"""One conformance suite that every environment passes, over the real gRPC service.
+
+Parametrised by KNOWN_ENVS, so an environment joins the suite by being registered.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import grpc
+import pytest
+
+from fedse.serving import insecure_channel
+from fedse.v1 import env_pb2 as epb
+from fedse.v1 import env_pb2_grpc as epb_grpc
+from services.env_server.envs import KNOWN_ENVS
+from services.env_server.server import EnvServerConfig, create_server
+
+# DESIGN.md's train / test task counts (the paper's, from AgentGym).
+SPLIT_SIZES = {"maze": (215, 25), "wordle": (955, 25), "babyai": (810, 90), "textcraft": (374, 100),
+               "webshop": (3930, 200)}
+SAYS_INVALID = re.compile(r"invalid|could not|cannot|not a valid|not admissible|nothing happens", re.IGNORECASE)
+NONSENSE = "xyzzy plugh 42"
+
+
+@pytest.fixture(scope="module")
+def stub():
+    server, port = create_server(EnvServerConfig(address="127.0.0.1:0", envs=",".join(KNOWN_ENVS),
+                                                 metrics_port=-1, max_sessions=256))
+    server.start()
+    server.ready([])
+    with insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield epb_grpc.EnvServiceStub(channel)
+    server.stop(0)
+
+
+def tasks(stub, env: str, split: str) -> tuple[list[int], int]:
+    resp = stub.ListTasks(epb.ListTasksRequest(env=env, split=split), timeout=30)
+    return list(resp.task_ids), resp.max_turns
+
+
+def play_expert(stub, env: str, task_id: int) -> tuple[list[tuple[str, str]], epb.StepResponse]:
+    reset = stub.Reset(epb.ResetRequest(env=env, task_id=task_id), timeout=30)
+    trace = [(reset.instruction, reset.observation)]
+    while True:
+        action = stub.ExpertAction(epb.ExpertActionRequest(session_id=reset.session_id), timeout=30).action
+        step = stub.Step(epb.StepRequest(session_id=reset.session_id, action=action), timeout=30)
+        trace.append((action, step.observation))
+        if step.done:
+            stub.Close(epb.CloseRequest(session_id=reset.session_id), timeout=30)
+            return trace, step
+
+
+def test_every_environment_is_listed(stub):
+    assert sorted(stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=5).envs) == sorted(KNOWN_ENVS)
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_split_sizes_and_disjoint_ids(stub, env):
+    train, max_turns = tasks(stub, env, "train")
+    test, _ = tasks(stub, env, "test")
+    assert (len(train), len(test)) == SPLIT_SIZES[env]
+    assert not set(train) & set(test)
+    assert max_turns > 0
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_expert_solves_every_test_task_and_reward_agrees_with_success(stub, env):
+    test, max_turns = tasks(stub, env, "test")
+    failed = []
+    for task_id in test:
+        trace, last = play_expert(stub, env, task_id)
+        assert last.success == (last.reward == 1.0), (task_id, last.reward, last.success)
+        assert len(trace) - 1 <= max_turns
+        if not last.success:
+            failed.append(task_id)
+    assert not failed, f"{env}: the expert failed test tasks {failed[:10]}"
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_same_task_id_same_episode(stub, env):
+    test, _ = tasks(stub, env, "test")
+    train, _ = tasks(stub, env, "train")
+    for task_id in (test[0], train[len(train) // 2]):
+        assert play_expert(stub, env, task_id)[0] == play_expert(stub, env, task_id)[0]
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_admissible_actions_are_accepted(stub, env):
+    train, _ = tasks(stub, env, "train")
+    reset = stub.Reset(epb.ResetRequest(env=env, task_id=train[0]), timeout=30)
+    assert reset.available_actions
+    for action in list(reset.available_actions)[:5]:
+        r = stub.Reset(epb.ResetRequest(env=env, task_id=train[0]), timeout=30)
+        step = stub.Step(epb.StepRequest(session_id=r.session_id, action=action), timeout=30)
+        assert step.valid_action, (action, step.observation)
+        assert step.turn == 1
+        stub.Close(epb.CloseRequest(session_id=r.session_id), timeout=30)
+    stub.Close(epb.CloseRequest(session_id=reset.session_id), timeout=30)
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_invalid_action_costs_a_turn_says_so_and_the_turn_limit_ends_the_episode(stub, env):
+    train, max_turns = tasks(stub, env, "train")
+    reset = stub.Reset(epb.ResetRequest(env=env, task_id=train[1]), timeout=30)
+    for turn in range(1, max_turns + 1):
+        step = stub.Step(epb.StepRequest(session_id=reset.session_id, action=NONSENSE), timeout=30)
+        assert not step.valid_action and step.turn == turn
+        assert step.reward == 0.0 and not step.success
+        if turn == 1:
+            assert SAYS_INVALID.search(step.observation), step.observation
+        assert step.done == (turn == max_turns), (turn, step.done)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Step(epb.StepRequest(session_id=reset.session_id, action=NONSENSE), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stub.Close(epb.CloseRequest(session_id=reset.session_id), timeout=30)
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_sessions_are_independent_under_concurrent_use(stub, env):
+    test, _ = tasks(stub, env, "test")
+    chosen = test[:6]
+    alone = {t: play_expert(stub, env, t)[0] for t in chosen}
+    together: dict[int, list] = {}
+
+    def run(task_id: int) -> None:
+        together[task_id] = play_expert(stub, env, task_id)[0]
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in chosen for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert together == alone
+
+
+@pytest.mark.parametrize("env", KNOWN_ENVS)
+def test_bad_requests_get_clear_statuses(stub, env):
+    train, _ = tasks(stub, env, "train")
+    test, _ = tasks(stub, env, "test")
+    unknown_task = max(train + test) + 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Reset(epb.ResetRequest(env=env, task_id=unknown_task), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and str(unknown_task) in err.value.details()
+    reset = stub.Reset(epb.ResetRequest(env=env, task_id=train[0]), timeout=30)
+    for action in ("", "x" * 5000):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Step(epb.StepRequest(session_id=reset.session_id, action=action), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stub.Close(epb.CloseRequest(session_id=reset.session_id), timeout=30)
+
+
+def test_unknown_environment_is_not_found(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ListTasks(epb.ListTasksRequest(env="tetris", split="test"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "tetris" in err.value.details()
