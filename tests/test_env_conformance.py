@@ -156,3 +156,14 @@ def test_unknown_environment_is_not_found(stub):
         stub.ListTasks(epb.ListTasksRequest(env="tetris", split="test"), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "tetris" in err.value.details()
+
+
+def test_fedse_tasks_prints_the_counts_from_list_tasks():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fedse.cli", "tasks"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[1:]}
+    for env in KNOWN_ENVS:
+        assert rows[env][:2] == [str(n) for n in SPLIT_SIZES[env]]
