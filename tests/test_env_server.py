@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fedse.config import ConfigError, parse
 from fedse.serving import insecure_channel
 from fedse.v1 import env_pb2, env_pb2_grpc
+from services.env_server.envs import KNOWN_ENVS
 from services.env_server.envs.maze import MazeEnv
 from services.env_server.server import EnvServerConfig, create_server
 from services.env_server.servicer import SERVICE_NAME
@@ -335,4 +336,4 @@ def test_the_process_stops_with_one_line_on_a_bad_setting():
     result = subprocess.run([sys.executable, "-m", "services.env_server", "--envs", "chess"], cwd=REPO,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
-    assert result.stderr.strip() == "configuration error: envs: unknown chess; known are maze, wordle"
+    assert result.stderr.strip() == f"configuration error: envs: unknown chess; known are {', '.join(KNOWN_ENVS)}"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .base import Environment
 from .maze import MazeEnv
+from .textcraft import TextCraftEnv
 from .wordle import DEFAULT_VOCAB_SIZE, WordleEnv
 
-KNOWN_ENVS = ("maze", "wordle")
+KNOWN_ENVS = ("maze", "wordle", "textcraft")
 
 
 def make_environment(name: str, *, seed: int = 0, wordle_vocab_size: int = DEFAULT_VOCAB_SIZE) -> Environment:
@@ -15,4 +16,6 @@ def make_environment(name: str, *, seed: int = 0, wordle_vocab_size: int = DEFAU
         return MazeEnv(seed=seed)
     if name == "wordle":
         return WordleEnv(seed=seed, vocab_size=wordle_vocab_size)
+    if name == "textcraft":
+        return TextCraftEnv(seed=seed)
     raise ValueError(f"unknown environment {name!r}: known environments are {', '.join(KNOWN_ENVS)}")
