@@ -5,9 +5,10 @@ from __future__ import annotations
 from .base import Environment
 from .maze import MazeEnv
 from .textcraft import TextCraftEnv
+from .webshop import WebShopEnv
 from .wordle import DEFAULT_VOCAB_SIZE, WordleEnv
 
-KNOWN_ENVS = ("maze", "wordle", "textcraft")
+KNOWN_ENVS = ("maze", "wordle", "textcraft", "webshop")
 
 
 def make_environment(name: str, *, seed: int = 0, wordle_vocab_size: int = DEFAULT_VOCAB_SIZE) -> Environment:
@@ -18,4 +19,6 @@ def make_environment(name: str, *, seed: int = 0, wordle_vocab_size: int = DEFAU
         return WordleEnv(seed=seed, vocab_size=wordle_vocab_size)
     if name == "textcraft":
         return TextCraftEnv(seed=seed)
+    if name == "webshop":
+        return WebShopEnv(seed=seed)
     raise ValueError(f"unknown environment {name!r}: known environments are {', '.join(KNOWN_ENVS)}")
