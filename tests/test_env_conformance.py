@@ -20,7 +20,7 @@ from services.env_server.server import EnvServerConfig, create_server
 # DESIGN.md's train / test task counts (the paper's, from AgentGym).
 SPLIT_SIZES = {"maze": (215, 25), "wordle": (955, 25), "babyai": (810, 90), "textcraft": (374, 100),
                "webshop": (3930, 200)}
-SAYS_INVALID = re.compile(r"invalid|could not|cannot|not a valid|not admissible|nothing happens", re.IGNORECASE)
+SAYS_INVALID = re.compile(r"invalid|could not|cannot|not a valid|not admissible|not recognized|nothing happens", re.IGNORECASE)
 NONSENSE = "xyzzy plugh 42"
 
 

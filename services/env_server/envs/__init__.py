@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from .babyai import BabyAIEnv
 from .base import Environment
 from .maze import MazeEnv
 from .textcraft import TextCraftEnv
 from .webshop import WebShopEnv
 from .wordle import DEFAULT_VOCAB_SIZE, WordleEnv
 
-KNOWN_ENVS = ("maze", "wordle", "textcraft", "webshop")
+KNOWN_ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
 
 
 def make_environment(name: str, *, seed: int = 0, wordle_vocab_size: int = DEFAULT_VOCAB_SIZE) -> Environment:
@@ -17,6 +18,8 @@ def make_environment(name: str, *, seed: int = 0, wordle_vocab_size: int = DEFAU
         return MazeEnv(seed=seed)
     if name == "wordle":
         return WordleEnv(seed=seed, vocab_size=wordle_vocab_size)
+    if name == "babyai":
+        return BabyAIEnv(seed=seed)
     if name == "textcraft":
         return TextCraftEnv(seed=seed)
     if name == "webshop":
