@@ -57,10 +57,6 @@ class Schema:
     def by_name(self) -> dict[str, TensorSpec]:
         return {spec.name: spec for spec in self.tensors}
 
-    def nbytes(self) -> int:
-        return sum(math.prod(s.shape) * torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
-                   for s in self.tensors)
-
     def check_compatible(self, other: "Schema") -> None:
         """Raises AdapterError naming the first difference in tensors (the config text may differ)."""
         check_tensors(self, {s.name: s for s in other.tensors})

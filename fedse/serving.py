@@ -180,20 +180,3 @@ def start_metrics(port: int, address: str = "0.0.0.0") -> int:
 
 def insecure_channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=GRPC_OPTIONS)
-
-
-def wait_until_serving(target: str, timeout: float = 60.0) -> None:
-    """Polls the standard health service until SERVING; raises TimeoutError with the target."""
-    deadline = time.monotonic() + timeout
-    with insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{target} did not become SERVING within {timeout:.0f}s")
-            time.sleep(0.1)

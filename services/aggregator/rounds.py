@@ -109,7 +109,6 @@ class Federation:
         self._upload_sha: dict[str, str] = {}
         self._deadline = 0.0
         self._global: dict[int, tuple[bytes, str]] = {}  # round -> (safetensors bytes, sha256)
-        self._metrics: dict[str, dict[int, dict[str, float]]] = {}
         self._version = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -143,10 +142,6 @@ class Federation:
                 raise NotAvailable(f"no global adapter for round {round_}: rounds 0..{max(self._global)} exist")
             data, sha = self._global[round_]
             return data, sha, self._schema.adapter_config_json
-
-    def client_metrics(self) -> dict[str, dict[int, dict[str, float]]]:
-        with self._cond:
-            return {c: dict(m) for c, m in self._metrics.items()}
 
     # ---- commands -------------------------------------------------------------------------
     def join(self, client_id: str, env: str, base_model: str, schema: ad.Schema) -> Status:
@@ -228,7 +223,6 @@ class Federation:
         with self._cond:
             if client_id not in self._clients:
                 raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
-            self._metrics.setdefault(client_id, {})[round_] = dict(metrics)
             self.store.append_metrics(client_id, round_, metrics)
             self._changed_locked()
 

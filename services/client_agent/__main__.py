@@ -15,7 +15,7 @@ from .config import ClientConfig
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_or_exit(ClientConfig, argv)
-    setup_logging(f"client_agent", config.log_level)
+    setup_logging("client_agent", config.log_level)
     log = logging.getLogger("client_agent")
     metrics_port = start_metrics(config.metrics_port)
     health = Service("client_agent", config.address, max_workers=2)

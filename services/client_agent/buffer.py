@@ -72,6 +72,3 @@ class Buffer:
             fh.flush()
             os.fsync(fh.fileno())
         self.trajectories.extend(trajectories)
-
-    def rounds_recorded(self) -> set[int]:
-        return {t.round for t in self.trajectories}
