@@ -18,6 +18,7 @@ import tempfile
 from typing import Iterator, Mapping
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -172,3 +173,28 @@ def config_with_base(adapter_config_json: str, base_model: str) -> str:
     cfg = json.loads(adapter_config_json)
     cfg["base_model_name_or_path"] = base_model
     return json.dumps(cfg, indent=2, sort_keys=True)
+
+
+class AdapterFile(Mapping[str, torch.Tensor]):
+    """A read-only view of an adapter's safetensors file that loads one tensor per lookup.
+
+    Aggregation walks tensor by tensor across clients, so with K uploads on disk it holds K copies
+    of one tensor at a time, not K adapters.
+    """
+
+    def __init__(self, path: pathlib.Path | str):
+        self.path = pathlib.Path(path)
+        with safe_open(str(self.path), framework="pt") as f:
+            self._names = tuple(f.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        with safe_open(str(self.path), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
