@@ -58,6 +58,15 @@ class Schema:
     def by_name(self) -> dict[str, TensorSpec]:
         return {spec.name: spec for spec in self.tensors}
 
+    def to_dict(self) -> dict:
+        return {"tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors],
+                "adapter_config_json": self.adapter_config_json}
+
+    @staticmethod
+    def from_dict(d: Mapping) -> "Schema":
+        return Schema(tuple(TensorSpec(n, tuple(int(x) for x in shape), dt) for n, shape, dt in d["tensors"]),
+                      d["adapter_config_json"])
+
     def check_compatible(self, other: "Schema") -> None:
         """Raises AdapterError naming the first difference in tensors (the config text may differ)."""
         check_tensors(self, {s.name: s for s in other.tensors})
@@ -104,8 +113,30 @@ def check_tensors(schema: Schema, tensors: Mapping[str, object]) -> None:
             raise AdapterError(f"tensor {name} has dtype {dtype}, the run expects {spec.dtype}")
 
 
-def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_bytes: int) -> Adapter:
-    """Decodes and checks an uploaded adapter; raises AdapterError saying what is wrong."""
+TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}
+
+
+def transport_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of a transport dtype name ("" = each tensor's own dtype)."""
+    if name not in TRANSPORT_DTYPES:
+        raise AdapterError(f"transport dtype {name!r} is unknown: use '' (the schema's dtypes) or 'bfloat16'")
+    return TRANSPORT_DTYPES[name]
+
+
+def cast(adapter: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Adapter:
+    """Every floating tensor cast to dtype (None: unchanged)."""
+    if dtype is None:
+        return dict(adapter)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in adapter.items()}
+
+
+def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_bytes: int,
+             transport: str = "") -> Adapter:
+    """Decodes and checks an uploaded adapter; raises AdapterError saying what is wrong.
+
+    With a transport dtype (bf16 on the wire), the tensors must have that dtype and come back
+    cast to the schema's dtypes."""
+    wire = transport_dtype(transport)
     if declared_size > max_bytes:
         raise AdapterError(f"adapter of {declared_size} bytes exceeds the limit of {max_bytes} bytes")
     if len(data) != declared_size:
@@ -115,11 +146,41 @@ def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_b
     if actual != sha256.lower():
         raise AdapterError(f"sha256 mismatch: header says {sha256}, the bytes hash to {actual}")
     adapter = decode(data)
+    if wire is not None:
+        expected = str(wire).removeprefix("torch.")
+        wrong = next((n for n, t in adapter.items() if str(t.dtype).removeprefix("torch.") != expected), None)
+        if wrong is not None:
+            raise AdapterError(f"tensor {wrong} has dtype {adapter[wrong].dtype}, but the header's "
+                               f"transport dtype is {transport}")
+        specs = schema.by_name()
+        adapter = {n: t.to(getattr(torch, specs[n].dtype)) if n in specs else t for n, t in adapter.items()}
     check_tensors(schema, adapter)
     for name, t in adapter.items():
         if not torch.isfinite(t).all():
             raise AdapterError(f"tensor {name} holds NaN or infinite values")
     return adapter
+
+
+def atomic_write(path: pathlib.Path, data: bytes) -> None:
+    """Writes a file so that a crash leaves either the old or the new content, never a torn one."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: pathlib.Path) -> None:
+    """Makes a rename or a new file in `directory` survive a power cut."""
+    fd = os.open(str(directory), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def kaiming_uniform_a(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -161,6 +222,7 @@ def write_peft_dir(directory: pathlib.Path, data: bytes, adapter_config_json: st
         old.rmdir()
     else:
         os.replace(tmp, directory)
+    fsync_dir(directory.parent)
 
 
 def read_peft_dir(directory: pathlib.Path) -> tuple[bytes, str]:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import prometheus_client
@@ -130,24 +130,49 @@ class Service:
     """A gRPC server with the standard health service and Prometheus interceptor.
 
     Health starts NOT_SERVING; call `ready()` once the servicers can answer.
+    credentials: serve TLS (see fedse.security.server_credentials) instead of plain gRPC.
+    interceptors: run after the metrics interceptor, so calls they refuse are still counted.
+    health_address: also serve the health service alone, plain, on this address (for Kubernetes'
+    native gRPC probes, which cannot speak TLS); `health_port` is its bound port, -1 when unset.
     """
 
-    def __init__(self, name: str, address: str, max_workers: int = 16):
+    def __init__(self, name: str, address: str, max_workers: int = 16,
+                 credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.ServerInterceptor] = (), health_address: str = ""):
         self.name = name
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-            interceptors=[MetricsInterceptor()],
+            interceptors=[MetricsInterceptor(), *interceptors],
             options=GRPC_OPTIONS,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(address)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            try:
+                self.port = self.server.add_secure_port(address, credentials)
+            except RuntimeError:
+                raise OSError(f"cannot serve TLS on {address}: is the address free, and is the TLS key the private "
+                              f"key of the certificate?") from None
         if self.port == 0:
             raise OSError(f"cannot bind gRPC address {address}: is it in use or malformed?")
+        self.health_server: grpc.Server | None = None
+        self.health_port = -1
+        if health_address:
+            self.health_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{name}-health"),
+                interceptors=[MetricsInterceptor()], options=GRPC_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(health_address)
+            if self.health_port == 0:
+                raise OSError(f"cannot bind gRPC health address {health_address}: is it in use or malformed?")
         self._stopped = threading.Event()
 
     def start(self) -> None:
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
 
     def ready(self, service_names: list[str]) -> None:
         for name in ["", *service_names]:
@@ -156,6 +181,8 @@ class Service:
     def stop(self, grace: float = 5.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         self._stopped.set()
 
     def wait_for_termination(self, grace: float = 5.0) -> None:
@@ -180,3 +207,12 @@ def start_metrics(port: int, address: str = "0.0.0.0") -> int:
 
 def insecure_channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+
+
+def secure_channel(target: str, credentials: grpc.ChannelCredentials, target_name_override: str = "") -> grpc.Channel:
+    """A TLS channel (credentials from fedse.security.channel_credentials); target_name_override is the
+    name to expect in the server's certificate when it differs from the host in target."""
+    options = list(GRPC_OPTIONS)
+    if target_name_override:
+        options.append(("grpc.ssl_target_name_override", target_name_override))
+    return grpc.secure_channel(target, credentials, options=options)

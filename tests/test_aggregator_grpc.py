@@ -102,8 +102,11 @@ def test_bad_uploads_are_refused_and_the_round_completes(aggregator, peft_model)
     good = ad.encode(perturbed(state, 1))
     sha = ad.sha256_hex(good)
 
+    nonce = c1.status().round_nonce
+
     def header(**kw):
-        base = dict(client_id="org-a", round=0, sha256=sha, size=len(good), num_examples=1, num_successes=1)
+        base = dict(client_id="org-a", round=0, round_nonce=nonce, sha256=sha, size=len(good),
+                    num_examples=1, num_successes=1)
         base.update(kw)
         return fpb.AdapterHeader(**base)
 
@@ -113,7 +116,11 @@ def test_bad_uploads_are_refused_and_the_round_completes(aggregator, peft_model)
         assert err.value.code() == code, err.value.details()
         assert match in err.value.details()
 
+    def held(sha256=sha):
+        return c1.stub.GetUploadState(fpb.UploadStateRequest(client_id="org-a", round=0, sha256=sha256))
+
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256="ab" * 32), [good], "sha256 mismatch")
+    assert held("ab" * 32).received_bytes == 0  # a bad upload leaves nothing behind
     wrong = dict(state)
     key = next(k for k in wrong if "lora_A" in k)
     wrong[key] = torch.zeros(wrong[key].shape[0] + 1, wrong[key].shape[1])
@@ -124,24 +131,45 @@ def test_bad_uploads_are_refused_and_the_round_completes(aggregator, peft_model)
     nb = ad.encode(nan)
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256=ad.sha256_hex(nb), size=len(nb)), [nb], "NaN")
     refused(grpc.StatusCode.FAILED_PRECONDITION, header(round=1), [good], "round 0 is open")
-    refused(grpc.StatusCode.INVALID_ARGUMENT, header(), [good[: len(good) // 2]], "cut short")
+    refused(grpc.StatusCode.FAILED_PRECONDITION, header(round_nonce="0" * 32), [good], "nonce")
+    refused(grpc.StatusCode.FAILED_PRECONDITION, header(run_id="another-run"), [good], "another-run")
     refused(grpc.StatusCode.FAILED_PRECONDITION, header(client_id="stranger"), [good], "Join first")
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256="not-a-hash"), [good], "hex")
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(transport_dtype="int4"), [good], "transport dtype")
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(size=10 ** 12), [good], "exceeds the limit")
 
-    # A stream the client abandons halfway leaves nothing behind.
+    # A stream that ends early is incomplete; what arrived is kept and the upload resumes from it.
+    half = len(good) // 2
+    refused(grpc.StatusCode.FAILED_PRECONDITION, header(), [good[:half]], f"resume from offset {half}")
+    assert (held().received_bytes, held().complete) == (half, False)
+    refused(grpc.StatusCode.FAILED_PRECONDITION, header(offset=half + 7), [good[half + 7:]],
+            f"resume from offset {half}")
+
+    # A stream the client abandons halfway keeps what arrived too, and accepts nothing.
     def abandoned():
-        yield fpb.AdapterChunk(header=header())
-        yield fpb.AdapterChunk(data=good[:1000])
+        yield fpb.AdapterChunk(header=header(offset=half))
+        yield fpb.AdapterChunk(data=good[half:half + 1000])
         raise RuntimeError("client died mid-upload")
     with pytest.raises(grpc.RpcError):
         c1.stub.UploadAdapter(abandoned(), timeout=10)
-
     st = c1.status()
     assert st.round == 0 and list(st.uploaded) == []
-    assert not (run_dir / "uploads" / "round_0000").exists()
+    # (Whether the last chunk got out before the client's stream died is up to timing.)
+    resume_at = held().received_bytes
+    assert resume_at in (half, half + 1000)
+    ack = raw_upload(c1, header(offset=resume_at), [good[resume_at:]])
+    assert (ack.sha256, ack.size) == (sha, len(good))
+    assert (held().received_bytes, held().complete) == (len(good), True)
+    assert list(c1.status().uploaded) == ["org-a"]
+    stored = run_dir / "uploads" / "round_0000" / "org-a.safetensors"
+    assert stored.read_bytes() == good and not (run_dir / "uploads" / "round_0000" / "org-a.part").exists()
+    # Another adapter from the same client for the same round is refused; the accepted one stays.
+    other_bytes = ad.encode(perturbed(state, 3))
+    refused(grpc.StatusCode.ALREADY_EXISTS, header(sha256=ad.sha256_hex(other_bytes), size=len(other_bytes)),
+            [other_bytes], "different adapter")
 
-    # The round then completes normally, and an identical retry is acknowledged once.
-    c1.upload(0, good, 1, 1)
-    c1.upload(0, good, 1, 1)
+    # An identical retry is acknowledged again, stored once; then the round completes normally.
+    assert raw_upload(c1, header(), [good]).sha256 == sha
     assert list(c1.status().uploaded) == ["org-a"]
     other = ad.encode(perturbed(state, 2))
     c2.upload(0, other, 1, 1)

@@ -13,10 +13,12 @@ class RoundState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROUND_STATE_WAITING_FOR_CLIENTS: _ClassVar[RoundState]
     ROUND_STATE_OPEN: _ClassVar[RoundState]
     ROUND_STATE_FINISHED: _ClassVar[RoundState]
+    ROUND_STATE_AGGREGATING: _ClassVar[RoundState]
 ROUND_STATE_UNSPECIFIED: RoundState
 ROUND_STATE_WAITING_FOR_CLIENTS: RoundState
 ROUND_STATE_OPEN: RoundState
 ROUND_STATE_FINISHED: RoundState
+ROUND_STATE_AGGREGATING: RoundState
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -49,20 +51,26 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes")
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_AFTER_MIN_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_rounds: int
     min_clients: int
     round_deadline_s: float
     strategy: str
     max_chunk_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    wait_after_min_s: float
+    heartbeat_timeout_s: float
+    heartbeat_interval_s: float
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "current_round")
@@ -79,7 +87,7 @@ class RoundStatusRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256")
+    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256", "round_nonce")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +96,7 @@ class RoundStatus(_message.Message):
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     state: RoundState
@@ -96,16 +105,23 @@ class RoundStatus(_message.Message):
     uploaded: _containers.RepeatedScalarFieldContainer[str]
     deadline_unix: float
     global_sha256: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ...) -> None: ...
+    round_nonce: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ..., round_nonce: _Optional[str] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("round",)
+    __slots__ = ("round", "offset", "sha256", "transport_dtype")
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     round: int
-    def __init__(self, round: _Optional[int] = ...) -> None: ...
+    offset: int
+    sha256: str
+    transport_dtype: str
+    def __init__(self, round: _Optional[int] = ..., offset: _Optional[int] = ..., sha256: _Optional[str] = ..., transport_dtype: _Optional[str] = ...) -> None: ...
 
 class AdapterHeader(_message.Message):
-    __slots__ = ("run_id", "round", "client_id", "sha256", "size", "adapter_config_json", "num_examples", "num_successes")
+    __slots__ = ("run_id", "round", "client_id", "sha256", "size", "adapter_config_json", "num_examples", "num_successes", "round_nonce", "offset", "transport_dtype")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +130,9 @@ class AdapterHeader(_message.Message):
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     client_id: str
@@ -122,7 +141,10 @@ class AdapterHeader(_message.Message):
     adapter_config_json: str
     num_examples: int
     num_successes: int
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client_id: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., num_examples: _Optional[int] = ..., num_successes: _Optional[int] = ...) -> None: ...
+    round_nonce: str
+    offset: int
+    transport_dtype: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., client_id: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., adapter_config_json: _Optional[str] = ..., num_examples: _Optional[int] = ..., num_successes: _Optional[int] = ..., round_nonce: _Optional[str] = ..., offset: _Optional[int] = ..., transport_dtype: _Optional[str] = ...) -> None: ...
 
 class AdapterChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -141,6 +163,40 @@ class UploadAck(_message.Message):
     sha256: str
     size: int
     def __init__(self, round: _Optional[int] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class UploadStateRequest(_message.Message):
+    __slots__ = ("client_id", "round", "sha256")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    sha256: str
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class UploadState(_message.Message):
+    __slots__ = ("received_bytes", "complete")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    complete: bool
+    def __init__(self, received_bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("client_id", "round", "phase")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    phase: str
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: RoundStatus
+    def __init__(self, status: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
 
 class MetricsReport(_message.Message):
     __slots__ = ("client_id", "round", "metrics")
@@ -162,3 +218,52 @@ class MetricsReport(_message.Message):
 class MetricsAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RunStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClientStatus(_message.Message):
+    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PHASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    env: str
+    uploaded: bool
+    alive: bool
+    last_seen_unix: float
+    phase_round: int
+    phase: str
+    partial_upload_bytes: int
+    metrics_round: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("config", "round", "clients", "round_seconds", "base_model")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    config: RunConfig
+    round: RoundStatus
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
+    round_seconds: _containers.RepeatedScalarFieldContainer[float]
+    base_model: str
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ...) -> None: ...

@@ -62,10 +62,25 @@ class FederationServiceStub:
                 request_serializer=fedse_dot_v1_dot_federation__pb2.AdapterChunk.SerializeToString,
                 response_deserializer=fedse_dot_v1_dot_federation__pb2.UploadAck.FromString,
                 _registered_method=True)
+        self.GetUploadState = channel.unary_unary(
+                '/fedse.v1.FederationService/GetUploadState',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.UploadStateRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.UploadState.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/fedse.v1.FederationService/Heartbeat',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.HeartbeatAck.FromString,
+                _registered_method=True)
         self.ReportMetrics = channel.unary_unary(
                 '/fedse.v1.FederationService/ReportMetrics',
                 request_serializer=fedse_dot_v1_dot_federation__pb2.MetricsReport.SerializeToString,
                 response_deserializer=fedse_dot_v1_dot_federation__pb2.MetricsAck.FromString,
+                _registered_method=True)
+        self.GetRunStatus = channel.unary_unary(
+                '/fedse.v1.FederationService/GetRunStatus',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.RunStatusRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.RunStatus.FromString,
                 _registered_method=True)
 
 
@@ -97,7 +112,9 @@ class FederationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadAdapter(self, request, context):
-        """The global adapter of a round: a header chunk, then data chunks of at most 4 MB.
+        """The global adapter of a round: a header chunk, then data chunks of at most 4 MB, from
+        `offset` on. A broken download resumes with offset = bytes already held and sha256 = the
+        header's sha256 (refused with FAILED_PRECONDITION if the adapter changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +122,23 @@ class FederationServiceServicer:
 
     def UploadAdapter(self, request_iterator, context):
         """A client's adapter for the open round: a header chunk, then data chunks of at most 4 MB.
+        Every chunk received is kept; a stream that breaks off resumes from the offset that
+        GetUploadState reports (send a header with that offset, then the rest). A retry of an
+        accepted upload (same run, round, client and sha256) is acknowledged again, stored once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUploadState(self, request, context):
+        """How many bytes of an upload (client, round, sha256) the aggregator holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """A client's sign of life and what it is doing; the aggregator counts clients alive by it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +146,13 @@ class FederationServiceServicer:
 
     def ReportMetrics(self, request, context):
         """Scalar metrics of a client for a round (held-out success, buffer size, ...).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRunStatus(self, request, context):
+        """The operator's view: run, round, deadline, and every client's uploads, liveness and metrics.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,10 +186,25 @@ def add_FederationServiceServicer_to_server(servicer, server):
                     request_deserializer=fedse_dot_v1_dot_federation__pb2.AdapterChunk.FromString,
                     response_serializer=fedse_dot_v1_dot_federation__pb2.UploadAck.SerializeToString,
             ),
+            'GetUploadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUploadState,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.UploadStateRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.UploadState.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.HeartbeatRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.HeartbeatAck.SerializeToString,
+            ),
             'ReportMetrics': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportMetrics,
                     request_deserializer=fedse_dot_v1_dot_federation__pb2.MetricsReport.FromString,
                     response_serializer=fedse_dot_v1_dot_federation__pb2.MetricsAck.SerializeToString,
+            ),
+            'GetRunStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunStatus,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.RunStatusRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.RunStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -300,6 +356,60 @@ class FederationService:
             _registered_method=True)
 
     @staticmethod
+    def GetUploadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/GetUploadState',
+            fedse_dot_v1_dot_federation__pb2.UploadStateRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.UploadState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/Heartbeat',
+            fedse_dot_v1_dot_federation__pb2.HeartbeatRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.HeartbeatAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ReportMetrics(request,
             target,
             options=(),
@@ -316,6 +426,33 @@ class FederationService:
             '/fedse.v1.FederationService/ReportMetrics',
             fedse_dot_v1_dot_federation__pb2.MetricsReport.SerializeToString,
             fedse_dot_v1_dot_federation__pb2.MetricsAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/GetRunStatus',
+            fedse_dot_v1_dot_federation__pb2.RunStatusRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.RunStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,9 +1,19 @@
 """The aggregator's round state machine: join, open, collect, close, aggregate, store, open next.
 
 Pure Python and thread-safe; the servicer translates protobuf to calls here and maps the
-exceptions below to gRPC status codes. A round t starts from the global adapter phi_t and
-closes when every joined client has uploaded, or when at least `min_clients` have and the
-round's deadline has passed; then phi_{t+1} = strategy(uploads of round t).
+exceptions below to gRPC status codes.
+
+A round t starts from the global adapter phi_t and closes, with at least one upload, when
+  - every joined client has uploaded, or
+  - at least `min_clients` have, and every client still alive (heard from within the heartbeat
+    timeout) has uploaded, or
+  - at least `min_clients` have, and `wait_after_min_s` has passed since the min_clients-th upload, or
+  - at least `min_clients` have, and the round's deadline has passed;
+the last two wait while an upload is still making progress. Then phi_{t+1} = strategy(uploads of
+round t). A client that missed a round catches up at the next one.
+
+Everything an acknowledgement depends on is in the Store before the call returns, so a restarted
+aggregator resumes the same run at the same round with every acknowledged upload.
 """
 
 from __future__ import annotations
@@ -12,19 +22,23 @@ import dataclasses
 import enum
 import logging
 import re
+import secrets
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from fedse import adapter as ad
 from fedse.serving import log_fields
 
+from . import metrics
 from .store import Store
-from .strategies import STRATEGIES, Update
+from .strategies import STRATEGIES, StrategyParams, Update, aggregate, validate_params
 
 log = logging.getLogger("aggregator.rounds")
 
 CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+STATE_VERSION = 1
 
 
 class FederationError(Exception):
@@ -55,9 +69,18 @@ class DuplicateUpload(FederationError):
     pass
 
 
+class ResumeMismatch(FederationError):
+    """An upload or download resumed from an offset that does not match what is held."""
+
+
+class Superseded(FederationError):
+    """A newer stream of the same upload took over; this one stops."""
+
+
 class State(enum.Enum):
     WAITING_FOR_CLIENTS = "waiting_for_clients"
     OPEN = "open"
+    AGGREGATING = "aggregating"
     FINISHED = "finished"
 
 
@@ -70,6 +93,15 @@ class RunSettings:
     strategy: str
     max_adapter_bytes: int
     seed: int = 0
+    wait_after_min_s: float = 900.0
+    heartbeat_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    params: StrategyParams = StrategyParams()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that decide a run's result: a restart must not change them."""
+        return {"num_rounds": self.num_rounds, "strategy": self.strategy, "seed": self.seed,
+                "params": dataclasses.asdict(self.params)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +115,7 @@ class Status:
     deadline_unix: float
     global_sha256: str
     version: int
+    round_nonce: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +125,120 @@ class Client:
     base_model: str
 
 
+@dataclasses.dataclass(frozen=True)
+class UploadHeader:
+    client_id: str
+    round: int
+    round_nonce: str
+    sha256: str
+    size: int
+    offset: int = 0
+    transport: str = ""
+    num_examples: int = 0
+    num_successes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientView:
+    client_id: str
+    env: str
+    uploaded: bool
+    alive: bool
+    last_seen_unix: float
+    phase_round: int
+    phase: str
+    partial_upload_bytes: int
+    metrics_round: int
+    metrics: dict[str, float]
+
+
+@dataclasses.dataclass
+class _Liveness:
+    last_seen: float = 0.0
+    phase_round: int = -1
+    phase: str = ""
+
+
+@dataclasses.dataclass
+class _Receiving:
+    generation: int
+    sha256: str
+    held: int
+    lock: threading.Lock
+
+
 class Federation:
     def __init__(self, settings: RunSettings, store: Store, clock: Callable[[], float] = time.time):
         if settings.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {settings.strategy!r}")
+        validate_params(settings.strategy, settings.params)
         self.settings = settings
         self.store = store
         self.clock = clock
         self._cond = threading.Condition()
         self._clients: dict[str, Client] = {}
+        self._live: dict[str, _Liveness] = {}
         self._schema: ad.Schema | None = None
         self._base_model: str | None = None
         self._round = 0
         self._state = State.WAITING_FOR_CLIENTS
-        self._uploads: dict[str, Update] = {}
-        self._upload_sha: dict[str, str] = {}
+        self._nonce = ""
         self._deadline = 0.0
-        self._global: dict[int, tuple[bytes, str]] = {}  # round -> (safetensors bytes, sha256)
+        self._opened_at = 0.0
+        self._round_seconds: list[float] = []
+        self._uploads: dict[str, Update] = {}
+        self._upload_records: dict[str, dict[str, Any]] = {}
+        self._receiving: dict[str, _Receiving] = {}
+        self._generation = 0
+        self._progress_at = 0.0
         self._version = 0
+        self._cache: dict[tuple[int, str], tuple[bytes, str]] = {}  # (round, transport) -> (bytes, sha)
+        self._metrics = store.latest_metrics()
+        self._restore()
+
+    # ---- persistence ---------------------------------------------------------------------
+    def _persist_locked(self) -> None:
+        self.store.save_state({
+            "version": STATE_VERSION, "run_id": self.settings.run_id, "settings": self.settings.fingerprint(),
+            "schema": self._schema.to_dict() if self._schema else None, "base_model": self._base_model,
+            "clients": {c.client_id: {"env": c.env, "base_model": c.base_model} for c in self._clients.values()},
+            "round": self._round, "state": self._state.value if self._state is not State.AGGREGATING else "open",
+            "round_nonce": self._nonce, "deadline_unix": self._deadline, "opened_unix": self._opened_at,
+            "round_seconds": self._round_seconds,
+        })
+
+    def _restore(self) -> None:
+        saved = self.store.load_state()
+        if saved is None:
+            return
+        if saved.get("settings") != self.settings.fingerprint():
+            raise ValueError(
+                f"the state directory {self.store.root} holds run {self.settings.run_id!r} with settings "
+                f"{saved.get('settings')}, not {self.settings.fingerprint()}: restart with the same settings "
+                "to resume it, or give a new --run-id")
+        now = self.clock()
+        self._schema = ad.Schema.from_dict(saved["schema"]) if saved.get("schema") else None
+        self._base_model = saved.get("base_model")
+        self._clients = {cid: Client(cid, c["env"], c["base_model"]) for cid, c in saved["clients"].items()}
+        # A restart is not the clients' fault: everyone known counts as alive until proven otherwise.
+        self._live = {cid: _Liveness(last_seen=now) for cid in self._clients}
+        self._round = int(saved["round"])
+        self._state = State(saved["state"])
+        self._nonce = saved.get("round_nonce", "")
+        self._deadline = float(saved.get("deadline_unix", 0.0))
+        self._opened_at = float(saved.get("opened_unix", now))
+        self._round_seconds = list(saved.get("round_seconds", []))
+        if self._state is State.OPEN:
+            for cid, record in self.store.accepted_uploads(self._round).items():
+                self._add_upload_locked(cid, record)
+        log.info("run resumed", extra=log_fields(run_id=self.settings.run_id, round=self._round,
+                                                 state=self._state.value, clients=len(self._clients),
+                                                 uploads=len(self._uploads)))
+
+    def _add_upload_locked(self, client_id: str, record: dict[str, Any]) -> None:
+        self._uploads[client_id] = Update(client_id, ad.AdapterFile(self.store.upload_path(self._round, client_id)),
+                                          int(record["num_examples"]), int(record["num_successes"]))
+        self._upload_records[client_id] = record
 
     # ---- queries -------------------------------------------------------------------------
     def status(self) -> Status:
@@ -117,12 +246,14 @@ class Federation:
             return self._status_locked()
 
     def _status_locked(self) -> Status:
-        sha = self._global[self._round][1] if self._round in self._global else ""
+        sha = ""
+        if self._schema is not None and self.store.has_global(self._round):
+            sha = self._global_locked(self._round, "")[1]
         return Status(
             run_id=self.settings.run_id, round=self._round, state=self._state,
             num_rounds=self.settings.num_rounds, joined=tuple(sorted(self._clients)),
             uploaded=tuple(sorted(self._uploads)), deadline_unix=self._deadline,
-            global_sha256=sha, version=self._version,
+            global_sha256=sha, version=self._version, round_nonce=self._nonce,
         )
 
     def wait_for_change(self, version: int, timeout: float) -> Status:
@@ -131,19 +262,70 @@ class Federation:
             self._cond.wait_for(lambda: self._version != version, timeout=timeout)
             return self._status_locked()
 
-    def global_adapter(self, round_: int) -> tuple[bytes, str, str]:
-        """(bytes, sha256, adapter_config_json) of phi_round; round -1 means the latest."""
+    def global_adapter(self, round_: int, transport: str = "") -> tuple[int, bytes, str, str]:
+        """(round, bytes, sha256, adapter_config_json) of phi_round in the transport dtype; -1 = latest."""
+        wire = ad.transport_dtype(transport)
         with self._cond:
             if self._schema is None:
                 raise NotAvailable("no adapter yet: the first client to join fixes the run's adapter schema")
+            latest = self._round if self.store.has_global(self._round) else self._round - 1
             if round_ < 0:
-                round_ = max(self._global)
-            if round_ not in self._global:
-                raise NotAvailable(f"no global adapter for round {round_}: rounds 0..{max(self._global)} exist")
-            data, sha = self._global[round_]
-            return data, sha, self._schema.adapter_config_json
+                round_ = latest
+            if round_ > latest or not self.store.has_global(round_):
+                raise NotAvailable(f"no global adapter for round {round_}: rounds 0..{latest} exist")
+            data, sha = self._global_locked(round_, transport if wire is not None else "")
+            return round_, data, sha, ad.config_with_base(self._schema.adapter_config_json, self._base_model or "")
+
+    def _global_locked(self, round_: int, transport: str) -> tuple[bytes, str]:
+        key = (round_, transport)
+        if key not in self._cache:
+            data = self.store.load_global(round_)
+            if transport:
+                data = ad.encode(ad.cast(ad.decode(data), ad.transport_dtype(transport)))
+            # Keep the current round's variants only: old rounds are rarely asked for again.
+            for old in [k for k in self._cache if k[0] != round_]:
+                del self._cache[old]
+            self._cache[key] = (data, ad.sha256_hex(data))
+        return self._cache[key]
+
+    def run_view(self) -> tuple[Status, list[ClientView], list[float], str]:
+        """The operator's view: status, each client's state, round durations and the base model."""
+        with self._cond:
+            now = self.clock()
+            views = []
+            for cid, c in sorted(self._clients.items()):
+                live = self._live.get(cid, _Liveness())
+                m_round, m = self._metrics.get(cid, (-1, {}))
+                rec = self._receiving.get(cid)
+                partial = rec.held if rec else (self.store.partial_size(self._round, cid)
+                                                if self._state is State.OPEN and cid not in self._uploads else 0)
+                views.append(ClientView(cid, c.env, cid in self._uploads, self._alive_locked(cid, now),
+                                        live.last_seen, live.phase_round, live.phase, partial, m_round, dict(m)))
+            return self._status_locked(), views, list(self._round_seconds), self._base_model or ""
+
+    def clients_alive(self) -> int:
+        with self._cond:
+            now = self.clock()
+            return sum(self._alive_locked(c, now) for c in self._clients)
+
+    def _alive_locked(self, client_id: str, now: float) -> bool:
+        live = self._live.get(client_id)
+        return live is not None and now - live.last_seen <= self.settings.heartbeat_timeout_s
 
     # ---- commands -------------------------------------------------------------------------
+    def seen(self, client_id: str, round_: int | None = None, phase: str | None = None) -> None:
+        """Records a sign of life (any call from a joined client, or a heartbeat)."""
+        with self._cond:
+            if client_id not in self._clients:
+                if phase is not None:
+                    raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
+                return
+            live = self._live.setdefault(client_id, _Liveness())
+            live.last_seen = self.clock()
+            if phase is not None:
+                live.phase = phase[:64]
+                live.phase_round = int(round_ if round_ is not None else -1)
+
     def join(self, client_id: str, env: str, base_model: str, schema: ad.Schema) -> Status:
         if not CLIENT_ID.match(client_id):
             raise ValueError(f"client_id {client_id!r} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
@@ -154,8 +336,8 @@ class Federation:
             if self._schema is None:
                 self._schema = schema
                 self._base_model = base_model
-                data = ad.encode(ad.fresh(schema, self.settings.seed))
-                self._store_global_locked(0, data)
+                self.store.save_global(0, ad.encode(ad.fresh(schema, self.settings.seed)),
+                                       ad.config_with_base(schema.adapter_config_json, base_model))
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
                                                                 base_model=base_model))
             else:
@@ -166,72 +348,224 @@ class Federation:
                     self._schema.check_compatible(schema)
                 except ad.AdapterError as exc:
                     raise SchemaMismatch(f"client {client_id}'s adapter does not fit the run: {exc}") from None
-            known = client_id in self._clients
+            known = self._clients.get(client_id)
             self._clients[client_id] = Client(client_id, env, base_model)
-            if not known:
+            self._live.setdefault(client_id, _Liveness()).last_seen = self.clock()
+            if known != self._clients[client_id]:
                 log.info("client joined", extra=log_fields(client=client_id, env=env, joined=len(self._clients)))
             if self._state is State.WAITING_FOR_CLIENTS and len(self._clients) >= self.settings.min_clients:
                 self._open_locked(0)
+            else:
+                self._persist_locked()
             self._changed_locked()
             return self._status_locked()
 
-    def precheck_upload(self, client_id: str, round_: int, size: int) -> None:
-        """Refuses an upload from its header alone, before its bytes are received."""
-        with self._cond:
-            self._precheck_locked(client_id, round_)
-        if size > self.settings.max_adapter_bytes:
-            raise ad.AdapterError(f"adapter of {size} bytes exceeds the limit of {self.settings.max_adapter_bytes} bytes")
+    # ---- uploads: begin, receive chunks, finish ---------------------------------------------
+    def begin_upload(self, h: UploadHeader) -> tuple[bool, int, int]:
+        """Checks an upload's header; returns (already accepted, offset to receive from, generation).
 
-    def submit(self, client_id: str, round_: int, data: bytes, sha256: str, size: int,
-               num_examples: int, num_successes: int) -> Status:
-        """Validates and records an upload for the open round; may close the round."""
+        An accepted upload with the same sha256 is acknowledged again (idempotent); a partial one
+        continues only from the bytes held; offset 0 always starts over."""
+        if not SHA256.match(h.sha256):
+            raise ValueError(f"sha256 {h.sha256!r} is not 64 lowercase hex digits")
+        if h.size <= 0:
+            raise ValueError(f"the header declares {h.size} bytes: give the adapter's size")
+        if h.size > self.settings.max_adapter_bytes:
+            raise ad.AdapterError(f"adapter of {h.size} bytes exceeds the limit of "
+                                  f"{self.settings.max_adapter_bytes} bytes")
+        ad.transport_dtype(h.transport)
+        if h.offset < 0 or h.offset > h.size:
+            raise ValueError(f"offset {h.offset} is outside the adapter's {h.size} bytes")
         with self._cond:
-            self._precheck_locked(client_id, round_)
-            if client_id in self._uploads:
-                if self._upload_sha[client_id] == sha256:
-                    return self._status_locked()  # a retry of the same upload: acknowledged once
-                raise DuplicateUpload(f"client {client_id} already uploaded a different adapter for round {round_}")
+            self._check_round_locked(h.client_id, h.round, h.round_nonce)
+            record = self._upload_records.get(h.client_id)
+            if record is not None:
+                if record["sha256"] == h.sha256:
+                    return True, h.size, 0
+                raise DuplicateUpload(f"client {h.client_id} already uploaded a different adapter "
+                                      f"({record['sha256'][:12]}...) for round {h.round}")
+            header = {"sha256": h.sha256, "size": h.size, "transport": h.transport, "round_nonce": h.round_nonce}
+            _, meta = self.store.partial(h.round, h.client_id)
+            same = meta is not None and meta == header
+            held = self.store.partial_size(h.round, h.client_id) if same else 0
+            if h.offset == 0:
+                self.store.start_partial(h.round, h.client_id, header)
+                held = 0
+            elif not same or h.offset != held:
+                raise ResumeMismatch(f"upload {h.sha256[:12]}... of round {h.round}: the aggregator holds {held} "
+                                     f"bytes of it; resume from offset {held}")
+            self._generation += 1
+            previous = self._receiving.get(h.client_id)
+            # A new stream supersedes one still registered (its connection may be half-dead);
+            # both share the client's write lock so their writes never interleave.
+            lock = previous.lock if previous is not None else threading.Lock()
+            self._receiving[h.client_id] = _Receiving(self._generation, h.sha256, held, lock)
+            self._progress_at = self.clock()
+            self._seen_locked(h.client_id)
+            return False, held, self._generation
+
+    def receive(self, h: UploadHeader, generation: int, offset: int, data: bytes) -> int:
+        """Stores the bytes at `offset` (fsynced) and returns the bytes now held."""
+        with self._cond:
+            rec = self._receiving.get(h.client_id)
+            if rec is None or rec.generation != generation:
+                raise Superseded(f"a newer upload stream from {h.client_id} took over this one")
+            lock = rec.lock
+        if offset + len(data) > h.size:
+            raise ad.AdapterError(f"received more than the {h.size} bytes the header declared")
+        with lock:
+            with self._cond:
+                if self._receiving.get(h.client_id) is not rec:
+                    raise Superseded(f"a newer upload stream from {h.client_id} took over this one")
+            held = self.store.append_partial(h.round, h.client_id, offset, data)
+        with self._cond:
+            rec.held = held
+            self._progress_at = self.clock()
+            self._seen_locked(h.client_id)
+        return held
+
+    def end_stream(self, h: UploadHeader, generation: int) -> None:
+        with self._cond:
+            rec = self._receiving.get(h.client_id)
+            if rec is not None and rec.generation == generation:
+                del self._receiving[h.client_id]
+                self._changed_locked()
+
+    def upload_state(self, client_id: str, round_: int, sha256: str) -> tuple[int, bool]:
+        """(bytes held, complete) of an upload, for a client resuming one."""
+        with self._cond:
+            if client_id not in self._clients:
+                raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
+            self._seen_locked(client_id)
+            if round_ == self._round:
+                record = self._upload_records.get(client_id)
+                if record is not None and record["sha256"] == sha256:
+                    return int(record["size"]), True
+                _, meta = self.store.partial(round_, client_id)
+                if meta is not None and meta["sha256"] == sha256:
+                    rec = self._receiving.get(client_id)
+                    return (rec.held if rec else self.store.partial_size(round_, client_id)), False
+            return 0, False
+
+    def finish_upload(self, h: UploadHeader) -> Status:
+        """Validates the complete upload, stores it as accepted (before returning), may close the round."""
+        with self._cond:
+            self._check_round_locked(h.client_id, h.round, h.round_nonce)
             assert self._schema is not None
-        # Decoding and hashing outside the lock: other clients' calls are not held up.
-        adapter = ad.validate(self._schema, data, sha256, size, self.settings.max_adapter_bytes)
+            schema = self._schema
+        data = self.store.read_partial(h.round, h.client_id)
+        try:
+            adapter = ad.validate(schema, data, h.sha256, h.size, self.settings.max_adapter_bytes, h.transport)
+        except ad.AdapterError:
+            self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
+            raise
+        stored = ad.encode(adapter) if h.transport else data
         with self._cond:
-            if self._state is not State.OPEN or round_ != self._round:
-                raise StaleRound(f"round {round_} closed while the upload was checked; round {self._round} is open")
-            if client_id in self._uploads:
-                return self._status_locked()
-            self.store.save_upload(round_, client_id, data)
-            self._uploads[client_id] = Update(client_id, adapter, int(num_examples), int(num_successes))
-            self._upload_sha[client_id] = sha256
-            log.info("upload accepted", extra=log_fields(client=client_id, round=round_, bytes=len(data),
-                                                           uploaded=len(self._uploads), joined=len(self._clients)))
-            self._changed_locked()
-            self._maybe_close_locked()
-            return self._status_locked()
+            self._check_round_locked(h.client_id, h.round, h.round_nonce)
+            if h.client_id not in self._uploads:
+                record = {"sha256": h.sha256, "size": h.size, "transport": h.transport,
+                          "num_examples": int(h.num_examples), "num_successes": int(h.num_successes),
+                          "accepted_unix": self.clock()}
+                self.store.accept_upload(h.round, h.client_id, stored, record)
+                self._add_upload_locked(h.client_id, record)
+                log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
+                                                               uploaded=len(self._uploads), joined=len(self._clients)))
+                self._changed_locked()
+            status = self._status_locked()
+        self.close_if_due()
+        return status
 
-    def _precheck_locked(self, client_id: str, round_: int) -> None:
+    def _check_round_locked(self, client_id: str, round_: int, nonce: str) -> None:
         if client_id not in self._clients:
             raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
         if self._state is State.FINISHED:
             raise RunFinished(f"run {self.settings.run_id} finished after {self.settings.num_rounds} rounds")
-        if self._state is not State.OPEN:
+        if self._state is State.WAITING_FOR_CLIENTS:
             raise StaleRound("round 0 has not opened yet: wait for the round status to show OPEN")
-        if round_ != self._round:
-            raise StaleRound(f"upload for round {round_}, but round {self._round} is open: "
-                             f"download the global adapter of round {self._round} and train from it")
+        if round_ != self._round or self._state is State.AGGREGATING:
+            nxt = self._round + 1 if self._state is State.AGGREGATING else self._round
+            raise StaleRound(f"upload for round {round_}, but round {self._round} is "
+                             f"{'being aggregated' if self._state is State.AGGREGATING else 'open'}: "
+                             f"download the global adapter of round {nxt} and train from it")
+        if nonce != self._nonce:
+            raise StaleRound(f"the upload's round nonce does not match round {round_}'s: an upload is bound "
+                             "to the run and round it was made for; take the nonce from the current RoundStatus")
 
-    def report_metrics(self, client_id: str, round_: int, metrics: dict[str, float]) -> None:
+    def report_metrics(self, client_id: str, round_: int, values: dict[str, float]) -> None:
         with self._cond:
             if client_id not in self._clients:
                 raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
-            self.store.append_metrics(client_id, round_, metrics)
+            self._seen_locked(client_id)
+            self.store.append_metrics(client_id, round_, values)
+            prev = self._metrics.get(client_id)
+            if prev is None or round_ >= prev[0]:
+                self._metrics[client_id] = (round_, dict(values))
             self._changed_locked()
 
     def tick(self) -> None:
-        """Closes the open round if its deadline has passed with enough uploads (called periodically)."""
+        """Closes the open round when due (called periodically; deadlines and liveness change with time)."""
+        self.close_if_due()
+
+    # ---- closing a round ---------------------------------------------------------------------
+    def _due_locked(self) -> str | None:
+        if self._state is not State.OPEN or not self._uploads:
+            return None
+        now = self.clock()
+        uploaded = set(self._uploads)
+        if uploaded >= set(self._clients):
+            return "all uploaded"
+        if len(uploaded) < self.settings.min_clients:
+            return None
+        if not any(self._alive_locked(c, now) for c in set(self._clients) - uploaded):
+            return "all alive clients uploaded"
+        if self._receiving and now - self._progress_at <= self.settings.heartbeat_timeout_s:
+            return None  # a transfer is making progress: wait for it
+        accepted = sorted(r["accepted_unix"] for r in self._upload_records.values())
+        if now >= accepted[self.settings.min_clients - 1] + self.settings.wait_after_min_s:
+            return "waited after quorum"
+        if now >= self._deadline:
+            return "deadline with quorum"
+        return None
+
+    def close_if_due(self) -> None:
         with self._cond:
-            self._maybe_close_locked()
+            reason = self._due_locked()
+            if reason is None:
+                return
+            self._state = State.AGGREGATING
+            self._changed_locked()
+            round_ = self._round
+            updates = [self._uploads[c] for c in sorted(self._uploads)]
+        # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
+        started = time.perf_counter()
+        try:
+            previous = ad.AdapterFile(self.store.global_path(round_))
+            merged = aggregate(self.settings.strategy, updates, previous, self.settings.params, round_)
+            data = ad.encode(merged)
+            assert self._schema is not None
+            self.store.save_global(round_ + 1, data, ad.config_with_base(self._schema.adapter_config_json,
+                                                                         self._base_model or ""))
+        except Exception:  # noqa: BLE001 - a failed aggregation must not end the run; the round stays open
+            log.exception("aggregation failed; the round stays open", extra=log_fields(round=round_))
+            with self._cond:
+                self._state = State.OPEN
+                self._changed_locked()
+            return
+        took = time.perf_counter() - started
+        metrics.AGGREGATE_SECONDS.observe(took)
+        with self._cond:
+            duration = self.clock() - self._opened_at
+            self._round_seconds.append(round(duration, 3))
+            metrics.ROUND_SECONDS.observe(duration)
+            log.info("round closed", extra=log_fields(round=round_, uploads=len(updates), reason=reason,
+                                                      aggregate_s=round(took, 4), round_s=round(duration, 2)))
+            self._open_locked(round_ + 1)
+            self._changed_locked()
 
     # ---- internals -----------------------------------------------------------------------
+    def _seen_locked(self, client_id: str) -> None:
+        self._live.setdefault(client_id, _Liveness()).last_seen = self.clock()
+
     def _changed_locked(self) -> None:
         self._version += 1
         self._cond.notify_all()
@@ -239,37 +573,18 @@ class Federation:
     def _open_locked(self, round_: int) -> None:
         self._round = round_
         self._uploads = {}
-        self._upload_sha = {}
+        self._upload_records = {}
+        self._receiving = {}
+        self._opened_at = self.clock()
         if round_ >= self.settings.num_rounds:
             self._state = State.FINISHED
             self._deadline = 0.0
+            self._nonce = ""
             log.info("run finished", extra=log_fields(rounds=round_))
         else:
             self._state = State.OPEN
-            self._deadline = self.clock() + self.settings.round_deadline_s
+            self._deadline = self._opened_at + self.settings.round_deadline_s
+            self._nonce = secrets.token_hex(16)
             log.info("round opened", extra=log_fields(round=round_, clients=len(self._clients)))
+        self._persist_locked()
         self._changed_locked()
-
-    def _maybe_close_locked(self) -> None:
-        if self._state is not State.OPEN:
-            return
-        n = len(self._uploads)
-        everyone = n > 0 and set(self._uploads) >= set(self._clients)
-        quorum_at_deadline = n >= self.settings.min_clients and self.clock() >= self._deadline
-        if not (everyone or quorum_at_deadline):
-            return
-        started = time.perf_counter()
-        updates = [self._uploads[c] for c in sorted(self._uploads)]
-        merged = STRATEGIES[self.settings.strategy](updates)
-        data = ad.encode(merged)
-        self._store_global_locked(self._round + 1, data)
-        log.info("round closed", extra=log_fields(
-            round=self._round, uploads=n, reason="all uploaded" if everyone else "deadline with quorum",
-            aggregate_s=round(time.perf_counter() - started, 4)))
-        self._open_locked(self._round + 1)
-
-    def _store_global_locked(self, round_: int, data: bytes) -> None:
-        assert self._schema is not None and self._base_model is not None
-        sha = ad.sha256_hex(data)
-        self.store.save_global(round_, data, ad.config_with_base(self._schema.adapter_config_json, self._base_model))
-        self._global[round_] = (data, sha)

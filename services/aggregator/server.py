@@ -7,17 +7,18 @@ import pathlib
 import threading
 
 from fedse.config import ConfigError, field
+from fedse.security import Security, peer_identity, server_credentials, server_interceptors
 from fedse.serving import Service
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import Federation, RunSettings
 from .servicer import FederationServicer
 from .store import Store
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, StrategyParams, validate_params
 
 
 @dataclasses.dataclass(frozen=True)
-class AggregatorConfig:
+class AggregatorConfig(Security):
     """The Fed-SE aggregator: synchronous rounds over LoRA adapters."""
 
     address: str = field("0.0.0.0:50060", "gRPC listen address (port 0 picks a free port)")
@@ -25,14 +26,28 @@ class AggregatorConfig:
     run_id: str = field("fedse-run", "name of the run; files go under <state-dir>/<run-id>/")
     state_dir: str = field("state/aggregator", "directory for global adapters, uploads and metrics")
     num_rounds: int = field(5, "number of federated rounds T")
-    min_clients: int = field(1, "clients needed to open round 0, and uploads needed to close a round at its deadline")
-    round_deadline_s: float = field(3600.0, "seconds after which a round closes if at least min-clients uploaded")
+    min_clients: int = field(1, "clients needed to open round 0, and uploads needed to close a round early")
+    round_deadline_s: float = field(3600.0, "seconds after which a round closes if at least min-clients uploaded "
+                                            "(extended while an upload is making progress)")
+    wait_after_min_s: float = field(900.0, "once min-clients have uploaded, close the round this many seconds "
+                                           "later at the latest")
+    heartbeat_timeout_s: float = field(30.0, "a client not heard from for this long counts as not alive; a round "
+                                             "does not wait for such clients once min-clients have uploaded")
+    heartbeat_interval_s: float = field(5.0, "seconds between the heartbeats clients are asked to send")
     strategy: str = field("fedavg", f"aggregation strategy: {', '.join(STRATEGIES)}")
+    trim_fraction: float = field(0.2, "trimmed_mean: fraction of clients cut from each end, per coordinate")
+    clip_norm: float = field(0.0, "clip each client's update (its adapter minus the round's global one) to this "
+                                  "L2 norm before aggregating; 0 = off")
+    noise_multiplier: float = field(0.0, "central differential privacy: add Gaussian noise of std "
+                                         "noise-multiplier * clip-norm / clients to the aggregate; needs clip-norm")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation")
     log_level: str = field("INFO", "log level")
+    health_address: str = field("", "extra plain-gRPC address serving only the health service, for Kubernetes "
+                                    "probes when TLS is on (empty = none)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_rounds < 1:
             raise ConfigError(f"--num-rounds must be at least 1, got {self.num_rounds}")
         if self.min_clients < 1:
@@ -41,6 +56,13 @@ class AggregatorConfig:
             raise ConfigError(f"--round-deadline-s must be positive, got {self.round_deadline_s}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {self.strategy!r} is unknown: use one of {', '.join(STRATEGIES)}")
+        for name in ("wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        try:
+            validate_params(self.strategy, self.strategy_params())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.max_adapter_mb <= 0:
             raise ConfigError(f"--max-adapter-mb must be positive, got {self.max_adapter_mb}")
 
@@ -49,7 +71,13 @@ class AggregatorConfig:
             run_id=self.run_id, num_rounds=self.num_rounds, min_clients=self.min_clients,
             round_deadline_s=self.round_deadline_s, strategy=self.strategy,
             max_adapter_bytes=int(self.max_adapter_mb * 1024 * 1024), seed=self.seed,
+            wait_after_min_s=self.wait_after_min_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            heartbeat_interval_s=self.heartbeat_interval_s, params=self.strategy_params(),
         )
+
+    def strategy_params(self) -> StrategyParams:
+        return StrategyParams(trim_fraction=self.trim_fraction, clip_norm=self.clip_norm,
+                              noise_multiplier=self.noise_multiplier, seed=self.seed)
 
 
 class Aggregator:
@@ -58,8 +86,10 @@ class Aggregator:
     def __init__(self, config: AggregatorConfig):
         self.config = config
         self.federation = Federation(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id))
-        self.service = Service("aggregator", config.address)
-        fpb_grpc.add_FederationServiceServicer_to_server(FederationServicer(self.federation), self.service.server)
+        self.service = Service("aggregator", config.address, credentials=server_credentials(config),
+                               interceptors=server_interceptors(config), health_address=config.health_address)
+        fpb_grpc.add_FederationServiceServicer_to_server(
+            FederationServicer(self.federation, identity=peer_identity), self.service.server)
         self.port = self.service.port
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="round-ticker", daemon=True)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
-import prometheus_client
 
 from fedse import adapter as ad
 from fedse import serde
@@ -14,34 +13,41 @@ from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from . import rounds
+from .metrics import BYTES_RECEIVED, BYTES_SENT, CLIENTS, CLIENTS_ALIVE, ROUND, UPLOADS
 
 log = logging.getLogger("aggregator.servicer")
-
-UPLOADS = prometheus_client.Counter(
-    "fedse_aggregator_uploads", "Adapter uploads, by outcome (accepted or the refusal's reason).", ["outcome"])
-BYTES_RECEIVED = prometheus_client.Counter("fedse_aggregator_received_bytes", "Adapter bytes received.")
-BYTES_SENT = prometheus_client.Counter("fedse_aggregator_sent_bytes", "Adapter bytes sent.")
-ROUND = prometheus_client.Gauge("fedse_aggregator_round", "The open round (num_rounds once the run is finished).")
-CLIENTS = prometheus_client.Gauge("fedse_aggregator_clients_joined", "Clients that joined the run.")
 
 _STATE = {
     rounds.State.WAITING_FOR_CLIENTS: fpb.ROUND_STATE_WAITING_FOR_CLIENTS,
     rounds.State.OPEN: fpb.ROUND_STATE_OPEN,
+    rounds.State.AGGREGATING: fpb.ROUND_STATE_AGGREGATING,
     rounds.State.FINISHED: fpb.ROUND_STATE_FINISHED,
 }
 
+
+class IdentityMismatch(rounds.FederationError):
+    pass
+
+
+class Incomplete(rounds.FederationError):
+    pass
+
+
 # Domain error -> (status code, metric reason).
 _CODES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
+    (IdentityMismatch, grpc.StatusCode.PERMISSION_DENIED, "identity_mismatch"),
     (rounds.NotJoined, grpc.StatusCode.FAILED_PRECONDITION, "not_joined"),
     (rounds.StaleRound, grpc.StatusCode.FAILED_PRECONDITION, "stale_round"),
     (rounds.RunFinished, grpc.StatusCode.FAILED_PRECONDITION, "run_finished"),
     (rounds.SchemaMismatch, grpc.StatusCode.FAILED_PRECONDITION, "schema_mismatch"),
+    (rounds.ResumeMismatch, grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch"),
+    (Incomplete, grpc.StatusCode.FAILED_PRECONDITION, "incomplete"),
+    (rounds.Superseded, grpc.StatusCode.ABORTED, "superseded"),
     (rounds.DuplicateUpload, grpc.StatusCode.ALREADY_EXISTS, "duplicate"),
     (rounds.NotAvailable, grpc.StatusCode.NOT_FOUND, "not_available"),
     (ad.AdapterError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_adapter"),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
 ]
-
 
 for _kind, _code, _reason in _CODES:
     UPLOADS.labels(_reason)
@@ -61,89 +67,167 @@ def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
     return fpb.RoundStatus(
         run_id=st.run_id, round=st.round, state=_STATE[st.state], num_rounds=st.num_rounds,
         joined=list(st.joined), uploaded=list(st.uploaded), deadline_unix=st.deadline_unix,
-        global_sha256=st.global_sha256,
+        global_sha256=st.global_sha256, round_nonce=st.round_nonce,
     )
 
 
+def _no_identity(context: grpc.ServicerContext) -> str | None:
+    return None
+
+
 class FederationServicer(fpb_grpc.FederationServiceServicer):
-    def __init__(self, federation: rounds.Federation, chunk_bytes: int = ad.CHUNK_BYTES):
+    """`identity(context)` gives the authenticated client id (mTLS) or None; when it gives one,
+    a call naming another client id is refused with PERMISSION_DENIED."""
+
+    def __init__(self, federation: rounds.Federation, chunk_bytes: int = ad.CHUNK_BYTES,
+                 identity: Callable[[grpc.ServicerContext], str | None] = _no_identity):
         self.fed = federation
         self.chunk_bytes = chunk_bytes
+        self.identity = identity
+        CLIENTS_ALIVE.set_function(federation.clients_alive)
+        self._observe(federation.status())
 
     def _observe(self, st: rounds.Status) -> None:
         ROUND.set(st.round)
         CLIENTS.set(len(st.joined))
 
+    def _client(self, context: grpc.ServicerContext, claimed: str) -> str:
+        """The calling client's id: the claimed one, which must match an authenticated identity."""
+        who = self.identity(context)
+        if who is not None and claimed != who:
+            raise IdentityMismatch(f"this connection is authenticated as {who!r} but the call names client "
+                                   f"{claimed!r}: a client may only act as itself")
+        if claimed:
+            self.fed.seen(claimed)
+        return claimed
+
+    def config_proto(self) -> fpb.RunConfig:
+        s = self.fed.settings
+        return fpb.RunConfig(run_id=s.run_id, num_rounds=s.num_rounds, min_clients=s.min_clients,
+                             round_deadline_s=s.round_deadline_s, strategy=s.strategy,
+                             max_chunk_bytes=self.chunk_bytes, wait_after_min_s=s.wait_after_min_s,
+                             heartbeat_timeout_s=s.heartbeat_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s)
+
     def Join(self, request, context):
         try:
+            self._client(context, request.client_id)
             st = self.fed.join(request.client_id, request.env, request.base_model,
                                serde.schema_from_proto(request.schema))
         except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
             _abort(context, exc)
         self._observe(st)
-        s = self.fed.settings
-        return fpb.JoinResponse(
-            config=fpb.RunConfig(run_id=s.run_id, num_rounds=s.num_rounds, min_clients=s.min_clients,
-                                 round_deadline_s=s.round_deadline_s, strategy=s.strategy,
-                                 max_chunk_bytes=self.chunk_bytes),
-            current_round=st.round,
-        )
+        return fpb.JoinResponse(config=self.config_proto(), current_round=st.round)
 
     def GetRoundStatus(self, request, context):
+        try:
+            self._client(context, request.client_id)
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc)
         return status_to_proto(self.fed.status())
 
     def WatchRound(self, request, context) -> Iterator[fpb.RoundStatus]:
+        try:
+            self._client(context, request.client_id)
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc)
         st = self.fed.status()
         yield status_to_proto(st)
         while context.is_active() and st.state is not rounds.State.FINISHED:
             new = self.fed.wait_for_change(st.version, timeout=1.0)
             if new.version != st.version:
                 st = new
+                self._observe(st)
                 yield status_to_proto(st)
 
     def DownloadAdapter(self, request, context) -> Iterator[fpb.AdapterChunk]:
         try:
-            data, sha, config_json = self.fed.global_adapter(request.round)
+            round_, data, sha, config_json = self.fed.global_adapter(request.round, request.transport_dtype)
+            if request.sha256 and request.sha256 != sha:
+                raise rounds.ResumeMismatch(f"the global adapter of round {round_} is {sha[:12]}..., not the "
+                                            f"{request.sha256[:12]}... being resumed: download it from offset 0")
+            if not 0 <= request.offset <= len(data):
+                raise ValueError(f"offset {request.offset} is outside the adapter's {len(data)} bytes")
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc)
         st = self.fed.status()
-        round_ = request.round if request.round >= 0 else st.round
         yield fpb.AdapterChunk(header=fpb.AdapterHeader(
-            run_id=st.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json))
-        for part in ad.chunks(data, self.chunk_bytes):
+            run_id=st.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
+            offset=request.offset, transport_dtype=request.transport_dtype))
+        for start in range(request.offset, len(data), self.chunk_bytes):
+            part = data[start:start + self.chunk_bytes]
             BYTES_SENT.inc(len(part))
             yield fpb.AdapterChunk(data=part)
 
     def UploadAdapter(self, request_iterator, context):
+        header: rounds.UploadHeader | None = None
+        generation = 0
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
-                raise ValueError("an upload starts with a header chunk (client_id, round, sha256, size)")
+                raise ValueError("an upload starts with a header chunk (client_id, round, round_nonce, sha256, size)")
             h = first.header
-            self.fed.precheck_upload(h.client_id, h.round, h.size)
-            parts: list[bytes] = []
-            received = 0
-            for chunk in request_iterator:
-                if chunk.WhichOneof("kind") != "data":
-                    raise ValueError("only data chunks may follow the header")
-                if len(chunk.data) > self.chunk_bytes:
-                    raise ValueError(f"chunk of {len(chunk.data)} bytes exceeds {self.chunk_bytes}: split it")
-                received += len(chunk.data)
-                if received > h.size:
-                    raise ad.AdapterError(f"received more than the {h.size} bytes the header declared")
-                parts.append(chunk.data)
-            BYTES_RECEIVED.inc(received)
-            st = self.fed.submit(h.client_id, h.round, b"".join(parts), h.sha256, h.size,
-                                 h.num_examples, h.num_successes)
+            if h.run_id and h.run_id != self.fed.settings.run_id:
+                raise rounds.StaleRound(f"the upload is for run {h.run_id!r}; this aggregator runs "
+                                        f"{self.fed.settings.run_id!r}")
+            header = rounds.UploadHeader(
+                client_id=self._client(context, h.client_id), round=h.round, round_nonce=h.round_nonce,
+                sha256=h.sha256.lower(), size=h.size, offset=h.offset, transport=h.transport_dtype,
+                num_examples=h.num_examples, num_successes=h.num_successes)
+            done, held, generation = self.fed.begin_upload(header)
+            if not done:
+                for chunk in request_iterator:
+                    if chunk.WhichOneof("kind") != "data":
+                        raise ValueError("only data chunks may follow the header")
+                    if len(chunk.data) > self.chunk_bytes:
+                        raise ValueError(f"chunk of {len(chunk.data)} bytes exceeds {self.chunk_bytes}: split it")
+                    BYTES_RECEIVED.inc(len(chunk.data))
+                    held = self.fed.receive(header, generation, held, chunk.data)
+                if held < header.size:
+                    raise Incomplete(f"the stream ended after {held} of {header.size} bytes: the upload is "
+                                     f"incomplete; resume from offset {held}")
+                st = self.fed.finish_upload(header)
+                self._observe(st)
         except Exception as exc:  # noqa: BLE001
+            if not context.is_active():  # the client went away: what arrived is kept for a resume
+                log.info("upload stream broke off", extra={"fields": {
+                    "client": header.client_id if header else "", "round": header.round if header else -1}})
+                return fpb.UploadAck()
             _abort(context, exc, counted=True)
+        finally:
+            if header is not None and generation:
+                self.fed.end_stream(header, generation)
         UPLOADS.labels("accepted").inc()
-        self._observe(st)
-        return fpb.UploadAck(round=h.round, sha256=h.sha256, size=h.size)
+        return fpb.UploadAck(round=header.round, sha256=header.sha256, size=header.size)
+
+    def GetUploadState(self, request, context):
+        try:
+            held, complete = self.fed.upload_state(self._client(context, request.client_id), request.round,
+                                                   request.sha256.lower())
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc)
+        return fpb.UploadState(received_bytes=held, complete=complete)
+
+    def Heartbeat(self, request, context):
+        try:
+            self._client(context, request.client_id)
+            self.fed.seen(request.client_id, request.round, request.phase or "alive")
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc)
+        return fpb.HeartbeatAck(status=status_to_proto(self.fed.status()))
 
     def ReportMetrics(self, request, context):
         try:
-            self.fed.report_metrics(request.client_id, request.round, dict(request.metrics))
+            self.fed.report_metrics(self._client(context, request.client_id), request.round, dict(request.metrics))
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc)
         return fpb.MetricsAck()
+
+    def GetRunStatus(self, request, context):
+        st, views, seconds, base_model = self.fed.run_view()
+        return fpb.RunStatus(
+            config=self.config_proto(), round=status_to_proto(st), round_seconds=seconds, base_model=base_model,
+            clients=[fpb.ClientStatus(
+                client_id=v.client_id, env=v.env, uploaded=v.uploaded, alive=v.alive,
+                last_seen_unix=v.last_seen_unix, phase_round=v.phase_round, phase=v.phase,
+                partial_upload_bytes=v.partial_upload_bytes, metrics_round=v.metrics_round, metrics=v.metrics)
+                for v in views])

@@ -1,10 +1,15 @@
-"""The aggregator's files: every global adapter as a standard PEFT adapter directory, every
-accepted upload, and the clients' reported metrics.
+"""The aggregator's files: the run's state, every global adapter as a standard PEFT adapter
+directory, every upload (partial and accepted), and the clients' reported metrics.
 
-Layout under <state_dir>/<run_id>/:
+Layout under <state_dir>/<run_id>/ (a Kubernetes volume can hold it):
+  run.json                                              the run: settings, schema, clients, round, nonce
   global/round_0003/adapter_model.safetensors + adapter_config.json   (phi_3, loadable by PEFT)
-  uploads/round_0002/<client_id>.safetensors
+  uploads/round_0002/<client_id>.part + .part.json      bytes received so far of an unfinished upload
+  uploads/round_0002/<client_id>.safetensors + .json    an accepted upload; the .json is its commit record
   metrics.jsonl
+
+Every write that an acknowledgement depends on is fsynced and atomic (temp file, then rename), so
+an aggregator killed at any point restarts with each acknowledged upload and round transition kept.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import os
 import pathlib
 import threading
 import time
+from typing import Any
 
 from fedse import adapter as ad
+
+STATE_NAME = "run.json"
 
 
 class Store:
@@ -24,27 +32,131 @@ class Store:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
+    # ---- run state ---------------------------------------------------------------------------
+    def load_state(self) -> dict[str, Any] | None:
+        path = self.root / STATE_NAME
+        if not path.exists():
+            return None
+        return json.loads(path.read_text())
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        ad.atomic_write(self.root / STATE_NAME, json.dumps(state, indent=1, sort_keys=True).encode())
+
+    # ---- global adapters ---------------------------------------------------------------------
     def global_dir(self, round_: int) -> pathlib.Path:
         return self.root / "global" / f"round_{round_:04d}"
+
+    def global_path(self, round_: int) -> pathlib.Path:
+        return self.global_dir(round_) / ad.WEIGHTS_NAME
 
     def save_global(self, round_: int, data: bytes, adapter_config_json: str) -> pathlib.Path:
         path = self.global_dir(round_)
         ad.write_peft_dir(path, data, adapter_config_json)
         return path
 
-    def save_upload(self, round_: int, client_id: str, data: bytes) -> pathlib.Path:
-        folder = self.root / "uploads" / f"round_{round_:04d}"
+    def has_global(self, round_: int) -> bool:
+        return self.global_path(round_).exists()
+
+    def load_global(self, round_: int) -> bytes:
+        return self.global_path(round_).read_bytes()
+
+    # ---- uploads -----------------------------------------------------------------------------
+    def upload_dir(self, round_: int) -> pathlib.Path:
+        return self.root / "uploads" / f"round_{round_:04d}"
+
+    def partial(self, round_: int, client_id: str) -> tuple[pathlib.Path, dict[str, Any] | None]:
+        """The partial upload's data file and its header record (None if there is none)."""
+        folder = self.upload_dir(round_)
+        meta_path = folder / f"{client_id}.part.json"
+        data_path = folder / f"{client_id}.part"
+        if not meta_path.exists():
+            return data_path, None
+        return data_path, json.loads(meta_path.read_text())
+
+    def partial_size(self, round_: int, client_id: str) -> int:
+        data_path, meta = self.partial(round_, client_id)
+        return data_path.stat().st_size if meta is not None and data_path.exists() else 0
+
+    def start_partial(self, round_: int, client_id: str, header: dict[str, Any]) -> None:
+        """Starts a new partial upload (dropping any other one of this client and round)."""
+        folder = self.upload_dir(round_)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{client_id}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
+        data_path = folder / f"{client_id}.part"
+        self.drop_partial(round_, client_id)
+        with open(data_path, "wb") as fh:
+            os.fsync(fh.fileno())
+        ad.atomic_write(folder / f"{client_id}.part.json", json.dumps(header, sort_keys=True).encode())
+
+    def append_partial(self, round_: int, client_id: str, offset: int, data: bytes) -> int:
+        """Writes `data` at `offset` of the partial upload, fsynced; returns the bytes now held.
+        Writing at the offset (not appending) makes a chunk that was written but not counted
+        before a crash harmless."""
+        path = self.upload_dir(round_) / f"{client_id}.part"
+        with open(path, "r+b") as fh:
+            fh.seek(offset)
             fh.write(data)
+            fh.truncate()
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        return offset + len(data)
+
+    def read_partial(self, round_: int, client_id: str) -> bytes:
+        return (self.upload_dir(round_) / f"{client_id}.part").read_bytes()
+
+    def drop_partial(self, round_: int, client_id: str) -> None:
+        folder = self.upload_dir(round_)
+        for name in (f"{client_id}.part.json", f"{client_id}.part"):
+            try:
+                (folder / name).unlink()
+            except FileNotFoundError:
+                pass
+
+    def accept_upload(self, round_: int, client_id: str, data: bytes, record: dict[str, Any]) -> pathlib.Path:
+        """Stores an accepted upload: the tensors first, then the record that commits it."""
+        folder = self.upload_dir(round_)
+        path = folder / f"{client_id}.safetensors"
+        ad.atomic_write(path, data)
+        ad.atomic_write(folder / f"{client_id}.json", json.dumps(record, sort_keys=True).encode())
+        self.drop_partial(round_, client_id)
         return path
 
+    def accepted_uploads(self, round_: int) -> dict[str, dict[str, Any]]:
+        """client_id -> commit record of every accepted upload of the round."""
+        folder = self.upload_dir(round_)
+        out: dict[str, dict[str, Any]] = {}
+        if not folder.exists():
+            return out
+        for meta in sorted(folder.glob("*.json")):
+            if meta.name.endswith(".part.json"):
+                continue
+            client_id = meta.name.removesuffix(".json")
+            if (folder / f"{client_id}.safetensors").exists():
+                out[client_id] = json.loads(meta.read_text())
+        return out
+
+    def upload_path(self, round_: int, client_id: str) -> pathlib.Path:
+        return self.upload_dir(round_) / f"{client_id}.safetensors"
+
+    # ---- metrics -----------------------------------------------------------------------------
     def append_metrics(self, client_id: str, round_: int, metrics: dict[str, float]) -> None:
         line = json.dumps({"ts": time.time(), "client_id": client_id, "round": round_, "metrics": metrics})
         with self._lock, open(self.root / "metrics.jsonl", "a") as fh:
             fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def latest_metrics(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """client_id -> (round, metrics) of each client's latest report (torn last line ignored)."""
+        path = self.root / "metrics.jsonl"
+        out: dict[str, tuple[int, dict[str, float]]] = {}
+        if not path.exists():
+            return out
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            prev = out.get(entry["client_id"])
+            if prev is None or entry["round"] >= prev[0]:
+                out[entry["client_id"]] = (int(entry["round"]), entry["metrics"])
+        return out

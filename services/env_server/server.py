@@ -8,6 +8,7 @@ import threading
 from typing import Sequence
 
 from fedse.config import ConfigError, field, parse_or_exit
+from fedse.security import Security, server_credentials, server_interceptors
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import env_pb2_grpc
 
@@ -22,7 +23,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvServerConfig:
+class EnvServerConfig(Security):
     """Serves text environments (AgentGym semantics) over gRPC: fedse.v1.EnvService."""
 
     address: str = field("0.0.0.0:50051", "gRPC listen address host:port (port 0 picks a free one)")
@@ -34,8 +35,11 @@ class EnvServerConfig:
                                         f"({MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE})")
     seed: int = field(0, "seed of the task splits (the same seed gives the same tasks)")
     log_level: str = field("INFO", f"log level, one of {', '.join(LOG_LEVELS)}")
+    health_address: str = field("", "extra plain-gRPC address serving only the health service, for Kubernetes "
+                                    "probes when TLS is on (empty = none)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if ":" not in self.address or not self.address.rsplit(":", 1)[1].isdigit():
             raise ConfigError(f"address: expected host:port, got {self.address!r}")
         names = self.env_names
@@ -67,7 +71,8 @@ class EnvServer(Service):
     """The gRPC server plus the thread that expires idle sessions (started and stopped with it)."""
 
     def __init__(self, config: EnvServerConfig, manager: SessionManager):
-        super().__init__("env_server", config.address)
+        super().__init__("env_server", config.address, credentials=server_credentials(config),
+                         interceptors=server_interceptors(config), health_address=config.health_address)
         self.manager = manager
         env_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(manager), self.server)
         self._sweep_every = min(manager.ttl_s / 2, 30.0)

@@ -1,0 +1,20 @@
+"""The aggregator's Prometheus metrics (RPC latency and counts come from fedse.serving's interceptor)."""
+
+from __future__ import annotations
+
+import prometheus_client
+
+UPLOADS = prometheus_client.Counter(
+    "fedse_aggregator_uploads", "Adapter uploads, by outcome (accepted or the refusal's reason).", ["outcome"])
+BYTES_RECEIVED = prometheus_client.Counter("fedse_aggregator_received_bytes", "Adapter bytes received.")
+BYTES_SENT = prometheus_client.Counter("fedse_aggregator_sent_bytes", "Adapter bytes sent.")
+ROUND = prometheus_client.Gauge("fedse_aggregator_round", "The open round (num_rounds once the run is finished).")
+CLIENTS = prometheus_client.Gauge("fedse_aggregator_clients_joined", "Clients that joined the run.")
+CLIENTS_ALIVE = prometheus_client.Gauge(
+    "fedse_aggregator_clients_alive", "Joined clients heard from within the heartbeat timeout.")
+ROUND_SECONDS = prometheus_client.Histogram(
+    "fedse_aggregator_round_duration_seconds", "Wall time of a round, from opening to the next round opening.",
+    buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200))
+AGGREGATE_SECONDS = prometheus_client.Histogram(
+    "fedse_aggregator_aggregation_seconds", "Time to aggregate a round's uploads and store the global adapter.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
