@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from fedse.config import ConfigError, parse
+from fedse.config import ConfigError, field, parse
+from fedse.security import Security
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fedse run [options]            run a whole federation locally (fedse run --help)\n"
-              "       fedse tasks [--env-server ADDR]  task counts per environment and split, from ListTasks")
+              "       fedse tasks [--env-server ADDR]  task counts per environment and split, from ListTasks\n"
+              "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -33,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if results["mean_test_success"] else 1
     if command == "tasks":
         return tasks(rest)
-    print(f"unknown command {command!r}; try: fedse run, fedse tasks", file=sys.stderr)
+    if command == "status":
+        return status(rest)
+    print(f"unknown command {command!r}; try: fedse run, fedse tasks, fedse status", file=sys.stderr)
     return 2
 
 
@@ -71,6 +76,74 @@ def tasks(argv: list[str]) -> int:
         if server is not None:
             server.stop(0)
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusConfig(Security):
+    """Shows a running federation: the run, the round and its deadline, who has uploaded, each
+    client's liveness, phase and last metrics (GetRunStatus)."""
+
+    aggregator: str = field("127.0.0.1:50060", "aggregator address host:port")
+    json: bool = field(False, "print the RunStatus message as JSON instead of a table")
+    timeout_s: float = field(10.0, "seconds to wait for the aggregator")
+
+
+def status(argv: list[str]) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from fedse.security import channel
+    from fedse.v1 import federation_pb2 as fpb
+    from fedse.v1 import federation_pb2_grpc as fpb_grpc
+
+    try:
+        cfg = parse(StatusConfig, argv)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with channel(cfg.aggregator, cfg) as ch:
+            st = fpb_grpc.FederationServiceStub(ch).GetRunStatus(fpb.RunStatusRequest(), timeout=cfg.timeout_s,
+                                                                  wait_for_ready=True)
+    except grpc.RpcError as exc:
+        print(f"cannot get the run status from {cfg.aggregator}: {exc.code().name}: {exc.details()}",
+              file=sys.stderr)
+        return 1
+    if cfg.json:
+        print(json_format.MessageToJson(st, always_print_fields_with_no_presence=True))
+        return 0
+    print(format_status(st))
+    return 0
+
+
+def format_status(st) -> str:
+    """RunStatus as a few lines of text and a table of clients."""
+    import time
+
+    from fedse.v1 import federation_pb2 as fpb
+
+    r, c = st.round, st.config
+    state = fpb.RoundState.Name(r.state).removeprefix("ROUND_STATE_").lower()
+    lines = [f"run {r.run_id}: round {r.round} of {r.num_rounds}, {state}; strategy {c.strategy}, "
+             f"base model {st.base_model or '-'}"]
+    if r.deadline_unix:
+        left = r.deadline_unix - time.time()
+        lines.append(f"deadline in {left:.0f}s; closes {c.wait_after_min_s:.0f}s after {c.min_clients} upload(s) "
+                     f"at the latest; uploaded {len(r.uploaded)} of {len(r.joined)}")
+    if st.round_seconds:
+        lines.append("round durations: " + ", ".join(f"{s:.1f}s" for s in st.round_seconds))
+    lines.append(f"{'client':<20} {'env':<10} {'alive':<5} {'seen':>6} {'phase':<18} {'upload':<12} last metrics")
+    now = time.time()
+    for cl in st.clients:
+        upload = "done" if cl.uploaded else (f"{cl.partial_upload_bytes / 1e6:.1f} MB" if cl.partial_upload_bytes
+                                             else "-")
+        phase = f"{cl.phase} r{cl.phase_round}" if cl.phase else "-"
+        metrics = ", ".join(f"{k}={v:.3g}" for k, v in sorted(cl.metrics.items()) if k in
+                            ("test_success", "explore_success", "buffer", "train_loss"))
+        seen = f"{now - cl.last_seen_unix:.0f}s" if cl.last_seen_unix else "-"
+        lines.append(f"{cl.client_id:<20} {cl.env:<10} {'yes' if cl.alive else 'NO':<5} {seen:>6} {phase:<18} "
+                     f"{upload:<12} {f'r{cl.metrics_round}: ' + metrics if cl.metrics_round >= 0 else '-'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
     parser = argparse.ArgumentParser(description=description or cls.__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(cls):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str,
+        flag = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}  # a bare --flag means true
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str, **flag,
                             help=f"{f.metadata.get('help', '')} [env {env_name(f.name)}] (default: {f.default!r})")
     ns = parser.parse_args(list(argv) if argv is not None else None)
     values: dict[str, Any] = {}

@@ -1,0 +1,175 @@
+"""A federation that survives real life, with real processes: the aggregator SIGKILLed mid-round
+and restarted, a client SIGKILLed mid-round and restarted, and the operator's status command.
+
+Two maze clients that differ in how many tasks they explore (so one uploads well before the
+other) run three rounds of the tiny model against one env server and the aggregator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedse.launcher import Proc
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 3
+CLIENTS = {"org-a": 2, "org-b": 10}  # client id -> explore tasks per round
+
+
+def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        for p in procs:
+            if p.popen.poll() not in (None, 0):
+                raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Federation:
+    """One env server, the aggregator and two client agents as processes, on loopback."""
+
+    def __init__(self, root: pathlib.Path, **aggregator_flags: str):
+        self.root = root
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+        self.env = self._start("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs", "maze",
+                                              "--metrics-port", "-1"])
+        self.agg_flags = ["--metrics-port", "-1", "--state-dir", str(root / "aggregator"), "--run-id", "r",
+                          "--num-rounds", str(ROUNDS), "--min-clients", "2", "--round-deadline-s", "600"]
+        for k, v in aggregator_flags.items():
+            self.agg_flags += [f"--{k.replace('_', '-')}", v]
+        self.agg = self._start("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", *self.agg_flags])
+        self.agg_port = self.agg.port()
+        self.env_port = self.env.port()
+        self.clients = {cid: self.start_client(cid) for cid in CLIENTS}
+
+    def _start(self, name: str, argv: list[str]) -> Proc:
+        n = sum(p.name.startswith(name) for p in self.procs)
+        p = Proc(f"{name}-{n}", argv, self.logs)
+        self.procs.append(p)
+        return p
+
+    def start_client(self, cid: str) -> Proc:
+        return self._start(cid, [
+            "services.client_agent", "--client-id", cid, "--env", "maze", "--env-server", f"127.0.0.1:{self.env_port}",
+            "--aggregator", f"127.0.0.1:{self.agg_port}", "--address", "127.0.0.1:0", "--metrics-port", "-1",
+            "--state-dir", str(self.root / "clients"), "--expert-demos", "6", "--explore-tasks", str(CLIENTS[cid]),
+            "--eval-tasks", "3", "--epochs", "1", "--torch-threads", "1", "--heartbeat-interval-s", "0.5"])
+
+    def restart_aggregator(self) -> None:
+        self.agg = self._start("aggregator", ["services.aggregator", "--address", f"127.0.0.1:{self.agg_port}",
+                                              *self.agg_flags])
+        self.agg.port()
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return self.root / "aggregator" / "r"
+
+    def accepted(self, round_: int) -> set[str]:
+        folder = self.run_dir / "uploads" / f"round_{round_:04d}"
+        return {p.stem for p in folder.glob("*.json") if not p.name.endswith(".part.json")} if folder.exists() else set()
+
+    def wait_clients(self, timeout: float = 300.0) -> None:
+        wait_for("the clients to finish", lambda: all(c.popen.poll() == 0 for c in self.clients.values()),
+                 timeout, list(self.clients.values()))
+
+    def final_adapter(self) -> bytes:
+        return (self.run_dir / "global" / f"round_{ROUNDS:04d}" / "adapter_model.safetensors").read_bytes()
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def log_entries(proc: Proc) -> list[dict]:
+    out = []
+    for line in proc.log_path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> bytes:
+    fed = Federation(tmp_path_factory.mktemp("plain"))
+    try:
+        fed.wait_clients()
+        return fed.final_adapter()
+    finally:
+        fed.stop()
+
+
+def test_aggregator_killed_mid_round_resumes_with_every_acknowledged_upload(tmp_path, uninterrupted):
+    fed = Federation(tmp_path)
+    try:
+        # Round 1: org-a (2 tasks) has uploaded and been acknowledged, org-b (10 tasks) has not.
+        wait_for("org-a's round-1 upload", lambda: "org-a" in fed.accepted(1), procs=list(fed.clients.values()))
+        assert "org-b" not in fed.accepted(1), "org-b was too fast for a mid-round kill"
+        os.kill(fed.agg.popen.pid, signal.SIGKILL)
+        fed.agg.popen.wait()
+        time.sleep(1.0)  # org-b's calls now fail and are retried with backoff
+        fed.restart_aggregator()
+        resumed = wait_for("the resume log line", lambda: next(
+            (e for e in log_entries(fed.agg) if e.get("msg") == "run resumed"), None))
+        assert resumed["round"] == 1 and resumed["uploads"] == 1  # the acknowledged upload was kept
+        fed.wait_clients()
+        # The same seeds give the same final adapter as the run that was never interrupted.
+        assert fed.final_adapter() == uninterrupted
+        # org-a's round-1 upload was stored once, not redone.
+        closes = [e for e in log_entries(fed.agg) if e.get("msg") == "upload accepted" and e.get("round") == 1]
+        assert [e["client"] for e in closes] == ["org-b"]
+    finally:
+        fed.stop()
+
+
+def test_client_killed_mid_round_the_round_closes_at_quorum_and_it_rejoins(tmp_path):
+    fed = Federation(tmp_path, min_clients="1", heartbeat_timeout_s="3", wait_after_min_s="600")
+    try:
+        # Kill org-b while it works on round 1; org-a's upload then closes the round without it.
+        wait_for("round 1 to open", lambda: (fed.run_dir / "global" / "round_0001").exists(),
+                 procs=list(fed.clients.values()))
+        os.kill(fed.clients["org-b"].popen.pid, signal.SIGKILL)
+        fed.clients["org-b"].popen.wait()
+        wait_for("round 2 to open without org-b", lambda: (fed.run_dir / "global" / "round_0002").exists(),
+                 procs=[fed.clients["org-a"]])
+        assert fed.accepted(1) == {"org-a"}
+        reasons = [e["reason"] for e in log_entries(fed.agg) if e.get("msg") == "round closed"]
+        assert reasons[1] == "all alive clients uploaded"
+
+        # The operator sees org-b as not alive.
+        out = subprocess.run([sys.executable, "-m", "fedse.cli", "status", "--aggregator",
+                              f"127.0.0.1:{fed.agg_port}", "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        alive = {c["clientId"]: c["alive"] for c in status["clients"]}
+        assert alive == {"org-a": True, "org-b": False}
+        assert status["round"]["round"] >= 2 and len(status["roundSeconds"]) >= 2
+        table = subprocess.run([sys.executable, "-m", "fedse.cli", "status", "--aggregator",
+                                f"127.0.0.1:{fed.agg_port}"], capture_output=True, text=True, timeout=60)
+        assert "org-b" in table.stdout and "NO" in table.stdout
+
+        # Restarted, org-b rejoins, catches up with the open round and finishes the run.
+        fed.clients["org-b"] = fed.start_client("org-b")
+        fed.wait_clients()
+        reports = [json.loads(line) for line in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
+        b_rounds = sorted(r["round"] for r in reports if r["client_id"] == "org-b")
+        assert ROUNDS in b_rounds and b_rounds.count(0) == 1  # finished rounds were not redone
+        assert (fed.run_dir / "global" / f"round_{ROUNDS:04d}").exists()
+    finally:
+        fed.stop()
