@@ -28,14 +28,14 @@ SERVICE_START_S = 120.0
 class RunConfig:
     """Run a whole Fed-SE federation locally (the embedded tiny model unless --base-model is a path)."""
 
-    envs: str = field("maze,wordle", "environments, one client each")
+    envs: str = field("maze,wordle,babyai,textcraft,webshop", "environments, one client each")
     rounds: int = field(5, "federated rounds T")
     results: str = field("results", "folder for results.json, success.png, logs and state")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory")
-    strategy: str = field("fedavg", "aggregation strategy: fedavg or weighted")
+    strategy: str = field("fedavg", "aggregation strategy: fedavg, weighted, exact, median or trimmed_mean")
     expert_demos: int = field(20, "expert demonstrations per client (D_0)")
-    explore_tasks: int = field(32, "training tasks each client attempts per round")
-    eval_tasks: int = field(0, "held-out test tasks per evaluation (0 = all)")
+    explore_tasks: int = field(16, "training tasks each client attempts per round")
+    eval_tasks: int = field(20, "held-out test tasks per evaluation (0 = all)")
     lr: float = field(3e-3, "client AdamW learning rate")
     epochs: int = field(2, "epochs over the buffer per round")
     wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
