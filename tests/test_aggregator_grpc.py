@@ -175,6 +175,11 @@ def test_bad_uploads_are_refused_and_the_round_completes(aggregator, peft_model)
     c2.upload(0, other, 1, 1)
     st = c1.wait_until(lambda s: s.round >= 1, timeout_s=10)
     assert st.round == 1
+    # A retry whose acknowledgement was lost as the round closed is still acknowledged, not stale.
+    assert raw_upload(c1, header(), [good]).sha256 == sha
+    assert held().complete
+    refused(grpc.StatusCode.FAILED_PRECONDITION, header(sha256=ad.sha256_hex(other_bytes), size=len(other_bytes)),
+            [other_bytes], "round 1 is open")
     merged = ad.decode(c1.download(1).data)
     a, b = ad.decode(good), ad.decode(other)
     assert all(torch.allclose(merged[k].double(), (a[k].double() + b[k].double()) / 2, atol=1e-7) for k in merged)

@@ -16,7 +16,7 @@ def test_flags_win_over_environment_and_defaults_fill_the_rest():
 
 @pytest.mark.parametrize("argv,environ,match", [
     (["--num-rounds", "zero"], {}, "--num-rounds: expected int"),
-    (["--strategy", "median"], {}, "strategy 'median' is unknown"),
+    (["--strategy", "mode"], {}, "strategy 'mode' is unknown"),
     ([], {"FEDSE_MIN_CLIENTS": "0"}, "min-clients must be at least 1"),
 ])
 def test_bad_settings_say_which_and_what_is_expected(argv, environ, match):

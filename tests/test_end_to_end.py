@@ -69,7 +69,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
         if "clients started" in line or time.monotonic() > deadline:
             break
     children = children_of(proc.pid)
-    assert len(children) == 5, children  # 2 env servers, the aggregator, 2 client agents
+    assert len(children) == 11, children  # 5 env servers, the aggregator, 5 client agents
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     assert "interrupted" in proc.stderr.read()

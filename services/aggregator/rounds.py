@@ -365,7 +365,7 @@ class Federation:
         """Checks an upload's header; returns (already accepted, offset to receive from, generation).
 
         An accepted upload with the same sha256 is acknowledged again (idempotent); a partial one
-        continues only from the bytes held; offset 0 always starts over."""
+        continues from any offset up to the bytes held; offset 0 always starts over."""
         if not SHA256.match(h.sha256):
             raise ValueError(f"sha256 {h.sha256!r} is not 64 lowercase hex digits")
         if h.size <= 0:
@@ -376,7 +376,10 @@ class Federation:
         ad.transport_dtype(h.transport)
         if h.offset < 0 or h.offset > h.size:
             raise ValueError(f"offset {h.offset} is outside the adapter's {h.size} bytes")
+        self._settle_stream(h.client_id)
         with self._cond:
+            if self._accepted_earlier_locked(h.client_id, h.round, h.sha256):
+                return True, h.size, 0  # its acknowledgement was lost when that round closed
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             record = self._upload_records.get(h.client_id)
             if record is not None:
@@ -391,9 +394,11 @@ class Federation:
             if h.offset == 0:
                 self.store.start_partial(h.round, h.client_id, header)
                 held = 0
-            elif not same or h.offset != held:
+            elif not same or h.offset > held:
                 raise ResumeMismatch(f"upload {h.sha256[:12]}... of round {h.round}: the aggregator holds {held} "
                                      f"bytes of it; resume from offset {held}")
+            else:
+                held = h.offset  # resuming before the end of what is held is safe: writes go to their offsets
             self._generation += 1
             previous = self._receiving.get(h.client_id)
             # A new stream supersedes one still registered (its connection may be half-dead);
@@ -431,12 +436,31 @@ class Federation:
                 del self._receiving[h.client_id]
                 self._changed_locked()
 
+    def _settle_stream(self, client_id: str) -> None:
+        """Waits for a chunk being written by this client's current stream (if any) to land, so that
+        the bytes held are read after it; later chunks of a dead stream are superseded."""
+        with self._cond:
+            rec = self._receiving.get(client_id)
+        if rec is not None:
+            with rec.lock:
+                pass
+
+    def _accepted_earlier_locked(self, client_id: str, round_: int, sha256: str) -> bool:
+        if not 0 <= round_ < self._round:
+            return False
+        record = self.store.accepted_uploads(round_).get(client_id)
+        return record is not None and record["sha256"] == sha256
+
     def upload_state(self, client_id: str, round_: int, sha256: str) -> tuple[int, bool]:
         """(bytes held, complete) of an upload, for a client resuming one."""
+        self._settle_stream(client_id)
         with self._cond:
             if client_id not in self._clients:
                 raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
             self._seen_locked(client_id)
+            if self._accepted_earlier_locked(client_id, round_, sha256):
+                record = self.store.accepted_uploads(round_)[client_id]
+                return int(record["size"]), True
             if round_ == self._round:
                 record = self._upload_records.get(client_id)
                 if record is not None and record["sha256"] == sha256:

@@ -5,15 +5,28 @@ Round t (DESIGN.md): load the global adapter phi_t; evaluate it greedily on held
 trajectories; add them to the cumulative buffer D_t = D_{t-1} ∪ D_succ (D_0 = expert demos);
 fine-tune the LoRA on the whole buffer; upload phi_{t,k}. After the last round the final global
 adapter is evaluated too, so the metrics cover phi_0 (the untrained base) to phi_T.
+
+Every step that matters is recorded before the next begins, so a client killed at any point and
+started again continues where it was: `progress.json` (written atomically) names the run, the
+round and the last phase finished ("explored", "trained", "uploaded", "reported"); the trained
+adapter is saved to `upload.safetensors` before it is uploaded. `decide_resume` turns the
+recorded progress and the aggregator's status into where to start. Exploration and training are
+seeded from (seed, round), so a resumed round gives the adapter an uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 import pathlib
 import random
+import re
 import time
+from typing import Any
 
+import grpc
 import prometheus_client
 import torch
 
@@ -25,7 +38,7 @@ from . import model as mdl
 from .buffer import Buffer, Trajectory
 from .config import ClientConfig
 from .envclient import EnvClient
-from .federation import FederationClient
+from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound, encode_transport
 from .policy import ActionScorer, format_prompt
 from .rollout import Live, Policy, expert_policy, run_episodes
 from .trainer import train_lora
@@ -47,6 +60,14 @@ for _phase in ("expert", "explore", "eval"):
     for _outcome in ("success", "failure"):
         EPISODES.labels(_phase, _outcome)
 
+PROGRESS_NAME = "progress.json"
+UPLOAD_NAME = "upload.safetensors"
+BUFFER_NAME = "buffer.jsonl"
+# "seeded" (round -1): the expert demonstrations are in the buffer, no round explored yet. Then,
+# per round: its kept trajectories are in the buffer, its adapter is saved, the aggregator
+# acknowledged it, its metrics were reported.
+PROGRESS_PHASES = ("seeded", "explored", "trained", "uploaded", "reported")
+
 
 def training_examples(trajectories: list[Trajectory], max_history: int) -> list[tuple[str, str]]:
     """(prompt, action) for every turn of every trajectory; the loss covers only the action."""
@@ -57,6 +78,104 @@ def training_examples(trajectories: list[Trajectory], max_history: int) -> list[
     return out
 
 
+# ---- progress ---------------------------------------------------------------------------------------
+class ProgressError(ValueError):
+    """A progress.json that cannot be read as one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """How far this client got in a run (progress.json)."""
+
+    run_id: str
+    round: int
+    phase: str
+    sha256: str = ""  # of upload.safetensors, once trained
+    num_examples: int = 0
+    num_successes: int = 0
+    transport_dtype: str = ""  # dtype of upload.safetensors' tensors ("" = the schema's)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.phase not in PROGRESS_PHASES:
+            raise ProgressError(f"progress phase must be one of {', '.join(PROGRESS_PHASES)}, got {self.phase!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Progress":
+        try:
+            d = json.loads(text)
+            return Progress(run_id=str(d["run_id"]), round=int(d["round"]), phase=str(d["phase"]),
+                            sha256=str(d.get("sha256", "")), num_examples=int(d.get("num_examples", 0)),
+                            num_successes=int(d.get("num_successes", 0)),
+                            transport_dtype=str(d.get("transport_dtype", "")),
+                            metrics={str(k): float(v) for k, v in d.get("metrics", {}).items()})
+        except ProgressError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ProgressError(f"progress file is not valid ({type(exc).__name__}: {exc})") from None
+
+
+def write_progress(path: pathlib.Path, progress: Progress) -> None:
+    """Atomically (fedse.adapter.atomic_write: temp file, fsync, rename, fsync of the directory)."""
+    ad.atomic_write(path, progress.to_json().encode())
+
+
+def read_progress(path: pathlib.Path) -> Progress | None:
+    """The recorded progress, None if there is none; ProgressError if the file is not one."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    return Progress.from_json(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Where a (re)started client begins.
+
+    action: "fresh" (no usable progress for this run: set the old state aside, seed, start `round`),
+    "continue" (the open round is the recorded one: go on after `phase`) or "catch_up" (the run
+    moved past the recorded round: start the open round from its global adapter).
+    phase: the last phase already done for `round` ("" = nothing, start by evaluating phi_round).
+    drop_from: buffer trajectories of rounds >= this were never recorded as explored (a crash
+    mid-exploration) and are dropped before the round is redone.
+    missed: a past round whose metrics were recorded but not reported (reported late, best effort).
+    """
+
+    action: str
+    round: int
+    phase: str
+    drop_from: int
+    missed: int | None = None
+    reason: str = ""
+
+
+def decide_resume(progress: Progress | None, run_id: str, open_round: int) -> Resume:
+    """Pure: the recorded progress and the run's status (its run_id and open round, num_rounds once
+    finished) -> where to start. Finished rounds are never redone."""
+    if progress is None:
+        return Resume("fresh", open_round, "", -1, reason="no progress recorded")
+    if progress.run_id != run_id:
+        return Resume("fresh", open_round, "", -1,
+                      reason=f"state is from run {progress.run_id!r}, the aggregator runs {run_id!r}")
+    if progress.round > open_round:
+        return Resume("fresh", open_round, "", -1,
+                      reason=f"progress is at round {progress.round}, past the aggregator's round {open_round}")
+    if progress.round == open_round and progress.phase != "seeded":
+        return Resume("continue", open_round, progress.phase, open_round + 1,
+                      reason=f"round {open_round} is still open, {progress.phase} already")
+    missed = progress.round if progress.phase in ("explored", "trained", "uploaded") and progress.metrics else None
+    return Resume("catch_up", open_round, "", progress.round + 1, missed=missed,
+                  reason=f"the run is at round {open_round}, progress at round {progress.round} ({progress.phase})")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:64] or "unknown"
+
+
 class ClientAgent:
     def __init__(self, config: ClientConfig):
         self.cfg = config
@@ -65,14 +184,18 @@ class ClientAgent:
         self.dir = pathlib.Path(config.state_dir) / config.client_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.env = EnvClient(config.env_server, config.env)
-        self.fed = FederationClient(config.aggregator, config.client_id)
+        self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype)
+        self.heartbeat = Heartbeat(self.fed, config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S)
         base, self.tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
         self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
                                   target_modules=config.lora_targets(), seed=config.seed)
         self.device = next(self.model.parameters()).device
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device)
-        self.buffer = Buffer(self.dir / "buffer.jsonl")
+        self.buffer = Buffer(self.dir / BUFFER_NAME)
         self.history: list[dict[str, float]] = []
+        self.run_id = ""
+        self.progress: Progress | None = None
+        self.loaded_round: int | None = None  # the global adapter the model holds unchanged, if any
 
     # ---- policies --------------------------------------------------------------------------
     def model_policy(self, greedy: bool, generator: torch.Generator) -> Policy:
@@ -97,6 +220,47 @@ class ClientAgent:
         trajs = self.episodes(test_ids, self.model_policy(True, torch.Generator().manual_seed(0)), round_, "eval")
         return sum(t.success for t in trajs) / max(1, len(trajs))
 
+    # ---- state on disk -----------------------------------------------------------------------
+    def record(self, progress: Progress) -> None:
+        write_progress(self.dir / PROGRESS_NAME, progress)
+        self.progress = progress
+
+    def load_progress(self) -> Progress | None:
+        try:
+            return read_progress(self.dir / PROGRESS_NAME)
+        except ProgressError as exc:
+            log.warning("progress file unreadable; starting this run afresh",
+                        extra=log_fields(path=str(self.dir / PROGRESS_NAME), error=str(exc)))
+            return None
+
+    def set_aside(self, old: Progress | None) -> None:
+        """Moves the state directory aside (never deletes it) and starts an empty one."""
+        names = (BUFFER_NAME, PROGRESS_NAME, UPLOAD_NAME)
+        if not any((self.dir / n).exists() and (self.dir / n).stat().st_size for n in names):
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        base = f"{self.dir.name}.aside-{_slug(old.run_id if old else 'unknown')}-{stamp}"
+        target = self.dir.with_name(base)
+        n = 1
+        while target.exists():
+            target, n = self.dir.with_name(f"{base}-{n}"), n + 1
+        os.replace(self.dir, target)
+        ad.fsync_dir(self.dir.parent)
+        self.dir.mkdir(parents=True)
+        self.buffer = Buffer(self.dir / BUFFER_NAME)
+        log.warning("previous client state set aside", extra=log_fields(moved_to=str(target)))
+
+    def saved_upload(self, p: Progress) -> bytes | None:
+        try:
+            data = (self.dir / UPLOAD_NAME).read_bytes()
+        except FileNotFoundError:
+            data = b""
+        if ad.sha256_hex(data) != p.sha256:
+            log.error("saved adapter missing or damaged; training the round again",
+                      extra=log_fields(round=p.round, path=str(self.dir / UPLOAD_NAME)))
+            return None
+        return data
+
     # ---- the loop ----------------------------------------------------------------------------
     def seed_buffer(self, train_ids: list[int]) -> None:
         if any(t.source == "expert" for t in self.buffer.trajectories) or self.cfg.expert_demos == 0:
@@ -111,7 +275,33 @@ class ClientAgent:
 
     def load_global(self, round_: int) -> None:
         g = self.fed.download(round_)
-        mdl.set_adapter_state(self.model, ad.decode(g.data))
+        mdl.set_adapter_state(self.model, g.adapter())
+        self.loaded_round = round_
+
+    def resume(self, plan: Resume, train_ids: list[int]) -> None:
+        """Brings the state directory to where `plan` starts."""
+        old = self.progress
+        if plan.action == "fresh":
+            if old is not None or (self.dir / BUFFER_NAME).exists():
+                log.warning("starting fresh", extra=log_fields(reason=plan.reason))
+            self.set_aside(old)
+            self.progress = None
+            self.seed_buffer(train_ids)
+            self.record(Progress(self.run_id, -1, "seeded"))
+            return
+        log.info("resuming", extra=log_fields(action=plan.action, round=plan.round, after=plan.phase or None,
+                                              reason=plan.reason))
+        dropped = self.buffer.drop_rounds_from(plan.drop_from)
+        if dropped:
+            log.warning("dropped trajectories of an unfinished exploration",
+                        extra=log_fields(from_round=plan.drop_from, trajectories=dropped))
+        self.seed_buffer(train_ids)
+        if plan.missed is not None and old is not None:
+            try:
+                self.fed.report(old.round, old.metrics)
+                self.history.append({"round": float(old.round), **old.metrics})
+            except grpc.RpcError as exc:
+                log.warning("late metrics report refused", extra=log_fields(round=old.round, code=exc.code().name))
 
     def run(self) -> list[dict[str, float]]:
         cfg = self.cfg
@@ -119,35 +309,102 @@ class ClientAgent:
         schema = ad.Schema.of(state, mdl.adapter_config_json(self.model))
         joined = self.fed.join(cfg.env, cfg.base_model, schema)
         num_rounds = joined.config.num_rounds
-        train_ids, _ = self.env.tasks("train")
-        test_ids, _ = self.env.tasks("test")
-        if cfg.eval_tasks:
-            test_ids = test_ids[: cfg.eval_tasks]
-        log.info("joined", extra=log_fields(run_id=joined.config.run_id, rounds=num_rounds, round=joined.current_round,
-                                            train_tasks=len(train_ids), test_tasks=len(test_ids)))
-        self.seed_buffer(train_ids)
-        st = self.fed.wait_until(lambda s: s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
-                                 timeout_s=cfg.round_timeout_s)
-        round_ = st.round
-        while True:
-            ROUND.set(round_)
-            self.load_global(round_)
-            started = time.perf_counter()
-            success = self.evaluate(test_ids, round_)
-            TEST_SUCCESS.set(success)
-            metrics = {"test_success": success, "eval_s": time.perf_counter() - started}
-            if st.state == fpb.ROUND_STATE_FINISHED or round_ >= num_rounds:
-                metrics["buffer"] = float(len(self.buffer))
-                self.finish_round(round_, metrics)
-                break
-            metrics.update(self.train_round(round_, train_ids))
-            self.finish_round(round_, metrics)
-            st = self.fed.wait_until(lambda s: s.round > round_ or s.state == fpb.ROUND_STATE_FINISHED,
+        self.heartbeat.interval_s = (cfg.heartbeat_interval_s or joined.config.heartbeat_interval_s
+                                     or DEFAULT_HEARTBEAT_INTERVAL_S)
+        self.heartbeat.set("joining", joined.current_round)
+        self.heartbeat.start()
+        try:
+            train_ids, _ = self.env.tasks("train")
+            test_ids, _ = self.env.tasks("test")
+            if cfg.eval_tasks:
+                test_ids = test_ids[: cfg.eval_tasks]
+            log.info("joined", extra=log_fields(run_id=joined.config.run_id, rounds=num_rounds,
+                                                round=joined.current_round, train_tasks=len(train_ids),
+                                                test_tasks=len(test_ids)))
+            self.heartbeat.set("waiting")
+            st = self.fed.wait_until(lambda s: s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
                                      timeout_s=cfg.round_timeout_s)
-            round_ = st.round
+            self.run_id = st.run_id or joined.config.run_id
+            self.progress = self.load_progress()
+            plan = decide_resume(self.progress, self.run_id, st.round)
+            self.resume(plan, train_ids)
+            round_, done = plan.round, plan.phase
+            while True:
+                ROUND.set(round_)
+                final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= num_rounds
+                self.play_round(round_, done, final, train_ids, test_ids)
+                if final:
+                    break
+                self.heartbeat.set("waiting", round_)
+                st = self.fed.wait_until(
+                    lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
+                    timeout_s=cfg.round_timeout_s)
+                if st.round > round_ + 1 and st.state == fpb.ROUND_STATE_OPEN:
+                    log.warning("catching up", extra=log_fields(last_round=round_, open_round=st.round))
+                round_, done = st.round, ""
+        except BaseException:
+            self.heartbeat.stop(timeout_s=1.0)
+            raise
+        self.heartbeat.set("done")
+        self.heartbeat.stop()
         return self.history
 
-    def train_round(self, round_: int, train_ids: list[int]) -> dict[str, float]:
+    def play_round(self, round_: int, done: str, final: bool, train_ids: list[int], test_ids: list[int]) -> None:
+        """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported"."""
+        p = self.progress if done else None
+        metrics: dict[str, float] = dict(p.metrics) if p else {}
+        while done != "reported":
+            if done == "":
+                self.heartbeat.set("evaluating", round_)
+                self.load_global(round_)
+                started = time.perf_counter()
+                success = self.evaluate(test_ids, round_)
+                TEST_SUCCESS.set(success)
+                metrics = {"test_success": success, "eval_s": time.perf_counter() - started}
+                if final:  # after the last round: only evaluate phi_T and report
+                    metrics["buffer"] = float(len(self.buffer))
+                    self.finish_round(round_, metrics)
+                    self.record(Progress(self.run_id, round_, "reported", metrics=metrics))
+                    return
+                self.heartbeat.set("exploring", round_)
+                kept, explored = self.explore(round_, train_ids)
+                metrics.update(explored)
+                p = Progress(self.run_id, round_, "explored", num_successes=kept, metrics=metrics)
+                self.record(p)
+                done = "explored"
+            elif done == "explored":
+                assert p is not None
+                self.heartbeat.set("training", round_)
+                if self.loaded_round != round_:
+                    self.load_global(round_)
+                data, num_examples, trained = self.train(round_)
+                ad.atomic_write(self.dir / UPLOAD_NAME, data)
+                metrics.update(trained)
+                p = dataclasses.replace(p, phase="trained", sha256=ad.sha256_hex(data), num_examples=num_examples,
+                                        transport_dtype=self.cfg.transport_dtype, metrics=metrics)
+                self.record(p)
+                done = "trained"
+            elif done == "trained":
+                assert p is not None
+                data = self.saved_upload(p)
+                if data is None:
+                    done = "explored"
+                    continue
+                self.heartbeat.set("uploading", round_)
+                if self.upload(p, data, metrics):
+                    p = dataclasses.replace(p, phase="uploaded", metrics=metrics)
+                    self.record(p)
+                done = "uploaded"  # acknowledged, or the round closed without it: report either way
+            elif done == "uploaded":
+                assert p is not None
+                self.finish_round(round_, metrics)
+                self.record(dataclasses.replace(p, phase="reported", metrics=metrics))
+                done = "reported"
+            else:
+                raise AssertionError(f"unknown phase {done!r}")
+
+    def explore(self, round_: int, train_ids: list[int]) -> tuple[int, dict[str, float]]:
+        """Explores this round's training tasks and appends the successes to the buffer."""
         cfg = self.cfg
         rng = random.Random(cfg.seed * 100_003 + round_)
         ids = rng.sample(train_ids, min(cfg.explore_tasks, len(train_ids)))
@@ -158,26 +415,61 @@ class ClientAgent:
         self.buffer.extend(kept)
         KEPT.inc(len(kept))
         BUFFER.set(len(self.buffer))
+        return len(kept), {"explore_success": len(kept) / max(1, len(trajs)), "kept": float(len(kept)),
+                           "buffer": float(len(self.buffer)), "explore_s": time.perf_counter() - t0}
+
+    def train(self, round_: int) -> tuple[bytes, int, dict[str, float]]:
+        """Trains the LoRA (from the loaded phi_round) on the whole buffer; the adapter's bytes in the
+        transport dtype. Seeded from (seed, round), dropout included, so a retrained round matches."""
+        cfg = self.cfg
+        seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
         examples = training_examples(self.buffer.trajectories, cfg.max_history)
-        result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
-                            batch_size=cfg.batch_size, seed=cfg.seed * 100_003 + round_)
+        devices = [] if self.device.type != "cuda" else \
+            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
+                                batch_size=cfg.batch_size, seed=seed)
+        self.loaded_round = None
         t2 = time.perf_counter()
         LOSS.set(result["loss"])
         TRAIN_SECONDS.inc(t2 - t1)
-        data = ad.encode(mdl.get_adapter_state(self.model))
-        self.fed.upload(round_, data, num_examples=len(examples), num_successes=len(kept),
-                        adapter_config_json=mdl.adapter_config_json(self.model))
-        return {"explore_success": len(kept) / max(1, len(trajs)), "kept": float(len(kept)),
-                "buffer": float(len(self.buffer)), "examples": float(len(examples)), "train_loss": result["loss"],
-                "explore_s": t1 - t0, "train_s": t2 - t1, "upload_bytes": float(len(data))}
+        data = encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
+        return data, len(examples), {"examples": float(len(examples)), "train_loss": result["loss"],
+                                     "train_s": t2 - t1, "upload_bytes": float(len(data))}
 
-    def finish_round(self, round_: int, metrics: dict[str, float]) -> None:
+    def upload(self, p: Progress, data: bytes, metrics: dict[str, float]) -> bool:
+        """Uploads the saved adapter; True once the aggregator acknowledged it. False when the round
+        closed without it (StaleRound: logged, the metrics say so, the agent catches up with the
+        open round) or when the aggregator holds a different adapter of ours for the round."""
+        try:
+            self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
+                            adapter_config_json=mdl.adapter_config_json(self.model),
+                            transport_dtype=p.transport_dtype)
+        except StaleRound as exc:
+            log.warning("round closed before our upload; catching up with the next round",
+                        extra=log_fields(round=p.round, open_round=exc.open_round, detail=str(exc)))
+            metrics["upload_stale"] = 1.0
+            return False
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+            # Only after a retrain that gave other bytes (a nondeterministic device): the aggregator
+            # counts the adapter it accepted first.
+            log.error("the aggregator holds a different adapter of ours for this round; it counts that one",
+                      extra=log_fields(round=p.round, detail=exc.details()))
+            metrics["upload_duplicate"] = 1.0
+            return False
+        return True
+
+    def finish_round(self, round_: int, metrics: dict[str, Any]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
         self.fed.report(round_, metrics)
         self.history.append({"round": float(round_), **metrics})
         log.info("round done", extra=log_fields(round=round_, **{k: round(v, 4) for k, v in metrics.items()}))
 
     def close(self) -> None:
+        self.heartbeat.stop()
         self.env.close_channel()
         self.fed.close()

@@ -1,7 +1,9 @@
 """The client's trajectory buffer D_t: expert seeds plus every kept success, persisted on disk.
 
 Trajectories never leave the client. The buffer is an append-only JSON-lines file; each append
-is flushed and fsynced before it counts, so a crash loses no trajectory that was recorded.
+is flushed and fsynced before it counts, so a crash loses no trajectory that was recorded. The one
+rewrite, dropping the trajectories of rounds whose exploration never finished (a crash mid-round),
+writes a new file and renames it over the old one, so a crash leaves either file whole.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import dataclasses
 import json
 import os
 import pathlib
+
+from fedse.adapter import atomic_write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +76,15 @@ class Buffer:
             fh.flush()
             os.fsync(fh.fileno())
         self.trajectories.extend(trajectories)
+
+    def drop_rounds_from(self, round_: int) -> int:
+        """Drops every trajectory of round >= `round_` (expert seeds are round -1), rewriting the
+        file atomically (temp file, fsync, rename, fsync of the directory); returns how many."""
+        keep = [t for t in self.trajectories if t.round < round_]
+        dropped = len(self.trajectories) - len(keep)
+        if not dropped:
+            return 0
+        atomic_write(self.path, "".join(t.to_json() + "\n" for t in keep).encode())
+        self.trajectories = keep
+        return dropped
+

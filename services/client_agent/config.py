@@ -38,6 +38,10 @@ class ClientConfig:
     seed: int = field(0, "seed for the base model (tiny), LoRA init, task sampling and training")
     torch_threads: int = field(0, "torch CPU threads (0 = torch's default)")
     round_timeout_s: float = field(7200.0, "longest wait for the next round before giving up")
+    transport_dtype: str = field("", "dtype of adapters on the wire, both directions: '' (the run's schema dtype, "
+                                     "fp32) or 'bfloat16' (half the bytes; the aggregator casts back)")
+    heartbeat_interval_s: float = field(0.0, "seconds between heartbeats to the aggregator "
+                                             "(0 = the interval the aggregator asks for at Join)")
     log_level: str = field("INFO", "log level")
 
     def __post_init__(self) -> None:
@@ -56,6 +60,12 @@ class ClientConfig:
             raise ConfigError(f"--temperature must be positive, got {self.temperature}")
         if self.policy not in ("score", "generate"):
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
+        if self.transport_dtype not in ("", "bfloat16"):
+            raise ConfigError(f"--transport-dtype must be '' (the schema's dtype) or 'bfloat16', "
+                              f"got {self.transport_dtype!r}")
+        if not self.heartbeat_interval_s >= 0:
+            raise ConfigError(f"--heartbeat-interval-s must be 0 (the aggregator's) or positive, "
+                              f"got {self.heartbeat_interval_s}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
 

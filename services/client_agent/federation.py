@@ -1,7 +1,14 @@
-"""The client side of FederationService: join, follow rounds, download and upload adapters.
+"""The client side of FederationService: join, follow rounds, heartbeats, resumable adapter transfers.
 
-Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) are retried with
-exponential backoff and jitter; every other status is the aggregator's answer and is raised.
+Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, CANCELLED: a broken
+stream or an aggregator that restarted) are retried with exponential backoff and jitter; every
+other status is the aggregator's answer and is raised.
+
+Transfers are content-addressed and resumable. An upload is (client, round, sha256 of the bytes):
+after a break the client asks GetUploadState how many bytes the aggregator kept and sends only the
+rest, behind a header carrying that offset. A download that broke asks again from the bytes it
+holds, pinned to the sha256 of the first header, and checks the whole adapter's sha256 at the end.
+The retry budget counts attempts without progress: a transfer that keeps moving is not cut off.
 """
 
 from __future__ import annotations
@@ -9,10 +16,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import re
+import threading
 import time
 from typing import Callable, Iterator, TypeVar
 
 import grpc
+import torch
 
 from fedse import adapter as ad
 from fedse import serde
@@ -23,36 +33,109 @@ from fedse.v1 import federation_pb2_grpc as fpb_grpc
 log = logging.getLogger("client_agent.federation")
 
 T = TypeVar("T")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.CANCELLED}
+HEARTBEAT_PHASES = ("joining", "evaluating", "exploring", "training", "uploading", "waiting", "done")
+DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
+_RESUME_AT = re.compile(r"resume from offset (\d+)")
 
 
 class TransferError(RuntimeError):
     """A download whose bytes do not match their header."""
 
 
+class StaleRound(RuntimeError):
+    """The aggregator refused an upload because its round is over (closed, aggregating or finished).
+
+    `status` is a fresh RoundStatus taken after the refusal: `open_round` is its round (while it
+    is AGGREGATING, the round that closed; the next opens shortly).
+    """
+
+    def __init__(self, round_: int, status: fpb.RoundStatus, detail: str):
+        self.round = round_
+        self.status = status
+        self.open_round = status.round
+        state = fpb.RoundState.Name(status.state)
+        super().__init__(f"upload for round {round_} refused: the aggregator is at round {status.round} "
+                         f"({state}): {detail}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalAdapter:
     round: int
+    # The bytes as sent, in `transport_dtype`; `adapter()` gives the tensors in fp32.
     data: bytes
     sha256: str
     adapter_config_json: str
+    transport_dtype: str = ""
+
+    def adapter(self) -> ad.Adapter:
+        return decode_transport(self.data)
+
+
+# ---- transport dtype ----------------------------------------------------------------------------
+def check_transport_dtype(dtype: str) -> str:
+    """The name itself if it is a transport dtype ('' or 'bfloat16'); AdapterError (a ValueError) if not."""
+    ad.transport_dtype(dtype)
+    return dtype
+
+
+def encode_transport(adapter: ad.Adapter, transport_dtype: str = "") -> bytes:
+    """Safetensors bytes of the adapter, floating tensors cast to `transport_dtype` ("" = as they are)."""
+    return ad.encode(ad.cast(adapter, ad.transport_dtype(transport_dtype)))
+
+
+def decode_transport(data: bytes, dtype: torch.dtype = torch.float32) -> ad.Adapter:
+    """The tensors of safetensors bytes in any transport dtype, floating ones cast to `dtype`."""
+    return ad.cast(ad.decode(data), dtype)
+
+
+# ---- chunks -------------------------------------------------------------------------------------
+def upload_chunks(header: fpb.AdapterHeader, data: bytes, chunk_bytes: int) -> Iterator[fpb.AdapterChunk]:
+    """The header (its `offset` says where the data resumes), then data[offset:] in chunks."""
+    if not 0 <= header.offset <= len(data):
+        raise ValueError(f"offset {header.offset} is outside the {len(data)} bytes of the upload")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk size must be positive, got {chunk_bytes}")
+    yield fpb.AdapterChunk(header=header)
+    view = memoryview(data)
+    for start in range(header.offset, len(data), chunk_bytes):
+        yield fpb.AdapterChunk(data=bytes(view[start:start + chunk_bytes]))
+
+
+def resume_offset(details: str | None) -> int | None:
+    """The offset an aggregator's "... resume from offset N" refusal names, else None."""
+    m = _RESUME_AT.search(details or "")
+    return int(m.group(1)) if m else None
+
+
+def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
+    """Exponential backoff with jitter: base * 2^attempt capped at max, times U(0.5, 1)."""
+    return min(max_s, base_s * 2 ** attempt) * random.uniform(0.5, 1.0)
 
 
 class FederationClient:
     def __init__(self, target: str, client_id: str, retries: int = 8, backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, timeout_s: float = 300.0):
+                 max_backoff_s: float = 30.0, timeout_s: float = 300.0, transport_dtype: str = ""):
         self.target = target
         self.client_id = client_id
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
+        self.transport_dtype = check_transport_dtype(transport_dtype)
         self.channel = insecure_channel(target)
         self.stub = fpb_grpc.FederationServiceStub(self.channel)
         self.chunk_bytes = ad.CHUNK_BYTES
 
     def close(self) -> None:
         self.channel.close()
+
+    def _sleep(self, what: str, exc: grpc.RpcError, attempt: int, **fields) -> None:
+        delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s)
+        log.warning("retrying", extra=log_fields(call=what, code=exc.code().name, attempt=attempt + 1,
+                                                 delay_s=round(delay, 2), target=self.target, **fields))
+        time.sleep(delay)
 
     def _retry(self, what: str, call: Callable[[], T]) -> T:
         for attempt in range(self.retries + 1):
@@ -61,13 +144,12 @@ class FederationClient:
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
-                log.warning("retrying", extra=log_fields(call=what, code=exc.code().name, attempt=attempt + 1,
-                                                         delay_s=round(delay, 2), target=self.target))
-                time.sleep(delay)
+                self._sleep(what, exc, attempt)
         raise AssertionError("unreachable")
 
+    # ---- run and rounds -----------------------------------------------------------------------
     def join(self, env: str, base_model: str, schema: ad.Schema) -> fpb.JoinResponse:
+        """Joins the run (idempotent: a restarted client joins again with the same id)."""
         req = fpb.JoinRequest(client_id=self.client_id, env=env, base_model=base_model,
                               schema=serde.schema_to_proto(schema))
         resp = self._retry("Join", lambda: self.stub.Join(req, timeout=self.timeout_s, wait_for_ready=True))
@@ -80,7 +162,8 @@ class FederationClient:
             fpb.RoundStatusRequest(client_id=self.client_id), timeout=self.timeout_s))
 
     def wait_until(self, done: Callable[[fpb.RoundStatus], bool], timeout_s: float | None = None) -> fpb.RoundStatus:
-        """Follows WatchRound until `done(status)`; reconnects if the stream breaks."""
+        """Follows WatchRound until `done(status)` or the run finished; reconnects if the stream breaks
+        (an aggregator restart shows as UNAVAILABLE)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
@@ -97,32 +180,255 @@ class FederationClient:
                 if exc.code() not in RETRYABLE:
                     raise
                 time.sleep(self.backoff_s)
+                continue
+            # The stream ended without the condition (a server shutting down): reconnect, not in a spin.
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"round condition not reached within {timeout_s}s")
+            time.sleep(self.backoff_s)
 
-    def download(self, round_: int) -> GlobalAdapter:
-        def call() -> GlobalAdapter:
-            stream: Iterator[fpb.AdapterChunk] = self.stub.DownloadAdapter(
-                fpb.DownloadRequest(round=round_), timeout=self.timeout_s)
-            header = next(stream).header
-            data = b"".join(chunk.data for chunk in stream)
-            if len(data) != header.size or ad.sha256_hex(data) != header.sha256:
-                raise TransferError(f"global adapter of round {header.round} arrived damaged "
-                                    f"({len(data)} of {header.size} bytes or sha256 mismatch)")
-            return GlobalAdapter(header.round, data, header.sha256, header.adapter_config_json)
-        return self._retry("DownloadAdapter", call)
-
-    def upload(self, round_: int, data: bytes, num_examples: int, num_successes: int,
-               adapter_config_json: str = "") -> fpb.UploadAck:
-        header = fpb.AdapterHeader(
-            round=round_, client_id=self.client_id, sha256=ad.sha256_hex(data), size=len(data),
-            adapter_config_json=adapter_config_json, num_examples=num_examples, num_successes=num_successes)
-
-        def chunks() -> Iterator[fpb.AdapterChunk]:
-            yield fpb.AdapterChunk(header=header)
-            for part in ad.chunks(data, self.chunk_bytes):
-                yield fpb.AdapterChunk(data=part)
-
-        return self._retry("UploadAdapter", lambda: self.stub.UploadAdapter(chunks(), timeout=self.timeout_s))
+    def heartbeat(self, round_: int, phase: str, timeout_s: float = 10.0) -> fpb.HeartbeatAck:
+        """One heartbeat, not retried (the next beat is the retry)."""
+        return self.stub.Heartbeat(fpb.HeartbeatRequest(client_id=self.client_id, round=round_, phase=phase),
+                                   timeout=timeout_s)
 
     def report(self, round_: int, metrics: dict[str, float]) -> None:
         self._retry("ReportMetrics", lambda: self.stub.ReportMetrics(
             fpb.MetricsReport(client_id=self.client_id, round=round_, metrics=metrics), timeout=self.timeout_s))
+
+    # ---- download -----------------------------------------------------------------------------
+    def download(self, round_: int, transport_dtype: str | None = None) -> GlobalAdapter:
+        """The global adapter of `round_` (-1: the latest), resumed from the bytes held after a break
+        and checked against its sha256 at the end (damaged: TransferError logged, restart from 0)."""
+        dtype = check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
+        want = round_
+        buf = bytearray()
+        first: fpb.AdapterHeader | None = None
+        failures = 0
+        while True:
+            offset = len(buf)
+            req = fpb.DownloadRequest(round=want, offset=offset, sha256=first.sha256 if first else "",
+                                      transport_dtype=dtype)
+            try:
+                stream: Iterator[fpb.AdapterChunk] = self.stub.DownloadAdapter(req, timeout=self.timeout_s)
+                head = next(stream, None)
+                if head is None or head.WhichOneof("kind") != "header":
+                    raise TransferError(f"download of round {want} did not start with a header")
+                h = head.header
+                if first is None:
+                    first = h
+                    want = h.round  # a resumed "latest" download must stay on the same round
+                elif h.sha256 != first.sha256 or h.size != first.size:
+                    raise TransferError(f"global adapter of round {want} changed during the download")
+                if h.offset != offset:
+                    raise TransferError(f"asked for bytes from {offset}, the aggregator sent from {h.offset}")
+                for chunk in stream:
+                    buf += chunk.data
+                    if len(buf) > first.size:
+                        raise TransferError(f"global adapter of round {want} ran past its {first.size} bytes")
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.FAILED_PRECONDITION and first is not None:
+                    # The adapter changed under the pinned sha256: start over.
+                    log.warning("download restarts", extra=log_fields(round=want, reason=exc.details()))
+                    buf, first = bytearray(), None
+                    want = round_
+                elif code not in RETRYABLE:
+                    raise
+                failures = 0 if len(buf) > offset else failures + 1
+                if failures > self.retries:
+                    raise
+                self._sleep("DownloadAdapter", exc, failures, round=want, held_bytes=len(buf))
+                continue
+            except TransferError as exc:
+                failures += 1
+                if failures > self.retries:
+                    raise
+                log.warning("download damaged, restarting from 0", extra=log_fields(round=want, reason=str(exc)))
+                buf, first, want = bytearray(), None, round_
+                continue
+            if len(buf) < first.size:
+                # The stream ended early without an error: resume from what we hold.
+                failures = 0 if len(buf) > offset else failures + 1
+                if failures > self.retries:
+                    raise TransferError(f"global adapter of round {want}: stream keeps ending at "
+                                        f"{len(buf)} of {first.size} bytes")
+                continue
+            data = bytes(buf)
+            if ad.sha256_hex(data) != first.sha256:
+                failures += 1
+                err = TransferError(f"global adapter of round {want} arrived damaged (sha256 mismatch over "
+                                    f"{len(data)} bytes)")
+                if failures > self.retries:
+                    raise err
+                log.warning("download damaged, restarting from 0", extra=log_fields(round=want, reason=str(err)))
+                buf, first, want = bytearray(), None, round_
+                continue
+            return GlobalAdapter(first.round, data, first.sha256, first.adapter_config_json,
+                                 first.transport_dtype or dtype)
+
+    # ---- upload -------------------------------------------------------------------------------
+    def upload_state(self, round_: int, sha256: str) -> fpb.UploadState:
+        """How many bytes of our upload (round, sha256) the aggregator holds (NOT_FOUND: none)."""
+        try:
+            return self._retry("GetUploadState", lambda: self.stub.GetUploadState(
+                fpb.UploadStateRequest(client_id=self.client_id, round=round_, sha256=sha256),
+                timeout=self.timeout_s))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return fpb.UploadState(received_bytes=0, complete=False)
+            raise
+
+    def _check_round(self, round_: int, detail: str) -> fpb.RoundStatus:
+        """A fresh status; raises StaleRound unless `round_` is still the open round."""
+        st = self.status()
+        if st.state in (fpb.ROUND_STATE_AGGREGATING, fpb.ROUND_STATE_FINISHED) or st.round > round_:
+            raise StaleRound(round_, st, detail)
+        return st
+
+    def upload(self, round_: int, data: bytes, num_examples: int, num_successes: int,
+               adapter_config_json: str = "", transport_dtype: str | None = None,
+               round_nonce: str = "") -> fpb.UploadAck:
+        """Uploads `data` (safetensors bytes whose floating tensors are in `transport_dtype`) for
+        `round_`, resuming after breaks from what the aggregator kept.
+
+        Raises StaleRound if the round is over, grpc.RpcError for any other refusal, and the last
+        transient error once `retries` attempts in a row made no progress.
+        """
+        dtype = check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
+        sha = ad.sha256_hex(data)
+        if not round_nonce:
+            round_nonce = self._check_round(round_, "the round is over").round_nonce
+        offset, failures = 0, 0
+        while True:
+            header = fpb.AdapterHeader(
+                round=round_, client_id=self.client_id, round_nonce=round_nonce, sha256=sha, size=len(data),
+                offset=offset, transport_dtype=dtype, num_examples=num_examples, num_successes=num_successes,
+                adapter_config_json=adapter_config_json)
+            try:
+                ack = self.stub.UploadAdapter(upload_chunks(header, data, self.chunk_bytes), timeout=self.timeout_s)
+                if offset:
+                    log.info("upload resumed and acknowledged", extra=log_fields(round=round_, offset=offset,
+                                                                                 size=len(data)))
+                return ack
+            except grpc.RpcError as exc:
+                code, detail = exc.code(), exc.details() or ""
+                before = offset
+                if code in RETRYABLE:
+                    try:
+                        held = self.upload_state(round_, sha)
+                    except grpc.RpcError as state_exc:
+                        if state_exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                            raise
+                        self._check_round(round_, state_exc.details() or "")
+                        raise
+                    offset = min(int(held.received_bytes), len(data))
+                    failures = 0 if offset > before else failures + 1
+                    if failures > self.retries:
+                        raise
+                    self._sleep("UploadAdapter", exc, failures, round=round_, resume_at=offset)
+                    continue
+                if code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                at = resume_offset(detail)
+                if at is not None and 0 <= at <= len(data):
+                    # Stream ended short, or our offset differed from what the aggregator holds.
+                    offset = at
+                    failures = 0 if offset > before else failures + 1
+                    if failures > self.retries:
+                        raise
+                    log.info("upload resumes", extra=log_fields(round=round_, offset=offset, reason=detail))
+                    continue
+                st = self._check_round(round_, detail)
+                if st.round == round_ and st.state == fpb.ROUND_STATE_OPEN and st.round_nonce != round_nonce:
+                    # The nonce we carried is not this round's (e.g. taken before a restart): take the new one.
+                    failures += 1
+                    if failures > self.retries:
+                        raise
+                    round_nonce = st.round_nonce
+                    continue
+                raise
+
+
+class Heartbeat:
+    """Tells the aggregator, every `interval_s` and at every phase change, which round and phase
+    this client is in. A daemon thread; a failed beat is logged and the next one tried, it never
+    raises into the agent."""
+
+    def __init__(self, fed: FederationClient, interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+                 phase: str = "joining", round_: int = -1):
+        self.fed = fed
+        self.interval_s = interval_s if interval_s > 0 else DEFAULT_HEARTBEAT_INTERVAL_S
+        self._lock = threading.Lock()
+        self._round = round_
+        self._phase = self._checked(phase)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+        self.failed = 0
+        self._failing = 0
+        self.last_status: fpb.RoundStatus | None = None
+
+    @staticmethod
+    def _checked(phase: str) -> str:
+        if phase not in HEARTBEAT_PHASES:
+            raise ValueError(f"heartbeat phase must be one of {', '.join(HEARTBEAT_PHASES)}, got {phase!r}")
+        return phase
+
+    @property
+    def phase(self) -> tuple[int, str]:
+        with self._lock:
+            return self._round, self._phase
+
+    def set(self, phase: str, round_: int | None = None) -> None:
+        """Sets what the client is doing (and on which round); the new phase is sent at once."""
+        with self._lock:
+            self._phase = self._checked(phase)
+            if round_ is not None:
+                self._round = round_
+        self._wake.set()
+
+    def start(self) -> "Heartbeat":
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops beating (after one last beat carrying the current phase, e.g. "done")."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def beat(self) -> bool:
+        round_, phase = self.phase
+        try:
+            ack = self.fed.heartbeat(round_, phase, timeout_s=max(1.0, min(10.0, self.interval_s)))
+        except Exception as exc:  # noqa: BLE001 - a heartbeat never takes the agent down
+            self.failed += 1
+            self._failing += 1
+            code = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
+            # The first failure of a streak is a warning, the rest debug: an aggregator that is down
+            # for a minute should not flood the log.
+            (log.warning if self._failing == 1 else log.debug)(
+                "heartbeat failed", extra=log_fields(round=round_, phase=phase, error=code, streak=self._failing))
+            return False
+        if self._failing:
+            log.info("heartbeat back", extra=log_fields(after_failures=self._failing))
+        self._failing = 0
+        self.sent += 1
+        self.last_status = ack.status
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - belt and braces: logging itself failed
+                pass
+            if self._stop.is_set():
+                return
+            self._wake.wait(self.interval_s)
