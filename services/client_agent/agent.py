@@ -183,8 +183,10 @@ class ClientAgent:
             torch.set_num_threads(config.torch_threads)
         self.dir = pathlib.Path(config.state_dir) / config.client_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.env = EnvClient(config.env_server, config.env)
-        self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype)
+        self.env = EnvClient(config.env_server, config.env,
+                             security=None if config.env_server_plain else config)
+        self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype,
+                                    security=config)
         self.heartbeat = Heartbeat(self.fed, config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S)
         base, self.tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
         self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,

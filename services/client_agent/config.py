@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 from fedse.config import ConfigError, field
+from fedse.security import Security
 from fedse.tinymodel import TINY_MODEL_NAME
 
 
 @dataclasses.dataclass(frozen=True)
-class ClientConfig:
-    """A Fed-SE client agent: explores its environment, keeps successes, trains LoRA, federates."""
+class ClientConfig(Security):
+    """A Fed-SE client agent: explores its environment, keeps successes, trains LoRA, federates.
+
+    The TLS / token settings apply to the aggregator and, unless --env-server-plain, to the env server."""
 
     client_id: str = field("client-0", "unique, stable id of this client in the run")
     env: str = field("maze", "environment name on the env server")
@@ -43,8 +46,11 @@ class ClientConfig:
     heartbeat_interval_s: float = field(0.0, "seconds between heartbeats to the aggregator "
                                              "(0 = the interval the aggregator asks for at Join)")
     log_level: str = field("INFO", "log level")
+    env_server_plain: bool = field(False, "talk to the env server without TLS or token (e.g. one in the same pod "
+                                          "or on the same host), whatever the aggregator link uses")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive = {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "epochs": self.epochs,
                     "batch_size": self.batch_size, "concurrency": self.concurrency,
                     "explore_tasks": self.explore_tasks}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fedse.security import Security, channel
 from fedse.serving import insecure_channel
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
@@ -27,10 +28,10 @@ class Session:
 
 
 class EnvClient:
-    def __init__(self, target: str, env: str, timeout_s: float = 60.0):
+    def __init__(self, target: str, env: str, timeout_s: float = 60.0, security: Security | None = None):
         self.env = env
         self.timeout_s = timeout_s
-        self.channel = insecure_channel(target)
+        self.channel = channel(target, security) if security is not None else insecure_channel(target)
         self.stub = epb_grpc.EnvServiceStub(self.channel)
 
     def close_channel(self) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from fedse import adapter as ad
 from fedse import serde
+from fedse.security import Security, channel
 from fedse.serving import insecure_channel, log_fields
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
@@ -116,7 +117,8 @@ def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
 
 class FederationClient:
     def __init__(self, target: str, client_id: str, retries: int = 8, backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, timeout_s: float = 300.0, transport_dtype: str = ""):
+                 max_backoff_s: float = 30.0, timeout_s: float = 300.0, transport_dtype: str = "",
+                 security: Security | None = None):
         self.target = target
         self.client_id = client_id
         self.retries = retries
@@ -124,7 +126,7 @@ class FederationClient:
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
         self.transport_dtype = check_transport_dtype(transport_dtype)
-        self.channel = insecure_channel(target)
+        self.channel = channel(target, security) if security is not None else insecure_channel(target)
         self.stub = fpb_grpc.FederationServiceStub(self.channel)
         self.chunk_bytes = ad.CHUNK_BYTES
 
