@@ -14,11 +14,11 @@ import json
 import math
 import os
 import pathlib
+import struct
 import tempfile
 from typing import Iterator, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -237,26 +237,65 @@ def config_with_base(adapter_config_json: str, base_model: str) -> str:
     return json.dumps(cfg, indent=2, sort_keys=True)
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 class AdapterFile(Mapping[str, torch.Tensor]):
-    """A read-only view of an adapter's safetensors file that loads one tensor per lookup.
+    """A read-only view of an adapter's safetensors file that reads one tensor per lookup.
 
     Aggregation walks tensor by tensor across clients, so with K uploads on disk it holds K copies
-    of one tensor at a time, not K adapters.
+    of one tensor at a time, not K adapters. Tensors are read with pread into fresh buffers (the
+    file layout: an 8-byte little-endian header length, a JSON header of dtype, shape and byte
+    offsets, then the data), not memory-mapped: mapped pages would stay resident and count against
+    the process for every file touched.
     """
 
     def __init__(self, path: pathlib.Path | str):
         self.path = pathlib.Path(path)
-        with safe_open(str(self.path), framework="pt") as f:
-            self._names = tuple(f.keys())
+        self._fd: int | None = None
+        with open(self.path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                raise AdapterError(f"{self.path} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError:
+                raise AdapterError(f"{self.path} is not a safetensors file (bad header)") from None
+        self._base = 8 + n
+        self._specs = {k: v for k, v in header.items() if k != "__metadata__"}
+        for name, spec in self._specs.items():
+            if spec.get("dtype") not in _SAFETENSORS_DTYPES:
+                raise AdapterError(f"tensor {name} in {self.path} has dtype {spec.get('dtype')!r}, which fedse "
+                                   "does not read")
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
-        with safe_open(str(self.path), framework="pt") as f:
-            return f.get_tensor(name)
+        spec = self._specs[name]
+        begin, end = spec["data_offsets"]
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        buf = bytearray(end - begin)
+        if buf and os.preadv(self._fd, [buf], self._base + begin) != len(buf):
+            raise AdapterError(f"{self.path} is truncated: tensor {name} is cut short")
+        dtype = _SAFETENSORS_DTYPES[spec["dtype"]]
+        if not buf:
+            return torch.empty(spec["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(spec["shape"])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self._specs)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._specs)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -89,3 +89,27 @@ def test_peft_dir_is_written_atomically_and_replaced(tmp_path):
     got, cfg = ad.read_peft_dir(target)
     assert got == data and json.loads(cfg) == {"r": 4}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_0001"]
+
+
+def test_adapter_file_reads_each_tensor_as_saved_and_refuses_a_truncated_file(tmp_path):
+    import pytest
+    import torch
+
+    from fedse import adapter as ad
+
+    saved = {"a.lora_A.weight": torch.randn(3, 5), "a.lora_B.weight": torch.randn(5, 3).to(torch.bfloat16),
+             "steps": torch.arange(4)}
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(ad.encode(saved))
+    view = ad.AdapterFile(path)
+    assert sorted(view) == sorted(saved) and len(view) == 3
+    for name, t in saved.items():
+        assert view[name].dtype == t.dtype and torch.equal(view[name], t)
+    with pytest.raises(KeyError):
+        view["missing"]
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ad.AdapterError, match="truncated"):
+        ad.AdapterFile(path)[max(saved, key=lambda n: ad.AdapterFile(path)._specs[n]["data_offsets"][1])]
+    path.write_bytes(b"\x01")
+    with pytest.raises(ad.AdapterError, match="not a safetensors file"):
+        ad.AdapterFile(path)
