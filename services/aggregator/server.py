@@ -41,7 +41,8 @@ class AggregatorConfig(Security):
     noise_multiplier: float = field(0.0, "central differential privacy: add Gaussian noise of std "
                                          "noise-multiplier * clip-norm / clients to the aggregate; needs clip-norm")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
-    seed: int = field(0, "seed of the round-0 LoRA initialisation")
+    seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
+    torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
     log_level: str = field("INFO", "log level")
     health_address: str = field("", "extra plain-gRPC address serving only the health service, for Kubernetes "
                                     "probes when TLS is on (empty = none)")
@@ -85,6 +86,10 @@ class Aggregator:
 
     def __init__(self, config: AggregatorConfig):
         self.config = config
+        if config.torch_threads:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
         self.federation = Federation(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id))
         self.service = Service("aggregator", config.address, credentials=server_credentials(config),
                                interceptors=server_interceptors(config), health_address=config.health_address)
