@@ -1,0 +1,513 @@
+"""Adapter transfer and one whole round: fedse's federation path beside plain gRPC and raw TCP floors.
+
+Builds a Llama-2-7B-shaped LoRA (r = 8 on q, k, v, o, gate, up, down; as many of the 32 layers as
+make about --mb MB in fp32) and moves its safetensors bytes over loopback, --repeats times each
+(the table shows the median and every run):
+  raw TCP floor  sendall / recv_into a bytearray, to and from a subprocess; timed until the
+                 receiver's one-byte acknowledgement (upload) or the last byte (download).
+  gRPC floor     a bare grpcio server in a subprocess (generic handlers, raw bytes messages, no
+                 protobuf): stream-unary upload and unary-stream download in 4 MB chunks, with
+                 fedse.serving.GRPC_OPTIONS on both sides (8 MB message limit).
+  fedse          FederationClient.upload / .download against a real aggregator process
+                 (`python -m services.aggregator`), in fp32 and with transport_dtype bfloat16
+                 (half the bytes on the wire). An upload is timed from the call to its ack: the
+                 client hashes the bytes and asks the round status first; the aggregator fsyncs
+                 every 4 MB chunk to disk, then reads the upload back, checks sha256, decodes it,
+                 checks keys, shapes, dtypes and finiteness (bf16: casts it back to fp32 and
+                 re-encodes it) and writes it, fsynced, as accepted, all before the ack.
+                 Every repeat is a different client of the same open round (the round needs more
+                 uploads than the bench makes, so it never closes under an upload: no aggregation
+                 is timed there). A download includes the client's sha256 check; the aggregator
+                 keeps each round's global adapter (and its bf16 variant, made on the first bf16
+                 download) in memory once asked for.
+"x floor" is the time divided by that floor's time for the same number of bytes on the wire.
+
+Then where an upload's time goes: each step of the path (client hashing and chunking, protobuf,
+the aggregator's fsynced chunk writes, read-back, validation, storing) timed alone in this process
+with fedse's own functions on the same bytes; they run one after another in the real path.
+
+Then one whole round, --repeats times, each on a fresh aggregator (--num-rounds 1 --min-clients 2)
+with two client processes that join, wait for the round to open, download phi_0, upload their
+own adapter (no training) and wait until the round is closed (the run FINISHED): the wall time
+from the first upload starting to both clients having seen the round closed, and from the first
+join to the same point. Both include the aggregation (FedAvg of A and B, phi_1 written as a PEFT
+directory, fsynced), which runs inside the last upload before its ack; its seconds, from the
+aggregator's log, are shown apart. The first join also makes and stores phi_0 (a fresh LoRA).
+Flower 1.42's deployment runtime took 6.9 s for the same round on this machine (measured
+separately, not by this script); it is printed beside ours.
+
+    .venv/bin/python bench/transfer.py [--mb 80] [--repeats 3] [--workdir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import select
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+
+import grpc
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fedse import adapter as ad  # noqa: E402
+from fedse.launcher import Proc  # noqa: E402
+from fedse.serving import GRPC_OPTIONS  # noqa: E402
+from fedse.v1 import federation_pb2 as fpb  # noqa: E402
+from services.aggregator.store import Store  # noqa: E402
+from services.client_agent.federation import FederationClient, encode_transport  # noqa: E402
+
+RANK = 8
+HIDDEN, INTERMEDIATE = 4096, 11008  # Llama-2-7B
+MODULES = {  # module -> (in_features, out_features)
+    "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, HIDDEN),
+    "self_attn.v_proj": (HIDDEN, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
+    "mlp.gate_proj": (HIDDEN, INTERMEDIATE), "mlp.up_proj": (HIDDEN, INTERMEDIATE),
+    "mlp.down_proj": (INTERMEDIATE, HIDDEN),
+}
+BYTES_PER_LAYER = 4 * sum(RANK * (i + o) for i, o in MODULES.values())  # fp32
+MAX_LAYERS = 32
+CONFIG_JSON = json.dumps({
+    "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 16, "lora_dropout": 0.0,
+    "bias": "none", "target_modules": sorted(m.split(".")[-1] for m in MODULES),
+})
+BASE_MODEL = "llama-2-7b-bench"
+ENV = "bench"
+CHUNK = ad.CHUNK_BYTES
+FLOWER_ROUND_S = 6.9
+SERVICE = "fedsebench.Transfer"
+START_S = 120.0
+
+
+def adapter_of(layers: int, seed: int) -> ad.Adapter:
+    """PEFT state-dict names: lora_A is (r, in), lora_B is (out, r); small random fp32 values."""
+    gen = torch.Generator().manual_seed(seed)
+    out: ad.Adapter = {}
+    for layer in range(layers):
+        for module, (fan_in, fan_out) in MODULES.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn((RANK, fan_in), generator=gen) * 0.01
+            out[f"{prefix}.lora_B.weight"] = torch.randn((fan_out, RANK), generator=gen) * 0.001
+    return out
+
+
+def layers_for(mb: float) -> int:
+    return max(1, min(MAX_LAYERS, round(mb * 1e6 / BYTES_PER_LAYER)))
+
+
+# ---- helper processes (this file run with a hidden flag) -------------------------------------------
+def serve_grpc(path: str) -> None:
+    """A bare gRPC server: Upload (stream of raw chunks -> 8-byte count), Download (8-byte size -> chunks)."""
+    data = pathlib.Path(path).read_bytes()
+    sink = bytearray(len(data))
+
+    def upload(request_iterator, context):
+        view, n = memoryview(sink), 0
+        for msg in request_iterator:
+            view[n:n + len(msg)] = msg
+            n += len(msg)
+        return n.to_bytes(8, "little")
+
+    def download(request, context):
+        n = int.from_bytes(request, "little")
+        for start in range(0, n, CHUNK):
+            yield data[start:min(n, start + CHUNK)]
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "Upload": grpc.stream_unary_rpc_method_handler(upload),
+        "Download": grpc.unary_stream_rpc_method_handler(download),
+    }),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(json.dumps({"port": port}), flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    server.stop(0).wait()
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed early")
+        got += n
+
+
+def serve_tcp(path: str) -> None:
+    """A socket server: b'U' + 8-byte size + bytes -> b'k'; b'D' + 8-byte size -> that many bytes."""
+    data = pathlib.Path(path).read_bytes()
+    sink = bytearray(len(data))
+    lsock = socket.create_server(("127.0.0.1", 0))
+    print(json.dumps({"port": lsock.getsockname()[1]}), flush=True)
+    while True:
+        ready, _, _ = select.select([lsock, sys.stdin], [], [])
+        if sys.stdin in ready:
+            return  # the parent closed our stdin
+        conn, _ = lsock.accept()
+        with conn:
+            head = bytearray(9)
+            _recv_exact(conn, memoryview(head))
+            n = int.from_bytes(head[1:], "little")
+            if head[:1] == b"U":
+                _recv_exact(conn, memoryview(sink)[:n])
+                conn.sendall(b"k")
+            else:
+                conn.sendall(memoryview(data)[:n])
+
+
+def round_client(target: str, client_id: str, layers: int, seed: int) -> None:
+    """One client of the whole-round bench: prepares its adapter, says ready, waits for 'go' on stdin,
+    then joins, waits for OPEN, downloads phi_0, uploads, waits until the round closed; prints stamps."""
+    adapter = adapter_of(layers, seed)
+    data = ad.encode(adapter)
+    schema = ad.Schema.of(adapter, CONFIG_JSON)
+    del adapter
+    fed = FederationClient(target, client_id)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t: dict[str, float] = {"join": time.monotonic()}
+    fed.join(ENV, BASE_MODEL, schema)
+    st = fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_OPEN, timeout_s=START_S)
+    t["open"] = time.monotonic()
+    phi = fed.download(st.round)
+    t["downloaded"] = time.monotonic()
+    assert len(phi.data) == len(data)
+    t["upload"] = time.monotonic()
+    fed.upload(st.round, data, num_examples=1, num_successes=1, adapter_config_json=CONFIG_JSON,
+               round_nonce=st.round_nonce)
+    t["acked"] = time.monotonic()
+    fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_FINISHED or s.round > st.round, timeout_s=START_S)
+    t["closed"] = time.monotonic()
+    fed.close()
+    print(json.dumps(t), flush=True)
+
+
+class Helper:
+    """This file run as a helper process; the first line of its stdout is read as JSON."""
+
+    def __init__(self, *args: str):
+        self.popen = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+
+    def line(self) -> str:
+        out = self.popen.stdout.readline()
+        if not out:
+            raise RuntimeError(f"helper {self.popen.args[2:]} exited with {self.popen.wait()}")
+        return out.strip()
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                self.popen.stdin.close()
+                self.popen.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.popen.kill()
+                self.popen.wait()
+
+
+def aggregator(state_dir: pathlib.Path, num_rounds: int, min_clients: int) -> Proc:
+    return Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
+                               "--state-dir", str(state_dir), "--run-id", "bench", "--num-rounds", str(num_rounds),
+                               "--min-clients", str(min_clients), "--round-deadline-s", "3600",
+                               "--wait-after-min-s", "3600", "--heartbeat-timeout-s", "3600"], state_dir)
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def tcp_times(port: int, data: bytes, size: int, repeats: int) -> dict[str, list[float]]:
+    sink = bytearray(size)
+
+    def up() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"U" + size.to_bytes(8, "little"))
+            s.sendall(memoryview(data)[:size])
+            ack = bytearray(1)
+            _recv_exact(s, memoryview(ack))
+
+    def down() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"D" + size.to_bytes(8, "little"))
+            _recv_exact(s, memoryview(sink))
+
+    up(), down()  # warm-up
+    return {"upload": [timed(up) for _ in range(repeats)], "download": [timed(down) for _ in range(repeats)]}
+
+
+def grpc_times(port: int, data: bytes, size: int, repeats: int) -> dict[str, list[float]]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+        upload = channel.stream_unary(f"/{SERVICE}/Upload")
+        download = channel.unary_stream(f"/{SERVICE}/Download")
+        view = memoryview(data)
+
+        def up() -> None:
+            got = upload(bytes(view[s:min(size, s + CHUNK)]) for s in range(0, size, CHUNK))
+            assert int.from_bytes(got, "little") == size
+
+        def down() -> None:
+            buf = bytearray()
+            for chunk in download(size.to_bytes(8, "little")):
+                buf += chunk
+            assert len(buf) == size
+
+        up(), down()  # warm-up: channel, server threads
+        return {"upload": [timed(up) for _ in range(repeats)], "download": [timed(down) for _ in range(repeats)]}
+
+
+def federation_times(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int,
+                     say) -> dict[tuple[str, str], list[float]]:
+    """Uploads by 2 * repeats different clients of one open round (which needs one more to close),
+    and downloads of phi_0 in both transport dtypes."""
+    schema = ad.Schema.of(adapter, CONFIG_JSON)
+    data_bf16 = encode_transport(adapter, "bfloat16")
+    n_clients = 2 * repeats + 1
+    state = work / "federation"
+    state.mkdir()
+    agg = aggregator(state, num_rounds=1, min_clients=n_clients)
+    clients: list[FederationClient] = []
+    out: dict[tuple[str, str], list[float]] = {}
+    try:
+        target = f"127.0.0.1:{agg.port()}"
+        clients = [FederationClient(target, f"bench-{k}") for k in range(n_clients)]
+        for fed in clients:
+            fed.join(ENV, BASE_MODEL, schema)
+        st = clients[0].wait_until(lambda s: s.state == fpb.ROUND_STATE_OPEN, timeout_s=START_S)
+        for dtype in ("", "bfloat16"):
+            name = dtype or "fp32"
+            say(f"  fedse download {name} x{repeats} ...")
+            out[("download", name)] = [timed(lambda: clients[0].download(st.round, transport_dtype=dtype))
+                                       for _ in range(repeats)]
+        for i, (dtype, payload) in enumerate((("", data), ("bfloat16", data_bf16))):
+            name = dtype or "fp32"
+            say(f"  fedse upload {name} x{repeats} ...")
+            out[("upload", name)] = [
+                timed(lambda fed=fed: fed.upload(st.round, payload, 1, 1, CONFIG_JSON, transport_dtype=dtype))
+                for fed in clients[1 + i * repeats:1 + (i + 1) * repeats]]
+        after = clients[0].status()
+        assert after.state == fpb.ROUND_STATE_OPEN and len(after.uploaded) == 2 * repeats, after
+        return out
+    finally:
+        for fed in clients:
+            fed.close()
+        agg.stop()
+
+
+def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int) -> list[tuple[str, float, float]]:
+    """The steps of an upload, each timed alone in this process with fedse's own code on the same bytes
+    (median of `repeats`): (step, fp32 s, bf16 s). They run one after another in the real path, except
+    that the client's chunking and the aggregator's writes overlap with the transfer."""
+    schema = ad.Schema.of(adapter, CONFIG_JSON)
+    store = Store(work / "breakdown", "bench")
+    payloads = {"": data, "bfloat16": encode_transport(adapter, "bfloat16")}
+    order = ["client: sha256", "client: 4 MB chunks as AdapterChunk (copies)", "protobuf serialize + parse",
+             "aggregator: write chunks, no fsync (for scale)", "aggregator: write + fsync each chunk (Store)",
+             "aggregator: read the upload back", "aggregator: validate (sha256, decode, checks)",
+             "  of which: isfinite over all tensors", "aggregator: re-encode fp32 to store",
+             "aggregator: write accepted, fsynced"]
+    rows: dict[str, dict[str, float]] = {name: {} for name in order}
+
+    def step(name: str, dtype: str, fn) -> None:
+        fn()  # warm-up: first-call costs (allocator, torch kernels) are not the step's
+        rows[name][dtype] = statistics.median(timed(fn) for _ in range(repeats))
+
+    for dtype, payload in payloads.items():
+        sha = ad.sha256_hex(payload)
+        view = memoryview(payload)
+        step("client: sha256", dtype, lambda: ad.sha256_hex(payload))
+        step("client: 4 MB chunks as AdapterChunk (copies)", dtype, lambda: [
+            fpb.AdapterChunk(data=bytes(view[s:s + CHUNK])) for s in range(0, len(payload), CHUNK)])
+        msgs = [fpb.AdapterChunk(data=bytes(view[s:s + CHUNK])) for s in range(0, len(payload), CHUNK)]
+        step("protobuf serialize + parse", dtype, lambda: [fpb.AdapterChunk.FromString(m.SerializeToString())
+                                                           for m in msgs])
+        del msgs
+
+        def receive(fsync: bool) -> None:
+            store.start_partial(0, "c", {"sha256": sha})
+            if fsync:
+                for s in range(0, len(payload), CHUNK):
+                    store.append_partial(0, "c", s, payload[s:s + CHUNK])
+            else:
+                with open(store.upload_dir(0) / "c.part", "r+b") as fh:
+                    for s in range(0, len(payload), CHUNK):
+                        fh.write(payload[s:s + CHUNK])
+
+        step("aggregator: write chunks, no fsync (for scale)", dtype, lambda: receive(False))
+        step("aggregator: write + fsync each chunk (Store)", dtype, lambda: receive(True))
+        step("aggregator: read the upload back", dtype, lambda: store.read_partial(0, "c"))
+        step("aggregator: validate (sha256, decode, checks)", dtype,
+             lambda: ad.validate(schema, payload, sha, len(payload), 1 << 40, dtype))
+        checked = ad.validate(schema, payload, sha, len(payload), 1 << 40, dtype)
+        step("  of which: isfinite over all tensors", dtype,
+             lambda: [bool(torch.isfinite(t).all()) for t in checked.values()])
+        if dtype:
+            step("aggregator: re-encode fp32 to store", dtype, lambda: ad.encode(checked))
+        stored = ad.encode(checked) if dtype else payload
+        step("aggregator: write accepted, fsynced", dtype,
+             lambda: ad.atomic_write(store.upload_dir(0) / "c.safetensors", stored))
+        del checked, stored
+    return [(name, v.get("", float("nan")), v.get("bfloat16", float("nan"))) for name, v in rows.items()]
+
+
+def round_times(work: pathlib.Path, layers: int, index: int) -> dict[str, float]:
+    state = work / f"round-{index}"
+    state.mkdir()
+    agg = aggregator(state, num_rounds=1, min_clients=2)
+    helpers: list[Helper] = []
+    try:
+        target = f"127.0.0.1:{agg.port()}"
+        helpers = [Helper("--round-client", target, f"org-{k}", "--layers", str(layers), "--seed", str(k + 1))
+                   for k in range(2)]
+        for h in helpers:
+            if h.line() != "ready":
+                raise RuntimeError("round client did not get ready")
+        for h in helpers:
+            h.popen.stdin.write("go\n")
+            h.popen.stdin.flush()
+        stamps = [json.loads(h.line()) for h in helpers]
+        closed = max(s["closed"] for s in stamps)
+        aggregate_s = float("nan")
+        for line in agg.log_path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("msg") == "round closed":
+                aggregate_s = float(entry["aggregate_s"])
+        return {
+            "upload_to_closed": closed - min(s["upload"] for s in stamps),
+            "join_to_closed": closed - min(s["join"] for s in stamps),
+            "join_to_open": max(s["open"] for s in stamps) - min(s["join"] for s in stamps),
+            "download": max(s["downloaded"] - s["open"] for s in stamps),
+            "upload": max(s["acked"] - s["upload"] for s in stamps),
+            "aggregate": aggregate_s,
+        }
+    finally:
+        for h in helpers:
+            h.stop()
+        agg.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=80.0, help="adapter size in MB (sets the number of layers, "
+                                                               f"at most {MAX_LAYERS})")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the median is shown)")
+    parser.add_argument("--workdir", default=None, help="where the temporary directory goes (default: system temp)")
+    parser.add_argument("--serve", choices=["grpc", "tcp"], help=argparse.SUPPRESS)
+    parser.add_argument("--round-client", nargs=2, metavar=("TARGET", "CLIENT_ID"), help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve == "grpc":
+        return serve_grpc(args.file)
+    if args.serve == "tcp":
+        return serve_tcp(args.file)
+    if args.round_client:
+        return round_client(*args.round_client, args.layers, args.seed)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    layers = layers_for(args.mb)
+    adapter = adapter_of(layers, seed=0)
+    data = ad.encode(adapter)
+    data_bf16 = encode_transport(adapter, "bfloat16")
+    sizes = {"fp32": len(data), "bfloat16": len(data_bf16)}
+    params = sum(t.numel() for t in adapter.values())
+    print(f"# adapter: {layers} of {MAX_LAYERS} Llama-2-7B layers x {len(MODULES)} modules, r={RANK}: "
+          f"{len(adapter)} tensors, {params:,} parameters; safetensors {len(data) / 1e6:.2f} MB fp32, "
+          f"{len(data_bf16) / 1e6:.2f} MB bf16 (MB = 10^6 bytes); {CHUNK >> 20} MB chunks; loopback; "
+          f"{os.cpu_count()} CPUs", flush=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="fedse-transferbench-", dir=args.workdir))
+    helpers: list[Helper] = []
+    try:
+        path = work / "adapter.safetensors"
+        path.write_bytes(data)
+        floors: dict[str, dict[str, dict[str, list[float]]]] = {}
+        for kind, measure in (("tcp", tcp_times), ("grpc", grpc_times)):
+            say(f"  {kind} floor ...")
+            helper = Helper("--serve", kind, "--file", str(path))
+            helpers.append(helper)
+            port = int(json.loads(helper.line())["port"])
+            floors[kind] = {name: measure(port, data, size, args.repeats) for name, size in sizes.items()}
+            helper.stop()
+        fed = federation_times(work, adapter, data, args.repeats, say)
+
+        rows: list[tuple[str, str, str, list[float]]] = []
+        for direction in ("upload", "download"):
+            for name in sizes:
+                rows.append(("raw TCP floor", direction, name, floors["tcp"][name][direction]))
+                rows.append(("gRPC floor", direction, name, floors["grpc"][name][direction]))
+                rows.append(("fedse", direction, name, fed[(direction, name)]))
+        print(f"{'path':<14} {'direction':<9} {'wire':<8} {'wire MB':>7} {'median s':>8} {'MB/s':>7} "
+              f"{'x gRPC floor':>12} {'x TCP floor':>11}  runs s")
+        for path_name, direction, name, times in rows:
+            med = statistics.median(times)
+            g = statistics.median(floors["grpc"][name][direction])
+            t = statistics.median(floors["tcp"][name][direction])
+            print(f"{path_name:<14} {direction:<9} {name:<8} {sizes[name] / 1e6:>7.1f} {med:>8.3f} "
+                  f"{sizes[name] / 1e6 / med:>7.0f} {med / g:>12.2f} {med / t:>11.2f}  "
+                  + " ".join(f"{x:.3f}" for x in times), flush=True)
+        print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, 4 MB chunks "
+              "each fsynced by the aggregator, then read back, sha256, decode, shape/dtype/finite checks "
+              "(bf16: cast to fp32 and re-encoded), written and fsynced as accepted; a fresh client each run")
+        print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "
+              "serves it from memory; the first bf16 download also makes the bf16 variant)", flush=True)
+
+        say(f"  upload steps x{args.repeats} ...")
+        steps = breakdown(work, adapter, data, args.repeats)
+        title = "where an upload's time goes (each step alone, median s)"
+        print(f"\n{title:<56} {'fp32':>7} {'bf16':>7}")
+        for name, fp32_s, bf16_s in steps:
+            print(f"{name:<56} " + " ".join(f"{x:>7.3f}" if x == x else f"{'-':>7}" for x in (fp32_s, bf16_s)))
+        counted = [(f, b) for n, f, b in steps if not n.startswith(" ") and "no fsync" not in n]
+        print(f"{'sum of the steps above, without the two for scale':<56} "
+              + " ".join(f"{sum(x for x in col if x == x):>7.3f}" for col in zip(*counted)), flush=True)
+
+        say(f"  whole round x{args.repeats} ...")
+        rounds = [round_times(work, layers, i) for i in range(args.repeats)]
+        print(f"\n{'whole round (2 clients, fp32)':<36} {'median s':>8} {'Flower s':>8} {'x Flower':>8}  runs s")
+        labels = {
+            "join_to_closed": "first join -> both saw it closed",
+            "upload_to_closed": "first upload -> both saw it closed",
+            "join_to_open": "  first join -> both saw it open",
+            "download": "  download of phi_0 (slower client)",
+            "upload": "  upload until ack (slower client)",
+            "aggregate": "  aggregation at the aggregator",
+        }
+        for key, label in labels.items():
+            values = [r[key] for r in rounds]
+            med = statistics.median(values)
+            flower = f"{FLOWER_ROUND_S:>8.1f} {med / FLOWER_ROUND_S:>8.2f}" if key == "join_to_closed" \
+                else f"{'':>8} {'':>8}"
+            print(f"{label:<36} {med:>8.3f} {flower}  " + " ".join(f"{x:.3f}" for x in values), flush=True)
+        print(f"# Flower 1.42 deployment runtime, same round on this machine: {FLOWER_ROUND_S} s (measured "
+              "separately); ours: a fresh aggregator process, two client processes on loopback; the aggregator "
+              "fsyncs every received chunk and stores both uploads and phi_1 on disk before the round shows closed; "
+              "the last upload's ack waits for the aggregation; the first join makes and stores phi_0", flush=True)
+    finally:
+        for h in helpers:
+            h.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
