@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from fedse import adapter as ad
-from services.aggregator.rounds import (Federation, RunSettings, StaleRound, State, UploadHeader)
+from services.aggregator.rounds import Federation, RunSettings, StaleRound, State, UploadHeader
 from services.aggregator.store import Store
 from services.aggregator.strategies import StrategyParams
 
@@ -38,6 +40,15 @@ def adapter_bytes(value: float) -> bytes:
     return ad.encode({A: torch.full((2, 3), value), B: torch.full((3, 2), value)})
 
 
+def settle(fed: Federation) -> None:
+    """Closes the round now if it is due and waits for any aggregation under way (the aggregator
+    aggregates on a thread beside the acknowledgement)."""
+    fed.close_if_due()
+    deadline = time.monotonic() + 30
+    while fed.status().state is State.AGGREGATING and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def upload(fed: Federation, client: str, value: float, chunks: int = 1) -> None:
     data = adapter_bytes(value)
     st = fed.status()
@@ -49,6 +60,7 @@ def upload(fed: Federation, client: str, value: float, chunks: int = 1) -> None:
         held = fed.receive(h, gen, start, data[start:start + step])
     fed.end_stream(h, gen)
     fed.finish_upload(h)
+    settle(fed)
 
 
 def join(fed: Federation, *clients: str) -> None:
@@ -155,6 +167,7 @@ def test_a_restarted_federation_resumes_the_round_with_its_uploads(tmp_path):
     again.receive(h, gen, 200, data[200:])
     again.end_stream(h, gen)
     again.finish_upload(h)
+    settle(again)
     assert again.status().round == 2
     assert torch.equal(ad.decode(again.global_adapter(2)[1])[A], torch.full((2, 3), 6.0))
 

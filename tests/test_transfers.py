@@ -136,6 +136,7 @@ def test_a_download_cut_halfway_resumes_from_the_bytes_held(aggregator):
     try:
         other.upload(0, ad.encode(big_adapter(2)), 1, 1)
         cut.upload(0, ad.encode(big_adapter(3)), 1, 1)  # the round closes: phi_1 exists
+        other.wait_until(lambda s: s.round >= 1, timeout_s=30)
         before = proxy.forwarded["down"]
         g = cut.download(1)
         assert proxy.cut, "the proxy never cut the download"
@@ -161,6 +162,7 @@ def test_bf16_transport_halves_the_bytes_and_the_aggregator_keeps_fp32(aggregato
         assert stored[A].dtype == torch.float32
         assert torch.equal(stored[A], mine[A].to(torch.bfloat16).to(torch.float32))
         b.upload(0, ad.encode(big_adapter(5)), 1, 1)
+        b.wait_until(lambda s: s.round >= 1, timeout_s=30)
         full = b.download(1)
         half = a.download(1)
         assert abs(len(half.data) / len(full.data) - 0.5) < 0.01

@@ -483,7 +483,7 @@ class Federation:
         except ad.AdapterError:
             self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
             raise
-        stored = ad.encode(adapter) if h.transport else data
+        stored = ad.encode(adapter) if h.transport else None  # None: the received file as it is
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             if h.client_id not in self._uploads:
@@ -496,7 +496,9 @@ class Federation:
                                                                uploaded=len(self._uploads), joined=len(self._clients)))
                 self._changed_locked()
             status = self._status_locked()
-        self.close_if_due()
+            due = self._due_locked() is not None
+        if due:  # aggregate beside the acknowledgement, not before it
+            threading.Thread(target=self.close_if_due, name="aggregate", daemon=True).start()
         return status
 
     def _check_round_locked(self, client_id: str, round_: int, nonce: str) -> None:

@@ -111,11 +111,16 @@ class Store:
             except FileNotFoundError:
                 pass
 
-    def accept_upload(self, round_: int, client_id: str, data: bytes, record: dict[str, Any]) -> pathlib.Path:
-        """Stores an accepted upload: the tensors first, then the record that commits it."""
+    def accept_upload(self, round_: int, client_id: str, data: bytes | None, record: dict[str, Any]) -> pathlib.Path:
+        """Stores an accepted upload: the tensors first, then the record that commits it. With
+        data None the partial file (already fsynced, chunk by chunk) becomes the upload as it is."""
         folder = self.upload_dir(round_)
         path = folder / f"{client_id}.safetensors"
-        ad.atomic_write(path, data)
+        if data is None:
+            os.replace(folder / f"{client_id}.part", path)
+            ad.fsync_dir(folder)
+        else:
+            ad.atomic_write(path, data)
         ad.atomic_write(folder / f"{client_id}.json", json.dumps(record, sort_keys=True).encode())
         self.drop_partial(round_, client_id)
         return path
