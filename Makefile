@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast proto bench clean
+.PHONY: install run test test-fast proto bench bench-env bench-aggregation bench-transfer clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,8 +25,16 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: $(STAMP)
+bench: bench-env bench-aggregation bench-transfer
+
+bench-env: $(STAMP)
 	$(PY) bench/env_throughput.py
+
+bench-aggregation: $(STAMP)
+	$(PY) bench/aggregation.py
+
+bench-transfer: $(STAMP)
+	$(PY) bench/transfer.py
 
 clean:
 	rm -rf $(VENV) results
