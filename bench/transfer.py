@@ -31,7 +31,7 @@ with two client processes that join, wait for the round to open, download phi_0,
 own adapter (no training) and wait until the round is closed (the run FINISHED): the wall time
 from the first upload starting to both clients having seen the round closed, and from the first
 join to the same point. Both include the aggregation (FedAvg of A and B, phi_1 written as a PEFT
-directory, fsynced), which runs inside the last upload before its ack; its seconds, from the
+directory, fsynced), which runs beside the last upload's ack; its seconds, from the
 aggregator's log, are shown apart. The first join also makes and stores phi_0 (a fresh LoRA).
 Flower 1.42's deployment runtime took 6.9 s for the same round on this machine (measured
 separately, not by this script); it is printed beside ours.
@@ -468,7 +468,7 @@ def main() -> None:
                   + " ".join(f"{x:.3f}" for x in times), flush=True)
         print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, 4 MB chunks "
               "each fsynced by the aggregator, then read back, sha256, decode, shape/dtype/finite checks "
-              "(bf16: cast to fp32 and re-encoded), written and fsynced as accepted; a fresh client each run")
+              "(bf16: cast to fp32 and re-encoded), then committed as accepted (fp32: the received file renamed); a fresh client each run")
         print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "
               "serves it from memory; the first bf16 download also makes the bf16 variant)", flush=True)
 
@@ -502,7 +502,7 @@ def main() -> None:
         print(f"# Flower 1.42 deployment runtime, same round on this machine: {FLOWER_ROUND_S} s (measured "
               "separately); ours: a fresh aggregator process, two client processes on loopback; the aggregator "
               "fsyncs every received chunk and stores both uploads and phi_1 on disk before the round shows closed; "
-              "the last upload's ack waits for the aggregation; the first join makes and stores phi_0", flush=True)
+              "the aggregation runs beside the last upload's ack; the first join makes and stores phi_0", flush=True)
     finally:
         for h in helpers:
             h.stop()

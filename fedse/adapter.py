@@ -186,7 +186,7 @@ def fsync_dir(directory: pathlib.Path) -> None:
 def kaiming_uniform_a(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """PEFT's default lora_A init: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
     bound = 1.0 / math.sqrt(shape[1])
-    return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).mul(bound).to(torch.float32)
+    return torch.rand(shape, generator=generator).mul_(2 * bound).sub_(bound)
 
 
 def fresh(schema: Schema, seed: int) -> Adapter:

@@ -276,6 +276,18 @@ class Federation:
             data, sha = self._global_locked(round_, transport if wire is not None else "")
             return round_, data, sha, ad.config_with_base(self._schema.adapter_config_json, self._base_model or "")
 
+    def _save_global(self, round_: int, data: bytes) -> None:
+        """Writes phi_round as a PEFT directory and keeps its bytes and hash for downloads (the
+        lock, re-entrant, is taken only for the cache)."""
+        assert self._schema is not None
+        self.store.save_global(round_, data, ad.config_with_base(self._schema.adapter_config_json,
+                                                                 self._base_model or ""))
+        sha = ad.sha256_hex(data)
+        with self._cond:
+            for old in [k for k in self._cache if k[0] != round_]:
+                del self._cache[old]
+            self._cache[(round_, "")] = (data, sha)
+
     def _global_locked(self, round_: int, transport: str) -> tuple[bytes, str]:
         key = (round_, transport)
         if key not in self._cache:
@@ -336,8 +348,7 @@ class Federation:
             if self._schema is None:
                 self._schema = schema
                 self._base_model = base_model
-                self.store.save_global(0, ad.encode(ad.fresh(schema, self.settings.seed)),
-                                       ad.config_with_base(schema.adapter_config_json, base_model))
+                self._save_global(0, ad.encode(ad.fresh(schema, self.settings.seed)))
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
                                                                 base_model=base_model))
             else:
@@ -569,8 +580,7 @@ class Federation:
             merged = aggregate(self.settings.strategy, updates, previous, self.settings.params, round_)
             data = ad.encode(merged)
             assert self._schema is not None
-            self.store.save_global(round_ + 1, data, ad.config_with_base(self._schema.adapter_config_json,
-                                                                         self._base_model or ""))
+            self._save_global(round_ + 1, data)
         except Exception:  # noqa: BLE001 - a failed aggregation must not end the run; the round stays open
             log.exception("aggregation failed; the round stays open", extra=log_fields(round=round_))
             with self._cond:
