@@ -441,6 +441,7 @@ class Federation:
         return held
 
     def end_stream(self, h: UploadHeader, generation: int) -> None:
+        self.store.sync_partial(h.round, h.client_id)
         with self._cond:
             rec = self._receiving.get(h.client_id)
             if rec is not None and rec.generation == generation:
@@ -482,15 +483,18 @@ class Federation:
                     return (rec.held if rec else self.store.partial_size(round_, client_id)), False
             return 0, False
 
-    def finish_upload(self, h: UploadHeader) -> Status:
-        """Validates the complete upload, stores it as accepted (before returning), may close the round."""
+    def finish_upload(self, h: UploadHeader, sha_checked: bool = False) -> Status:
+        """Validates the complete upload, stores it as accepted (before returning), may close the
+        round. `sha_checked`: the caller hashed the bytes as they arrived and they matched."""
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             assert self._schema is not None
             schema = self._schema
+        self.store.sync_partial(h.round, h.client_id)
         data = self.store.read_partial(h.round, h.client_id)
         try:
-            adapter = ad.validate(schema, data, h.sha256, h.size, self.settings.max_adapter_bytes, h.transport)
+            adapter = ad.validate(schema, data, h.sha256, h.size, self.settings.max_adapter_bytes, h.transport,
+                                  sha_checked=sha_checked)
         except ad.AdapterError:
             self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
             raise
