@@ -37,26 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fedse.adapter import AdapterFile, decode, encode  # noqa: E402
 from services.aggregator.strategies import STRATEGIES, Update, aggregate  # noqa: E402
 
-RANK = 8
-HIDDEN, INTERMEDIATE = 4096, 11008  # Llama-2-7B
-MODULES = {  # module -> (in_features, out_features)
-    "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, HIDDEN),
-    "self_attn.v_proj": (HIDDEN, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
-    "mlp.gate_proj": (HIDDEN, INTERMEDIATE), "mlp.up_proj": (HIDDEN, INTERMEDIATE),
-    "mlp.down_proj": (INTERMEDIATE, HIDDEN),
-}
-BYTES_PER_LAYER = 4 * sum(RANK * (i + o) for i, o in MODULES.values())  # fp32
+from llama_lora import BYTES_PER_LAYER, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)
 
-
-def schema(layers: int) -> dict[str, tuple[int, int]]:
-    """PEFT state-dict names -> shapes: lora_A is (r, in), lora_B is (out, r)."""
-    out = {}
-    for layer in range(layers):
-        for module, (fan_in, fan_out) in MODULES.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{prefix}.lora_A.weight"] = (RANK, fan_in)
-            out[f"{prefix}.lora_B.weight"] = (fan_out, RANK)
-    return out
 
 
 def write_adapters(directory: str, shapes: dict[str, tuple[int, int]], count: int) -> None:

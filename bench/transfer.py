@@ -67,16 +67,8 @@ from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.aggregator.store import Store  # noqa: E402
 from services.client_agent.federation import FederationClient, encode_transport  # noqa: E402
 
-RANK = 8
-HIDDEN, INTERMEDIATE = 4096, 11008  # Llama-2-7B
-MODULES = {  # module -> (in_features, out_features)
-    "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, HIDDEN),
-    "self_attn.v_proj": (HIDDEN, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
-    "mlp.gate_proj": (HIDDEN, INTERMEDIATE), "mlp.up_proj": (HIDDEN, INTERMEDIATE),
-    "mlp.down_proj": (INTERMEDIATE, HIDDEN),
-}
-BYTES_PER_LAYER = 4 * sum(RANK * (i + o) for i, o in MODULES.values())  # fp32
-MAX_LAYERS = 32
+from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK  # noqa: E402  (bench/, beside this file)
+
 CONFIG_JSON = json.dumps({
     "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 16, "lora_dropout": 0.0,
     "bias": "none", "target_modules": sorted(m.split(".")[-1] for m in MODULES),
