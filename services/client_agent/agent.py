@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import grpc
-import prometheus_client
 import torch
 
 from fedse import adapter as ad
@@ -39,26 +38,12 @@ from .buffer import Buffer, Trajectory
 from .config import ClientConfig
 from .envclient import EnvClient
 from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound, encode_transport
+from .metrics import BUFFER, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS, init_client
 from .policy import ActionScorer, format_prompt
 from .rollout import Live, Policy, expert_policy, run_episodes
 from .trainer import train_lora
 
 log = logging.getLogger("client_agent")
-
-ROUND = prometheus_client.Gauge("fedse_client_round", "The round the client is working on.")
-STEPS = prometheus_client.Counter("fedse_client_rollout_steps", "Environment steps taken, by phase.", ["phase"])
-EPISODES = prometheus_client.Counter("fedse_client_episodes", "Episodes finished, by phase and outcome.",
-                                     ["phase", "outcome"])
-KEPT = prometheus_client.Counter("fedse_client_successes_kept", "Successful trajectories added to the buffer.")
-BUFFER = prometheus_client.Gauge("fedse_client_buffer_trajectories", "Trajectories in the buffer.")
-LOSS = prometheus_client.Gauge("fedse_client_train_loss", "Mean training loss of the last round.")
-TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds spent training the LoRA.")
-TEST_SUCCESS = prometheus_client.Gauge("fedse_client_test_success_ratio",
-                                       "Held-out success rate of the latest global adapter.")
-for _phase in ("expert", "explore", "eval"):
-    STEPS.labels(_phase)
-    for _outcome in ("success", "failure"):
-        EPISODES.labels(_phase, _outcome)
 
 PROGRESS_NAME = "progress.json"
 UPLOAD_NAME = "upload.safetensors"
@@ -179,6 +164,7 @@ def _slug(text: str) -> str:
 class ClientAgent:
     def __init__(self, config: ClientConfig):
         self.cfg = config
+        init_client(config.client_id, config.env)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.dir = pathlib.Path(config.state_dir) / config.client_id
@@ -276,7 +262,8 @@ class ClientAgent:
                  extra=log_fields(demos=len(demos), successful=len(kept)))
 
     def load_global(self, round_: int) -> None:
-        g = self.fed.download(round_)
+        with PHASE_SECONDS.labels("download").time():
+            g = self.fed.download(round_)
         mdl.set_adapter_state(self.model, g.adapter())
         self.loaded_round = round_
 
@@ -338,9 +325,10 @@ class ClientAgent:
                 if final:
                     break
                 self.heartbeat.set("waiting", round_)
-                st = self.fed.wait_until(
-                    lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
-                    timeout_s=cfg.round_timeout_s)
+                with PHASE_SECONDS.labels("wait").time():
+                    st = self.fed.wait_until(
+                        lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
+                        timeout_s=cfg.round_timeout_s)
                 if st.round > round_ + 1 and st.state == fpb.ROUND_STATE_OPEN:
                     log.warning("catching up", extra=log_fields(last_round=round_, open_round=st.round))
                 round_, done = st.round, ""
@@ -361,8 +349,9 @@ class ClientAgent:
                 self.load_global(round_)
                 started = time.perf_counter()
                 success = self.evaluate(test_ids, round_)
-                TEST_SUCCESS.set(success)
+                TEST_SUCCESS.labels(self.cfg.env).set(success)
                 metrics = {"test_success": success, "eval_s": time.perf_counter() - started}
+                PHASE_SECONDS.labels("eval").observe(metrics["eval_s"])
                 if final:  # after the last round: only evaluate phi_T and report
                     metrics["buffer"] = float(len(self.buffer))
                     self.finish_round(round_, metrics)
@@ -417,6 +406,7 @@ class ClientAgent:
         self.buffer.extend(kept)
         KEPT.inc(len(kept))
         BUFFER.set(len(self.buffer))
+        PHASE_SECONDS.labels("explore").observe(time.perf_counter() - t0)
         return len(kept), {"explore_success": len(kept) / max(1, len(trajs)), "kept": float(len(kept)),
                            "buffer": float(len(self.buffer)), "explore_s": time.perf_counter() - t0}
 
@@ -437,6 +427,7 @@ class ClientAgent:
         t2 = time.perf_counter()
         LOSS.set(result["loss"])
         TRAIN_SECONDS.inc(t2 - t1)
+        PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
         return data, len(examples), {"examples": float(len(examples)), "train_loss": result["loss"],
                                      "train_s": t2 - t1, "upload_bytes": float(len(data))}
@@ -446,9 +437,10 @@ class ClientAgent:
         closed without it (StaleRound: logged, the metrics say so, the agent catches up with the
         open round) or when the aggregator holds a different adapter of ours for the round."""
         try:
-            self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
-                            adapter_config_json=mdl.adapter_config_json(self.model),
-                            transport_dtype=p.transport_dtype)
+            with PHASE_SECONDS.labels("upload").time():
+                self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
+                                adapter_config_json=mdl.adapter_config_json(self.model),
+                                transport_dtype=p.transport_dtype)
         except StaleRound as exc:
             log.warning("round closed before our upload; catching up with the next round",
                         extra=log_fields(round=p.round, open_round=exc.open_round, detail=str(exc)))

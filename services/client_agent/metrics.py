@@ -1,0 +1,41 @@
+"""The client agent's Prometheus metrics. Labels carry operator-chosen names (client id, environment)
+and fixed words (phase, outcome) only, never trajectory text. Kept free of torch so that tools and
+tests can list the metrics without loading a model."""
+
+from __future__ import annotations
+
+import prometheus_client
+
+INFO = prometheus_client.Info(
+    "fedse_client", "The client's identity: its id in the run and its environment (constant, value 1).")
+ROUND = prometheus_client.Gauge("fedse_client_round", "The round the client is working on.")
+STEPS = prometheus_client.Counter("fedse_client_rollout_steps", "Environment steps taken, by phase.", ["phase"])
+EPISODES = prometheus_client.Counter("fedse_client_episodes", "Episodes finished, by phase and outcome.",
+                                     ["phase", "outcome"])
+KEPT = prometheus_client.Counter("fedse_client_successes_kept", "Successful trajectories added to the buffer.")
+BUFFER = prometheus_client.Gauge("fedse_client_buffer_trajectories", "Trajectories in the buffer.")
+LOSS = prometheus_client.Gauge("fedse_client_train_loss", "Mean training loss of the last round.")
+TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds spent training the LoRA.")
+TEST_SUCCESS = prometheus_client.Gauge(
+    "fedse_client_test_success_ratio", "Held-out success rate of the latest global adapter, by environment.",
+    ["env"])
+# The parts of a round as this client sees it: download the global adapter, evaluate it, explore,
+# train, upload, then wait for the round to close (the other clients and the aggregation).
+PHASES = ("download", "eval", "explore", "train", "upload", "wait")
+PHASE_SECONDS = prometheus_client.Histogram(
+    "fedse_client_phase_seconds",
+    "Wall time of one phase of a round: download, eval, explore, train, upload, or wait (for the next round).",
+    ["phase"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+
+for _phase in ("expert", "explore", "eval"):
+    STEPS.labels(_phase)
+    for _outcome in ("success", "failure"):
+        EPISODES.labels(_phase, _outcome)
+for _phase in PHASES:
+    PHASE_SECONDS.labels(_phase)
+
+
+def init_client(client_id: str, env: str) -> None:
+    """Records the client's identity. (The success gauge is not created at zero here: it appears with
+    the first evaluation, so a dashboard never shows a success rate nobody measured.)"""
+    INFO.info({"client_id": client_id, "env": env})
