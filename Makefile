@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast proto bench bench-env bench-aggregation bench-transfer clean
+.PHONY: install run test test-fast proto bench bench-env bench-aggregation bench-transfer images clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,6 +19,7 @@ run: $(STAMP)
 
 ## What CI runs.
 test: $(STAMP)
+	@sh scripts/install-prometheus.sh
 	$(PY) -m pytest -q $(ARGS)
 
 ## Regenerate the committed gRPC code with the pinned grpcio-tools.
@@ -35,6 +36,15 @@ bench-aggregation: $(STAMP)
 
 bench-transfer: $(STAMP)
 	$(PY) bench/transfer.py
+
+## Container images (docker/Dockerfile): fedse (CPU) and fedse-gpu (CUDA torch, for client agents).
+IMAGE ?= fedse
+GPU_IMAGE ?= fedse-gpu
+IMAGE_TAG ?= 0.1.0
+images:
+	@docker info >/dev/null 2>&1 || { echo "make images: no Docker daemon reachable ('docker info' failed): start Docker, or build docker/Dockerfile with another builder" >&2; exit 1; }
+	docker build -f docker/Dockerfile -t $(IMAGE):$(IMAGE_TAG) .
+	docker build -f docker/Dockerfile --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t $(GPU_IMAGE):$(IMAGE_TAG) .
 
 clean:
 	rm -rf $(VENV) results

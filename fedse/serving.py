@@ -146,6 +146,8 @@ class Service:
             options=GRPC_OPTIONS,
         )
         self.health = health.HealthServicer()
+        # grpc's servicer answers SERVING for "" until told otherwise: not before ready().
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if credentials is None:
             self.port = self.server.add_insecure_port(address)
