@@ -303,7 +303,7 @@ class Prometheus:
 
 
 CLIENTS = {"org-maze": "maze", "org-wordle": "wordle"}
-ROUNDS = 2
+ROUNDS = 3  # round 1 and 2 leave time for Prometheus to see both clients up in round >= 1
 GRAFANA_VARIABLES = {"$__rate_interval": "30s", "$__range": "10m", "$window": "10m", "${window}": "10m",
                      "$env": ".*", "${env}": ".*"}
 
