@@ -113,3 +113,20 @@ def test_adapter_file_reads_each_tensor_as_saved_and_refuses_a_truncated_file(tm
     path.write_bytes(b"\x01")
     with pytest.raises(ad.AdapterError, match="not a safetensors file"):
         ad.AdapterFile(path)
+
+
+def test_all_finite_is_exact_even_when_the_sum_overflows():
+    import torch
+
+    from fedse.adapter import all_finite
+
+    assert all_finite(torch.randn(1000))
+    big = torch.full((4,), 3e38)  # finite elements whose float32 sum overflows to inf
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000)
+        t[517] = bad
+        assert not all_finite(t)
+    mixed = torch.tensor([float("inf"), float("-inf")])  # sums to NaN
+    assert not all_finite(mixed)
+    assert all_finite(torch.arange(5))
