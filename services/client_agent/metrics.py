@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import prometheus_client
 
+# The identity is a label set, not Info values: an Info without labels serves an unlabelled series
+# until it is set, which then clashes with the labelled one in PromQL joins.
 INFO = prometheus_client.Info(
-    "fedse_client", "The client's identity: its id in the run and its environment (constant, value 1).")
+    "fedse_client", "The client's identity: its id in the run and its environment (constant, value 1).",
+    ["client_id", "env"])
 ROUND = prometheus_client.Gauge("fedse_client_round", "The round the client is working on.")
 STEPS = prometheus_client.Counter("fedse_client_rollout_steps", "Environment steps taken, by phase.", ["phase"])
 EPISODES = prometheus_client.Counter("fedse_client_episodes", "Episodes finished, by phase and outcome.",
@@ -38,4 +41,4 @@ for _phase in PHASES:
 def init_client(client_id: str, env: str) -> None:
     """Records the client's identity. (The success gauge is not created at zero here: it appears with
     the first evaluation, so a dashboard never shows a success rate nobody measured.)"""
-    INFO.info({"client_id": client_id, "env": env})
+    INFO.labels(client_id, env).info({})
