@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from fedse.config import ConfigError, field, parse
+from fedse.config import field, parse_or_exit
 from fedse.security import Security
 
 
@@ -20,11 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from fedse.launcher import RunConfig, run
 
-        try:
-            cfg = parse(RunConfig, rest)
-        except ConfigError as exc:
-            print(f"configuration error: {exc}", file=sys.stderr)
-            return 2
+        cfg = parse_or_exit(RunConfig, rest)
         try:
             results = run(cfg)
         except KeyboardInterrupt:
@@ -96,11 +92,7 @@ def status(argv: list[str]) -> int:
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
-    try:
-        cfg = parse(StatusConfig, argv)
-    except ConfigError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
-        return 2
+    cfg = parse_or_exit(StatusConfig, argv)
     try:
         with channel(cfg.aggregator, cfg) as ch:
             st = fpb_grpc.FederationServiceStub(ch).GetRunStatus(fpb.RunStatusRequest(), timeout=cfg.timeout_s,

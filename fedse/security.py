@@ -15,8 +15,8 @@ Modes, chosen by which settings are given (`Security.mode` names the one in forc
   (the order grpc's own `peer_identities` uses); `allowed_clients` narrows who may call
   (PERMISSION_DENIED otherwise). A token may be added on top.
 
-Servicers read the authenticated caller with `peer_identity(context)` (None unless mTLS), and
-`check_client_id(context, claimed)` refuses a request whose `client_id` is not the caller's own.
+Servicers read the authenticated caller with `peer_identity(context)` (None unless mTLS); the
+aggregator's servicer refuses a call whose `client_id` is not the caller's own.
 
 Health: `grpc.health.v1.Health` is exempt from the token and from `allowed_clients`, so Kubernetes
 probes need no secret. Kubernetes' native gRPC probe cannot speak TLS, though, so once a server
@@ -205,14 +205,6 @@ def peer_identity(context: grpc.ServicerContext) -> str | None:
     return _first(auth.get("x509_subject_alternative_name")) or _first(auth.get("x509_common_name"))
 
 
-def check_client_id(context: grpc.ServicerContext, claimed: str) -> None:
-    """Aborts PERMISSION_DENIED when an mTLS caller claims a client_id other than its certificate's."""
-    who = peer_identity(context)
-    if who is not None and who != claimed:
-        context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                      f"client {who!r} may not act as client_id {claimed!r}: use the id in your certificate")
-
-
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses calls without the bearer token (UNAUTHENTICATED) or from clients not allowed (PERMISSION_DENIED).
 
@@ -353,4 +345,4 @@ def channel(target: str, sec: Security) -> grpc.Channel:
 
 
 __all__ = ["AuthInterceptor", "Security", "TlsFiles", "channel", "channel_credentials",
-           "check_client_id", "peer_identity", "server_credentials", "server_interceptors"]
+           "peer_identity", "server_credentials", "server_interceptors"]

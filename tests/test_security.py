@@ -23,11 +23,6 @@ def _identity(context) -> bytes:
     return (security.peer_identity(context) or "").encode()
 
 
-def _claim(request: bytes, context) -> bytes:
-    security.check_client_id(context, request.decode())
-    return b"ok"
-
-
 def _collect(request_iterator, context) -> bytes:
     return b"|".join([*request_iterator, _identity(context)])
 
@@ -37,7 +32,6 @@ ECHO = grpc.method_handlers_generic_handler(SERVICE, {
     "WhoamiStream": grpc.unary_stream_rpc_method_handler(lambda request, context: iter([_identity(context)])),
     "Collect": grpc.stream_unary_rpc_method_handler(_collect),
     "Chat": grpc.stream_stream_rpc_method_handler(lambda requests, context: (_identity(context) for _ in requests)),
-    "Claim": grpc.unary_unary_rpc_method_handler(_claim),
 })
 
 
@@ -180,16 +174,6 @@ def test_mtls_client_not_in_allowed_clients_is_denied_by_name(pki):
         assert handled("PERMISSION_DENIED") == before + 1
         with connect(target, client(pki, pki.org_a)) as ch:
             assert call(ch) == b"org-a"
-
-
-def test_check_client_id_refuses_acting_as_another_client(pki):
-    with serve(mtls_server(pki)) as svc, connect(f"127.0.0.1:{svc.port}", client(pki, pki.org_a)) as ch:
-        claim = ch.unary_unary(f"/{SERVICE}/Claim")
-        assert claim(b"org-a", timeout=TIMEOUT) == b"ok"
-        with pytest.raises(grpc.RpcError) as info:
-            claim(b"org-b", timeout=TIMEOUT)
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "'org-a'" in info.value.details() and "'org-b'" in info.value.details()
 
 
 def test_mtls_health_is_served_plain_on_the_health_port_and_nothing_else(pki):

@@ -246,9 +246,9 @@ class Federation:
             return self._status_locked()
 
     def _status_locked(self) -> Status:
-        sha = ""
-        if self._schema is not None and self.store.has_global(self._round):
-            sha = self._global_locked(self._round, "")[1]
+        # phi_round exists once the schema is fixed: phi_0 is written at the first join, and
+        # phi_{t+1} before round t+1 opens.
+        sha = self._global_locked(self._round, "")[1] if self._schema is not None else ""
         return Status(
             run_id=self.settings.run_id, round=self._round, state=self._state,
             num_rounds=self.settings.num_rounds, joined=tuple(sorted(self._clients)),
@@ -421,7 +421,7 @@ class Federation:
             return False, held, self._generation
 
     def receive(self, h: UploadHeader, generation: int, offset: int, data: bytes) -> int:
-        """Stores the bytes at `offset` (fsynced) and returns the bytes now held."""
+        """Stores the bytes at `offset` (fsynced when the stream ends) and returns the bytes now held."""
         with self._cond:
             rec = self._receiving.get(h.client_id)
             if rec is None or rec.generation != generation:

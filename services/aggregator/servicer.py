@@ -150,9 +150,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 raise ValueError(f"offset {request.offset} is outside the adapter's {len(data)} bytes")
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc)
-        st = self.fed.status()
         yield fpb.AdapterChunk(header=fpb.AdapterHeader(
-            run_id=st.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
+            run_id=self.fed.settings.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
             offset=request.offset, transport_dtype=request.transport_dtype))
         for start in range(request.offset, len(data), self.chunk_bytes):
             part = data[start:start + self.chunk_bytes]

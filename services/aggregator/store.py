@@ -124,7 +124,7 @@ class Store:
 
     def accept_upload(self, round_: int, client_id: str, data: bytes | None, record: dict[str, Any]) -> pathlib.Path:
         """Stores an accepted upload: the tensors first, then the record that commits it. With
-        data None the partial file (already fsynced, chunk by chunk) becomes the upload as it is."""
+        data None the partial file (fsynced by the caller) becomes the upload as it is."""
         folder = self.upload_dir(round_)
         path = folder / f"{client_id}.safetensors"
         if data is None:
