@@ -11,10 +11,11 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
   fedse          FederationClient.upload / .download against a real aggregator process
                  (`python -m services.aggregator`), in fp32 and with transport_dtype bfloat16
                  (half the bytes on the wire). An upload is timed from the call to its ack: the
-                 client hashes the bytes and asks the round status first; the aggregator fsyncs
-                 every 4 MB chunk to disk, then reads the upload back, checks sha256, decodes it,
-                 checks keys, shapes, dtypes and finiteness (bf16: casts it back to fp32 and
-                 re-encodes it) and writes it, fsynced, as accepted, all before the ack.
+                 client hashes the bytes and asks the round status first; the aggregator checks
+                 each 4 MB chunk as it arrives (sha256, then the safetensors header against the
+                 run's schema, then every value finite) and writes it, fsyncs the file when the
+                 stream ends and renames it as accepted (bf16: reads it back, casts it to fp32
+                 and re-encodes it), all before the ack.
                  Every repeat is a different client of the same open round (the round needs more
                  uploads than the bench makes, so it never closes under an upload: no aggregation
                  is timed there). A download includes the client's sha256 check; the aggregator
@@ -23,7 +24,7 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
 "x floor" is the time divided by that floor's time for the same number of bytes on the wire.
 
 Then where an upload's time goes: each step of the path (client hashing and chunking, protobuf,
-the aggregator's fsynced chunk writes, read-back, validation, storing) timed alone in this process
+the aggregator's chunk writes, checks and storing) timed alone in this process
 with fedse's own functions on the same bytes; they run one after another in the real path.
 
 Then one whole round, --repeats times, each on a fresh aggregator (--num-rounds 1 --min-clients 2)
@@ -163,6 +164,7 @@ def round_client(target: str, client_id: str, layers: int, seed: int) -> None:
     then joins, waits for OPEN, downloads phi_0, uploads, waits until the round closed; prints stamps."""
     adapter = adapter_of(layers, seed)
     data = ad.encode(adapter)
+    sha = ad.sha256_hex(data)  # as the agent does when it saves its trained adapter, before uploading
     schema = ad.Schema.of(adapter, CONFIG_JSON)
     del adapter
     fed = FederationClient(target, client_id)
@@ -177,7 +179,7 @@ def round_client(target: str, client_id: str, layers: int, seed: int) -> None:
     assert len(phi.data) == len(data)
     t["upload"] = time.monotonic()
     fed.upload(st.round, data, num_examples=1, num_successes=1, adapter_config_json=CONFIG_JSON,
-               round_nonce=st.round_nonce)
+               round_nonce=st.round_nonce, sha256=sha)
     t["acked"] = time.monotonic()
     fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_FINISHED or s.round > st.round, timeout_s=START_S)
     t["closed"] = time.monotonic()
@@ -307,10 +309,9 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
     store = Store(work / "breakdown", "bench")
     payloads = {"": data, "bfloat16": encode_transport(adapter, "bfloat16")}
     order = ["client: sha256", "client: 4 MB chunks as AdapterChunk (copies)", "protobuf serialize + parse",
-             "aggregator: write chunks, no fsync (for scale)", "aggregator: write + fsync each chunk (Store)",
-             "aggregator: read the upload back", "aggregator: validate (sha256, decode, checks)",
-             "  of which: isfinite over all tensors", "aggregator: re-encode fp32 to store",
-             "aggregator: write accepted, fsynced"]
+             "aggregator: write chunks, no fsync (for scale)", "aggregator: write chunks, fsync at the end (Store)",
+             "aggregator: check as chunks arrive (sha256, header, finite)",
+             "  of which: sha256", "aggregator: read back, cast to fp32, re-encode (bf16 only)"]
     rows: dict[str, dict[str, float]] = {name: {} for name in order}
 
     def step(name: str, dtype: str, fn) -> None:
@@ -333,25 +334,26 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
             if fsync:
                 for s in range(0, len(payload), CHUNK):
                     store.append_partial(0, "c", s, payload[s:s + CHUNK])
+                store.sync_partial(0, "c")
             else:
                 with open(store.upload_dir(0) / "c.part", "r+b") as fh:
                     for s in range(0, len(payload), CHUNK):
                         fh.write(payload[s:s + CHUNK])
 
         step("aggregator: write chunks, no fsync (for scale)", dtype, lambda: receive(False))
-        step("aggregator: write + fsync each chunk (Store)", dtype, lambda: receive(True))
-        step("aggregator: read the upload back", dtype, lambda: store.read_partial(0, "c"))
-        step("aggregator: validate (sha256, decode, checks)", dtype,
-             lambda: ad.validate(schema, payload, sha, len(payload), 1 << 40, dtype))
-        checked = ad.validate(schema, payload, sha, len(payload), 1 << 40, dtype)
-        step("  of which: isfinite over all tensors", dtype,
-             lambda: [bool(torch.isfinite(t).all()) for t in checked.values()])
+        step("aggregator: write chunks, fsync at the end (Store)", dtype, lambda: receive(True))
+
+        def check() -> None:
+            c = ad.UploadCheck(schema, len(payload), 1 << 40, dtype)
+            for s in range(0, len(payload), CHUNK):
+                c.update(payload[s:s + CHUNK])
+            c.finish(sha)
+
+        step("aggregator: check as chunks arrive (sha256, header, finite)", dtype, check)
+        step("  of which: sha256", dtype, lambda: ad.sha256_hex(payload))
         if dtype:
-            step("aggregator: re-encode fp32 to store", dtype, lambda: ad.encode(checked))
-        stored = ad.encode(checked) if dtype else payload
-        step("aggregator: write accepted, fsynced", dtype,
-             lambda: ad.atomic_write(store.upload_dir(0) / "c.safetensors", stored))
-        del checked, stored
+            step("aggregator: read back, cast to fp32, re-encode (bf16 only)", dtype,
+                 lambda: ad.encode(ad.cast(ad.decode(store.read_partial(0, "c")), torch.float32)))
     return [(name, v.get("", float("nan")), v.get("bfloat16", float("nan"))) for name, v in rows.items()]
 
 
@@ -459,8 +461,9 @@ def main() -> None:
                   f"{sizes[name] / 1e6 / med:>7.0f} {med / g:>12.2f} {med / t:>11.2f}  "
                   + " ".join(f"{x:.3f}" for x in times), flush=True)
         print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, 4 MB chunks "
-              "each fsynced by the aggregator, then read back, sha256, decode, shape/dtype/finite checks "
-              "(bf16: cast to fp32 and re-encoded), then committed as accepted (fp32: the received file renamed); a fresh client each run")
+              "checked (sha256, header, finite values) and written by the aggregator as they arrive, fsynced at the "
+              "end, then committed as accepted (fp32: the received file renamed; bf16: read back, cast to fp32 and "
+              "re-encoded); a fresh client each run")
         print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "
               "serves it from memory; the first bf16 download also makes the bf16 variant)", flush=True)
 
@@ -493,7 +496,7 @@ def main() -> None:
             print(f"{label:<36} {med:>8.3f} {flower}  " + " ".join(f"{x:.3f}" for x in values), flush=True)
         print(f"# Flower 1.42 deployment runtime, same round on this machine: {FLOWER_ROUND_S} s (measured "
               "separately); ours: a fresh aggregator process, two client processes on loopback; the aggregator "
-              "fsyncs every received chunk and stores both uploads and phi_1 on disk before the round shows closed; "
+              "stores both uploads and phi_1 on disk, fsynced, before the round shows closed; "
               "the aggregation runs beside the last upload's ack; the first join makes and stores phi_0", flush=True)
     finally:
         for h in helpers:

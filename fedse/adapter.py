@@ -18,9 +18,9 @@ import struct
 import tempfile
 from typing import Iterator, Mapping
 
+import numpy
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 CHUNK_BYTES = 4 * 1024 * 1024
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -77,9 +77,28 @@ def sha256_hex(data: bytes) -> str:
 
 
 def encode(adapter: Mapping[str, torch.Tensor]) -> bytes:
-    """The bytes of adapter_model.safetensors for the adapter (CPU, contiguous)."""
-    return st_save({k: v.detach().to("cpu").contiguous() for k, v in adapter.items()},
-                   metadata={"format": "pt"})
+    """The bytes of adapter_model.safetensors for the adapter (tensors in name order).
+
+    Written here rather than with `safetensors.torch.save`, which copies every tensor twice (to
+    Python bytes, then into the file image): the format is an 8-byte little-endian header length,
+    a JSON header padded to 8 bytes, then the raw tensors, so one join copies each tensor once.
+    `decode`, AdapterFile, safetensors and PEFT all read the result."""
+    header: dict[str, object] = {}
+    parts: list[object] = []
+    offset = 0
+    for name in sorted(adapter):
+        t = adapter[name].detach().to("cpu").contiguous()
+        if t.dtype not in _SAFETENSORS_NAMES:
+            raise AdapterError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        parts.append(raw)
+        offset += len(raw)
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([struct.pack("<Q", len(text)), text, *parts])
 
 
 def decode(data: bytes) -> Adapter:
@@ -130,35 +149,158 @@ def cast(adapter: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Adap
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in adapter.items()}
 
 
-def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_bytes: int,
-             transport: str = "", sha_checked: bool = False) -> Adapter:
-    """Decodes and checks an uploaded adapter; raises AdapterError saying what is wrong.
+class UploadCheck:
+    """Checks an upload as its bytes arrive, so the aggregator can accept it without reading it back.
 
-    With a transport dtype (bf16 on the wire), the tensors must have that dtype and come back
-    cast to the schema's dtypes."""
-    wire = transport_dtype(transport)
-    if declared_size > max_bytes:
-        raise AdapterError(f"adapter of {declared_size} bytes exceeds the limit of {max_bytes} bytes")
-    if len(data) != declared_size:
-        raise AdapterError(f"received {len(data)} bytes but the header declared {declared_size}: "
-                           "the stream was cut short; upload again")
-    actual = sha256.lower() if sha_checked else sha256_hex(data)
-    if actual != sha256.lower():
-        raise AdapterError(f"sha256 mismatch: header says {sha256}, the bytes hash to {actual}")
-    adapter = decode(data)
-    if wire is not None:
-        expected = str(wire).removeprefix("torch.")
-        wrong = next((n for n, t in adapter.items() if str(t.dtype).removeprefix("torch.") != expected), None)
-        if wrong is not None:
-            raise AdapterError(f"tensor {wrong} has dtype {adapter[wrong].dtype}, but the header's "
-                               f"transport dtype is {transport}")
-        specs = schema.by_name()
-        adapter = {n: t.to(getattr(torch, specs[n].dtype)) if n in specs else t for n, t in adapter.items()}
-    check_tensors(schema, adapter)
-    for name, t in adapter.items():
-        if not all_finite(t):
-            raise AdapterError(f"tensor {name} holds NaN or infinite values")
-    return adapter
+    Fed the bytes in order (`update`), it hashes them, reads the safetensors header as soon as it
+    is complete and checks it against the run's schema (names, shapes, dtypes: the schema's, or
+    the transport dtype's when one is given; tensors packed end to end filling exactly the declared
+    size), then checks that every floating value is finite, piece by piece as the data passes. A bad
+    header fails at the chunk that completes it, not after the whole upload. `finish(sha256)`
+    checks that all bytes came and that they hash to the header's sha256. Every failure raises
+    AdapterError saying what is wrong."""
+
+    def __init__(self, schema: Schema, declared_size: int, max_bytes: int, transport: str = ""):
+        wire = transport_dtype(transport)
+        if declared_size > max_bytes:
+            raise AdapterError(f"adapter of {declared_size} bytes exceeds the limit of {max_bytes} bytes")
+        self.schema = schema
+        self.size = declared_size
+        self.transport = transport
+        self._wire = None if wire is None else _SAFETENSORS_NAMES[wire]
+        self._digest = hashlib.sha256()
+        self._pos = 0
+        self._head = bytearray()  # the header's bytes until it is complete
+        self._regions: list[tuple[str, int, int, str]] = []  # (name, begin, end, dtype), file positions
+        self._region = 0
+        self._carry = b""  # the start of a value split between two pieces
+
+    @property
+    def received(self) -> int:
+        return self._pos
+
+    def update(self, data: bytes) -> None:
+        if self._pos + len(data) > self.size:
+            raise AdapterError(f"received more than the {self.size} bytes the header declared")
+        self._digest.update(data)
+        view, pos = memoryview(data), self._pos
+        self._pos += len(data)
+        while not self._regions and view.nbytes:  # the header, first its length, then its JSON
+            take = min(self._header_end() - len(self._head), view.nbytes)
+            self._head += view[:take]
+            view, pos = view[take:], pos + take
+            if len(self._head) >= 8 and len(self._head) == self._header_end():
+                self._read_header()
+        if view.nbytes:
+            self._scan(view, pos)
+
+    def finish(self, sha256: str) -> None:
+        if self._pos != self.size:
+            raise AdapterError(f"received {self._pos} bytes but the header declared {self.size}: "
+                               "the stream was cut short; upload again")
+        if not self._regions:
+            raise AdapterError("not a valid safetensors file (its header is cut short)")
+        actual = self._digest.hexdigest()
+        if actual != sha256.lower():
+            raise AdapterError(f"sha256 mismatch: header says {sha256}, the bytes hash to {actual}")
+
+    # ---- the header ---------------------------------------------------------------------------
+    def _header_end(self) -> int:
+        if len(self._head) < 8:
+            return 8
+        (n,) = struct.unpack("<Q", self._head[:8])
+        if 8 + n > self.size:
+            raise AdapterError(f"not a valid safetensors file (its header claims {n} bytes of the "
+                               f"{self.size} declared)")
+        return 8 + n
+
+    def _read_header(self) -> None:
+        try:
+            header = json.loads(bytes(self._head[8:]))
+            specs = {name: TensorSpec(name, tuple(int(d) for d in v["shape"]), str(v["dtype"]))
+                     for name, v in header.items() if name != "__metadata__"}
+            offsets = {name: (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+                       for name, v in header.items() if name != "__metadata__"}
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+            raise AdapterError("not a valid safetensors file (bad header)") from None
+        unknown = next((s for s in specs.values() if s.dtype not in _SAFETENSORS_DTYPES), None)
+        if unknown is not None:
+            raise AdapterError(f"tensor {unknown.name} has dtype {unknown.dtype}, which fedse does not read")
+        if self._wire is not None:
+            wrong = next((s for s in specs.values() if s.dtype != self._wire), None)
+            if wrong is not None:
+                raise AdapterError(f"tensor {wrong.name} has dtype {wrong.dtype}, but the header's transport "
+                                   f"dtype is {self.transport}")
+        expected = self.schema.by_name()
+
+        def as_torch(spec: TensorSpec) -> TensorSpec:
+            if self._wire is not None and spec.name in expected:  # cast back to the schema's dtype on arrival
+                return expected[spec.name]
+            return dataclasses.replace(spec, dtype=str(_SAFETENSORS_DTYPES[spec.dtype]).removeprefix("torch."))
+
+        check_tensors(self.schema, {name: as_torch(spec) for name, spec in specs.items()})
+        base, at = len(self._head), 0
+        for name in sorted(offsets, key=lambda n: offsets[n]):
+            begin, end = offsets[name]
+            spec = specs[name]
+            width = _SAFETENSORS_DTYPES[spec.dtype].itemsize
+            if begin != at or end - begin != math.prod(spec.shape) * width:
+                raise AdapterError(f"tensor {name}'s data_offsets {[begin, end]} do not pack the tensors end to "
+                                   "end: write the file with safetensors")
+            self._regions.append((name, base + begin, base + end, spec.dtype))
+            at = end
+        if base + at != self.size:
+            raise AdapterError(f"the header's tensors end at byte {base + at}, but the upload declares "
+                               f"{self.size} bytes")
+
+    # ---- the values ---------------------------------------------------------------------------
+    def _scan(self, view: memoryview, pos: int) -> None:
+        """Checks the values in `view`, which holds the bytes from file position `pos` on."""
+        while view.nbytes:
+            name, begin, end, dtype = self._regions[self._region]
+            take = min(view.nbytes, end - pos)
+            piece, view, pos = view[:take], view[take:], pos + take
+            width = _SAFETENSORS_DTYPES[dtype].itemsize
+            if self._carry:
+                need = width - len(self._carry)
+                self._carry += bytes(piece[:need])
+                piece = piece[need:]
+                if len(self._carry) == width:
+                    _check_finite(name, self._carry, dtype)
+                    self._carry = b""
+            whole = piece.nbytes - piece.nbytes % width
+            _check_finite(name, piece[:whole], dtype)
+            self._carry += bytes(piece[whole:])
+            if pos == end:
+                self._region += 1
+
+
+_NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+
+
+def _check_finite(name: str, raw: bytes | memoryview, dtype: str) -> None:
+    """Raises AdapterError if the little-endian values in `raw` hold a NaN or an infinity."""
+    if not len(raw) or dtype not in (*_NUMPY_FLOATS, "BF16"):
+        return
+    if dtype == "BF16":  # no numpy bfloat16: a bf16 value is not finite when its 8 exponent bits are all set
+        bits = numpy.frombuffer(raw, dtype="<u2")
+        finite = not bool(numpy.any((bits & 0x7F80) == 0x7F80))
+    else:
+        values = numpy.frombuffer(raw, dtype=_NUMPY_FLOATS[dtype])
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            # A finite sum proves every value finite, at a fraction of isfinite's cost; only a
+            # non-finite sum, which overflow can also cause, needs the element-wise check.
+            finite = bool(numpy.isfinite(values.sum())) or bool(numpy.isfinite(values).all())
+    if not finite:
+        raise AdapterError(f"tensor {name} holds NaN or infinite values")
+
+
+def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_bytes: int,
+             transport: str = "") -> None:
+    """UploadCheck over a whole adapter's bytes at once; raises AdapterError saying what is wrong."""
+    check = UploadCheck(schema, declared_size, max_bytes, transport)
+    check.update(data)
+    check.finish(sha256)
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -195,7 +337,7 @@ def fsync_dir(directory: pathlib.Path) -> None:
 def kaiming_uniform_a(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """PEFT's default lora_A init: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
     bound = 1.0 / math.sqrt(shape[1])
-    return torch.rand(shape, generator=generator).mul_(2 * bound).sub_(bound)
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
 def fresh(schema: Schema, seed: int) -> Adapter:
@@ -251,6 +393,7 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
 class AdapterFile(Mapping[str, torch.Tensor]):

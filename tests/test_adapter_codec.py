@@ -40,7 +40,7 @@ def test_validate_refuses_each_kind_of_bad_adapter():
     schema = ad.Schema.of(a, "{}")
     data = ad.encode(a)
     sha = ad.sha256_hex(data)
-    assert set(ad.validate(schema, data, sha, len(data), 1 << 20)) == set(a)
+    ad.validate(schema, data, sha, len(data), 1 << 20)  # a good one passes
     with pytest.raises(ad.AdapterError, match="sha256"):
         ad.validate(schema, data, "0" * 64, len(data), 1 << 20)
     with pytest.raises(ad.AdapterError, match="cut short"):
@@ -130,3 +130,56 @@ def test_all_finite_is_exact_even_when_the_sum_overflows():
     mixed = torch.tensor([float("inf"), float("-inf")])  # sums to NaN
     assert not all_finite(mixed)
     assert all_finite(torch.arange(5))
+
+
+def feed(check: ad.UploadCheck, data: bytes, step: int) -> None:
+    for start in range(0, len(data), step):
+        check.update(data[start:start + step])
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 64, 1 << 20])
+def test_upload_check_reads_any_split_of_the_stream(step):
+    a = sample_adapter()
+    schema = ad.Schema.of(a, "{}")
+    data = ad.encode(a)
+    check = ad.UploadCheck(schema, len(data), 1 << 20)
+    feed(check, data, step)
+    check.finish(ad.sha256_hex(data))
+    # A NaN whose bytes straddle two pieces is still found.
+    nan = dict(a)
+    nan["base_model.model.layers.0.q_proj.lora_B.weight"] = a["base_model.model.layers.0.q_proj.lora_B.weight"].clone()
+    nan["base_model.model.layers.0.q_proj.lora_B.weight"][3, 5] = float("inf")
+    d = ad.encode(nan)
+    with pytest.raises(ad.AdapterError, match="lora_B.weight holds NaN or infinite"):
+        feed(ad.UploadCheck(schema, len(d), 1 << 20), d, step)
+
+
+def test_upload_check_refuses_a_bad_header_at_its_first_chunk():
+    a = sample_adapter()
+    schema = ad.Schema.of(a, "{}")
+    wrong = ad.encode({k: torch.zeros(2, 2) for k in a})
+    check = ad.UploadCheck(schema, len(wrong) + 10_000, 1 << 20)  # more bytes announced than will ever come
+    with pytest.raises(ad.AdapterError, match="shape"):
+        check.update(wrong[:-16])  # the header and half the values
+    assert check.received == len(wrong) - 16
+    # Declared sizes that disagree with the header's tensors are refused too.
+    data = ad.encode(a)
+    with pytest.raises(ad.AdapterError, match="declares"):
+        ad.UploadCheck(schema, len(data) + 4, 1 << 20).update(data)
+
+
+def test_upload_check_takes_bf16_on_the_wire_only_when_the_header_says_so():
+    a = sample_adapter()
+    schema = ad.Schema.of(a, "{}")
+    bf16 = ad.encode(ad.cast(a, torch.bfloat16))
+    ad.validate(schema, bf16, ad.sha256_hex(bf16), len(bf16), 1 << 20, "bfloat16")
+    with pytest.raises(ad.AdapterError, match="dtype"):
+        ad.validate(schema, bf16, ad.sha256_hex(bf16), len(bf16), 1 << 20)
+    fp32 = ad.encode(a)
+    with pytest.raises(ad.AdapterError, match="transport dtype is bfloat16"):
+        ad.validate(schema, fp32, ad.sha256_hex(fp32), len(fp32), 1 << 20, "bfloat16")
+    inf = ad.cast(a, torch.bfloat16)
+    inf["base_model.model.layers.0.q_proj.lora_A.weight"][0, 0] = float("-inf")
+    d = ad.encode(inf)
+    with pytest.raises(ad.AdapterError, match="NaN or infinite"):
+        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20, "bfloat16")

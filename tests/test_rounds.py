@@ -58,8 +58,8 @@ def upload(fed: Federation, client: str, value: float, chunks: int = 1) -> None:
     step = -(-len(data) // chunks)
     for start in range(held, len(data), step):
         held = fed.receive(h, gen, start, data[start:start + step])
+    fed.finish_upload(h, gen)
     fed.end_stream(h, gen)
-    fed.finish_upload(h)
     settle(fed)
 
 
@@ -165,8 +165,8 @@ def test_a_restarted_federation_resumes_the_round_with_its_uploads(tmp_path):
     _, held, gen = again.begin_upload(UploadHeader("b", 1, st.round_nonce, h.sha256, len(data), offset=200))
     assert held == 200
     again.receive(h, gen, 200, data[200:])
+    again.finish_upload(h, gen)
     again.end_stream(h, gen)
-    again.finish_upload(h)
     settle(again)
     assert again.status().round == 2
     assert torch.equal(ad.decode(again.global_adapter(2)[1])[A], torch.full((2, 3), 6.0))

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import logging
 import re
 import secrets
 import threading
 import time
 from typing import Any, Callable
+
+import torch
 
 from fedse import adapter as ad
 from fedse.serving import log_fields
@@ -165,6 +168,7 @@ class _Receiving:
     sha256: str
     held: int
     lock: threading.Lock
+    check: ad.UploadCheck  # fed every byte of the upload in order, from byte 0
 
 
 class Federation:
@@ -280,9 +284,15 @@ class Federation:
         """Writes phi_round as a PEFT directory and keeps its bytes and hash for downloads (the
         lock, re-entrant, is taken only for the cache)."""
         assert self._schema is not None
-        self.store.save_global(round_, data, ad.config_with_base(self._schema.adapter_config_json,
-                                                                 self._base_model or ""))
-        sha = ad.sha256_hex(data)
+        digest = hashlib.sha256()
+        hashing = threading.Thread(target=digest.update, args=(data,), name="hash-global")
+        hashing.start()  # beside the write: hashlib lets go of the GIL over large buffers
+        try:
+            self.store.save_global(round_, data, ad.config_with_base(self._schema.adapter_config_json,
+                                                                     self._base_model or ""))
+        finally:
+            hashing.join()
+        sha = digest.hexdigest()
         with self._cond:
             for old in [k for k in self._cache if k[0] != round_]:
                 del self._cache[old]
@@ -410,29 +420,45 @@ class Federation:
                                      f"bytes of it; resume from offset {held}")
             else:
                 held = h.offset  # resuming before the end of what is held is safe: writes go to their offsets
+            assert self._schema is not None
+            check = ad.UploadCheck(self._schema, h.size, self.settings.max_adapter_bytes, h.transport)
+            if held:  # a resumed upload: the check reads what is held, then goes on with the stream
+                try:
+                    check.update(self.store.read_partial(h.round, h.client_id, held))
+                except ad.AdapterError:
+                    self.store.drop_partial(h.round, h.client_id)
+                    raise
             self._generation += 1
             previous = self._receiving.get(h.client_id)
             # A new stream supersedes one still registered (its connection may be half-dead);
             # both share the client's write lock so their writes never interleave.
             lock = previous.lock if previous is not None else threading.Lock()
-            self._receiving[h.client_id] = _Receiving(self._generation, h.sha256, held, lock)
+            self._receiving[h.client_id] = _Receiving(self._generation, h.sha256, held, lock, check)
             self._progress_at = self.clock()
             self._seen_locked(h.client_id)
             return False, held, self._generation
 
+    def _stream(self, client_id: str, generation: int) -> _Receiving:
+        rec = self._receiving.get(client_id)
+        if rec is None or rec.generation != generation:
+            raise Superseded(f"a newer upload stream from {client_id} took over this one")
+        return rec
+
     def receive(self, h: UploadHeader, generation: int, offset: int, data: bytes) -> int:
-        """Stores the bytes at `offset` (fsynced when the stream ends) and returns the bytes now held."""
+        """Checks and stores the bytes at `offset` (fsynced when the stream ends); returns the bytes
+        now held. Bytes that fail the check (a bad header, a NaN) drop the partial upload."""
         with self._cond:
-            rec = self._receiving.get(h.client_id)
-            if rec is None or rec.generation != generation:
-                raise Superseded(f"a newer upload stream from {h.client_id} took over this one")
-            lock = rec.lock
-        if offset + len(data) > h.size:
-            raise ad.AdapterError(f"received more than the {h.size} bytes the header declared")
-        with lock:
+            rec = self._stream(h.client_id, generation)
+        with rec.lock:
             with self._cond:
-                if self._receiving.get(h.client_id) is not rec:
-                    raise Superseded(f"a newer upload stream from {h.client_id} took over this one")
+                self._stream(h.client_id, generation)
+            if offset != rec.check.received:
+                raise ValueError(f"chunk at offset {offset}, but the stream is at byte {rec.check.received}")
+            try:
+                rec.check.update(data)
+            except ad.AdapterError:
+                self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
+                raise
             held = self.store.append_partial(h.round, h.client_id, offset, data)
         with self._cond:
             rec.held = held
@@ -483,22 +509,29 @@ class Federation:
                     return (rec.held if rec else self.store.partial_size(round_, client_id)), False
             return 0, False
 
-    def finish_upload(self, h: UploadHeader, sha_checked: bool = False) -> Status:
-        """Validates the complete upload, stores it as accepted (before returning), may close the
-        round. `sha_checked`: the caller hashed the bytes as they arrived and they matched."""
+    def finish_upload(self, h: UploadHeader, generation: int) -> Status:
+        """Completes the upload that stream `generation` carried: its check must pass (every byte,
+        the sha256), then it is stored as accepted (before returning) and may close the round."""
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
-            assert self._schema is not None
-            schema = self._schema
+            rec = self._stream(h.client_id, generation)
+        with rec.lock:
+            if rec.check.received < h.size:
+                raise ResumeMismatch(f"upload {h.sha256[:12]}... of round {h.round}: the aggregator holds "
+                                     f"{rec.check.received} of its {h.size} bytes; resume from offset "
+                                     f"{rec.check.received}")
+            try:
+                rec.check.finish(h.sha256)
+            except ad.AdapterError:
+                self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
+                raise
         self.store.sync_partial(h.round, h.client_id)
-        data = self.store.read_partial(h.round, h.client_id)
-        try:
-            adapter = ad.validate(schema, data, h.sha256, h.size, self.settings.max_adapter_bytes, h.transport,
-                                  sha_checked=sha_checked)
-        except ad.AdapterError:
-            self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
-            raise
-        stored = ad.encode(adapter) if h.transport else None  # None: the received file as it is
+        stored = None  # None: the received file as it is
+        if h.transport:  # stored in the schema's dtypes, so aggregation reads one format
+            assert self._schema is not None
+            specs = self._schema.by_name()
+            received = ad.decode(self.store.read_partial(h.round, h.client_id))
+            stored = ad.encode({n: t.to(getattr(torch, specs[n].dtype)) for n, t in received.items()})
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             if h.client_id not in self._uploads:

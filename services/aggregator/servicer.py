@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Callable, Iterator
 
@@ -175,9 +174,6 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 num_examples=h.num_examples, num_successes=h.num_successes)
             done, held, generation = self.fed.begin_upload(header)
             if not done:
-                # A stream that carries the whole adapter is hashed as it arrives (a resumed one is
-                # hashed from the file at the end).
-                digest = hashlib.sha256() if held == 0 else None
                 for chunk in request_iterator:
                     if chunk.WhichOneof("kind") != "data":
                         raise ValueError("only data chunks may follow the header")
@@ -185,16 +181,10 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                         raise ValueError(f"chunk of {len(chunk.data)} bytes exceeds {self.chunk_bytes}: split it")
                     BYTES_RECEIVED.inc(len(chunk.data))
                     held = self.fed.receive(header, generation, held, chunk.data)
-                    if digest is not None:
-                        digest.update(chunk.data)
                 if held < header.size:
                     raise Incomplete(f"the stream ended after {held} of {header.size} bytes: the upload is "
                                      f"incomplete; resume from offset {held}")
-                if digest is not None and digest.hexdigest() != header.sha256:
-                    self.fed.store.drop_partial(header.round, header.client_id)
-                    raise ad.AdapterError(f"sha256 mismatch: header says {header.sha256}, the bytes hash to "
-                                          f"{digest.hexdigest()}")
-                st = self.fed.finish_upload(header, sha_checked=digest is not None)
+                st = self.fed.finish_upload(header, generation)
                 self._observe(st)
         except Exception as exc:  # noqa: BLE001
             if not context.is_active():  # the client went away: what arrived is kept for a resume

@@ -111,8 +111,10 @@ class Store:
         finally:
             os.close(fd)
 
-    def read_partial(self, round_: int, client_id: str) -> bytes:
-        return (self.upload_dir(round_) / f"{client_id}.part").read_bytes()
+    def read_partial(self, round_: int, client_id: str, size: int = -1) -> bytes:
+        """The first `size` bytes held of a partial upload (-1: all of them)."""
+        with open(self.upload_dir(round_) / f"{client_id}.part", "rb") as fh:
+            return fh.read(size)
 
     def drop_partial(self, round_: int, client_id: str) -> None:
         folder = self.upload_dir(round_)

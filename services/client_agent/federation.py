@@ -14,6 +14,7 @@ The retry budget counts attempts without progress: a transfer that keeps moving 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import random
 import re
@@ -203,11 +204,13 @@ class FederationClient:
         and checked against its sha256 at the end (damaged: TransferError logged, restart from 0)."""
         dtype = check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
         want = round_
-        buf = bytearray()
+        # The chunks held, in order, hashed as they come: joined once at the end.
+        parts: list[bytes] = []
+        held, digest = 0, hashlib.sha256()
         first: fpb.AdapterHeader | None = None
         failures = 0
         while True:
-            offset = len(buf)
+            offset = held
             req = fpb.DownloadRequest(round=want, offset=offset, sha256=first.sha256 if first else "",
                                       transport_dtype=dtype)
             try:
@@ -224,47 +227,49 @@ class FederationClient:
                 if h.offset != offset:
                     raise TransferError(f"asked for bytes from {offset}, the aggregator sent from {h.offset}")
                 for chunk in stream:
-                    buf += chunk.data
-                    if len(buf) > first.size:
+                    parts.append(chunk.data)
+                    digest.update(chunk.data)
+                    held += len(chunk.data)
+                    if held > first.size:
                         raise TransferError(f"global adapter of round {want} ran past its {first.size} bytes")
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.FAILED_PRECONDITION and first is not None:
                     # The adapter changed under the pinned sha256: start over.
                     log.warning("download restarts", extra=log_fields(round=want, reason=exc.details()))
-                    buf, first = bytearray(), None
+                    parts, held, digest, first = [], 0, hashlib.sha256(), None
                     want = round_
                 elif code not in RETRYABLE:
                     raise
-                failures = 0 if len(buf) > offset else failures + 1
+                failures = 0 if held > offset else failures + 1
                 if failures > self.retries:
                     raise
-                self._sleep("DownloadAdapter", exc, failures, round=want, held_bytes=len(buf))
+                self._sleep("DownloadAdapter", exc, failures, round=want, held_bytes=held)
                 continue
             except TransferError as exc:
                 failures += 1
                 if failures > self.retries:
                     raise
                 log.warning("download damaged, restarting from 0", extra=log_fields(round=want, reason=str(exc)))
-                buf, first, want = bytearray(), None, round_
+                parts, held, digest, first, want = [], 0, hashlib.sha256(), None, round_
                 continue
-            if len(buf) < first.size:
+            if held < first.size:
                 # The stream ended early without an error: resume from what we hold.
-                failures = 0 if len(buf) > offset else failures + 1
+                failures = 0 if held > offset else failures + 1
                 if failures > self.retries:
                     raise TransferError(f"global adapter of round {want}: stream keeps ending at "
-                                        f"{len(buf)} of {first.size} bytes")
+                                        f"{held} of {first.size} bytes")
                 continue
-            data = bytes(buf)
-            if ad.sha256_hex(data) != first.sha256:
+            if digest.hexdigest() != first.sha256:
                 failures += 1
                 err = TransferError(f"global adapter of round {want} arrived damaged (sha256 mismatch over "
-                                    f"{len(data)} bytes)")
+                                    f"{held} bytes)")
                 if failures > self.retries:
                     raise err
                 log.warning("download damaged, restarting from 0", extra=log_fields(round=want, reason=str(err)))
-                buf, first, want = bytearray(), None, round_
+                parts, held, digest, first, want = [], 0, hashlib.sha256(), None, round_
                 continue
+            data = b"".join(parts)
             return GlobalAdapter(first.round, data, first.sha256, first.adapter_config_json,
                                  first.transport_dtype or dtype)
 
@@ -289,15 +294,16 @@ class FederationClient:
 
     def upload(self, round_: int, data: bytes, num_examples: int, num_successes: int,
                adapter_config_json: str = "", transport_dtype: str | None = None,
-               round_nonce: str = "") -> fpb.UploadAck:
+               round_nonce: str = "", sha256: str = "") -> fpb.UploadAck:
         """Uploads `data` (safetensors bytes whose floating tensors are in `transport_dtype`) for
-        `round_`, resuming after breaks from what the aggregator kept.
+        `round_`, resuming after breaks from what the aggregator kept. `sha256`: the bytes' hash when
+        the caller holds it already (else computed here).
 
         Raises StaleRound if the round is over, grpc.RpcError for any other refusal, and the last
         transient error once `retries` attempts in a row made no progress.
         """
         dtype = check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
-        sha = ad.sha256_hex(data)
+        sha = sha256 or ad.sha256_hex(data)  # a wrong one costs only a refused upload
         if not round_nonce:
             round_nonce = self._check_round(round_, "the round is over").round_nonce
         offset, failures = 0, 0
