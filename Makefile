@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast proto bench bench-env bench-aggregation bench-transfer images clean
+.PHONY: install run experiment test test-fast proto bench bench-env bench-aggregation bench-transfer images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +16,10 @@ install: $(STAMP)
 ## The whole federation on this machine: env servers, aggregator, one client per environment.
 run: $(STAMP)
 	$(VENV)/bin/fedse run $(ARGS)
+
+## The paper's methods and ablations over seeds (ARGS="--budget full --base-model /models/x" on a GPU machine).
+experiment: $(STAMP)
+	$(VENV)/bin/fedse experiment $(ARGS)
 
 ## What CI runs.
 test: $(STAMP)

@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fedse run [options]            run a whole federation locally (fedse run --help)\n"
+              "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
+              "plots\n"
               "       fedse tasks [--env-server ADDR]  task counts per environment and split, from ListTasks\n"
               "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state")
         return 0 if argv else 2
@@ -30,11 +32,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run failed: {exc}", file=sys.stderr)
             return 1
         return 0 if results["mean_test_success"] else 1
+    if command == "experiment":
+        from fedse.experiment import ExperimentConfig
+        from fedse.experiment import run as run_experiment
+
+        exp = parse_or_exit(ExperimentConfig, rest)
+        try:
+            run_experiment(exp)
+        except KeyboardInterrupt:
+            print("\ninterrupted: all processes stopped; finished runs are kept and reused by the next "
+                  "fedse experiment with the same settings", file=sys.stderr)
+            return 130
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"experiment failed: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if command == "tasks":
         return tasks(rest)
     if command == "status":
         return status(rest)
-    print(f"unknown command {command!r}; try: fedse run, fedse tasks, fedse status", file=sys.stderr)
+    print(f"unknown command {command!r}; try: fedse run, fedse experiment, fedse tasks, fedse status",
+          file=sys.stderr)
     return 2
 
 

@@ -1,9 +1,15 @@
 """The whole federation on one machine: real processes talking gRPC on loopback.
 
-Starts one env_server per environment, the aggregator, and one client_agent per environment
-(each its own process, as each is its own pod in k8s/), shows a table of held-out success per
-environment and round as the clients report it, stops everything on Ctrl-C, and writes
-results.json and success.png to the results folder.
+Starts one env_server per client agent (hosting that client's environments), the aggregator(s),
+and the client agents (each its own process, as each is its own pod in k8s/), shows a table of
+held-out success per environment and round as the clients report it, stops everything on Ctrl-C,
+and writes results.json and success.png to the results folder.
+
+--topology says who federates with whom, which is all that tells the paper's methods apart beside
+the client settings (--explore-tasks, --keep, --history, --lora-r): "federated" (one client per
+environment, one aggregator: Fed-SE, FedIT), "local" (each client alone with its own aggregator,
+nothing averaged across clients: Local) or "centralized" (one client holding every environment:
+Centralized).
 """
 
 from __future__ import annotations
@@ -22,19 +28,30 @@ from typing import IO, Any
 from fedse.config import ConfigError, field
 
 SERVICE_START_S = 120.0
+TOPOLOGIES = ("federated", "local", "centralized")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Run a whole Fed-SE federation locally (the embedded tiny model unless --base-model is a path)."""
 
-    envs: str = field("maze,wordle,babyai,textcraft,webshop", "environments, one client each")
+    envs: str = field("maze,wordle,babyai,textcraft,webshop", "environments (one client each; one for all of them "
+                                                              "with --topology centralized)")
     rounds: int = field(5, "federated rounds T")
     results: str = field("results", "folder for results.json, success.png, logs and state")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory")
     strategy: str = field("fedavg", "aggregation strategy: fedavg, weighted, exact, median or trimmed_mean")
     expert_demos: int = field(20, "expert demonstrations per client (D_0)")
-    explore_tasks: int = field(16, "training tasks each client attempts per round")
+    explore_tasks: int = field(16, "training tasks each client attempts per round and environment (0 = none: "
+                                   "train on the expert demonstrations only)")
+    topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "
+                                       "client alone with its own aggregator) or 'centralized' (one client "
+                                       "holding every environment)")
+    keep: str = field("successes", "explored trajectories each client keeps: 'successes' or 'all' (no filter)")
+    history: str = field("cumulative", "what each client trains on: 'cumulative' (its whole buffer) or 'round' "
+                                       "(expert demonstrations plus the round's kept trajectories)")
+    lora_r: int = field(8, "LoRA rank")
+    lora_alpha: int = field(16, "LoRA alpha")
     eval_tasks: int = field(20, "held-out test tasks per evaluation (0 = all)")
     lr: float = field(3e-3, "client AdamW learning rate")
     epochs: int = field(2, "epochs over the buffer per round")
@@ -47,9 +64,45 @@ class RunConfig:
             raise ConfigError("--envs is empty: name at least one environment, e.g. maze,wordle")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be at least 1, got {self.rounds}")
+        if self.explore_tasks < 0:
+            raise ConfigError(f"--explore-tasks must not be negative, got {self.explore_tasks}")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
 
     def env_list(self) -> list[str]:
         return [e.strip() for e in self.envs.split(",") if e.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Client:
+    """A client agent to start: its id and the environments it holds (its env server hosts them)."""
+
+    client_id: str
+    envs: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """Names its processes and logs: env_server-maze, client_agent-maze+wordle."""
+        return "+".join(self.envs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Federation:
+    """One aggregator (process and state folder `name`, run `run_id`) and the clients that join it."""
+
+    name: str
+    run_id: str
+    clients: tuple[Client, ...]
+
+
+def plan(cfg: RunConfig) -> list[Federation]:
+    """The aggregators and clients of cfg.topology."""
+    envs = cfg.env_list()
+    if cfg.topology == "local":
+        return [Federation(f"aggregator-{e}", f"local-{e}", (Client(f"org-{e}", (e,)),)) for e in envs]
+    if cfg.topology == "centralized":
+        return [Federation("aggregator", "local", (Client("org-central", tuple(envs)),))]
+    return [Federation("aggregator", "local", tuple(Client(f"org-{e}", (e,)) for e in envs))]
 
 
 class Proc:
@@ -102,23 +155,43 @@ def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
     return out
 
 
-def success_table(reports: list[dict[str, Any]], client_env: dict[str, str], rounds: int) -> str:
-    envs = sorted(set(client_env.values()))
-    by = {(client_env[r["client_id"]], r["round"]): r["metrics"] for r in reports if r["client_id"] in client_env}
+def env_rows(reports: list[dict[str, Any]],
+             client_envs: dict[str, tuple[str, ...]]) -> dict[str, list[dict[str, Any]]]:
+    """Per environment, one row per round its client reported (the last report of a round counts):
+    that environment's test_success and test_tasks (from test_success/<env>, test_tasks/<env>) and
+    the client's other metrics (upload_bytes, train_loss, ...), which a Centralized client's
+    environments share."""
+    latest = {(r["client_id"], r["round"]): r["metrics"] for r in reports if r["client_id"] in client_envs}
+    envs: dict[str, list[dict[str, Any]]] = {}
+    for (cid, rnd), m in sorted(latest.items()):
+        shared = {k: v for k, v in m.items() if not k.startswith(("test_success", "test_tasks/"))}
+        for env in client_envs[cid]:
+            envs.setdefault(env, []).append({"round": rnd, **shared, "test_success": m[f"test_success/{env}"],
+                                             "test_tasks": m[f"test_tasks/{env}"]})
+    return envs
+
+
+def round_mean(rows: dict[str, list[dict[str, Any]]], envs: list[str], rnd: int) -> float | None:
+    """Round `rnd`'s success micro-averaged over the test tasks of every environment (successes over
+    tasks, as the paper averages); None until every environment has reported the round."""
+    found = [row for env in envs for row in rows.get(env, []) if row["round"] == rnd]
+    if len(found) < len(envs):
+        return None
+    tasks = sum(row["test_tasks"] for row in found)
+    return sum(row["test_success"] * row["test_tasks"] for row in found) / max(1.0, tasks)
+
+
+def success_table(rows: dict[str, list[dict[str, Any]]], envs: list[str], rounds: int) -> str:
+    envs = sorted(envs)
+    by = {(env, row["round"]): row["test_success"] for env in envs for row in rows.get(env, [])}
     width = max(8, *(len(e) for e in envs))
     head = "round | " + " | ".join(f"{e:>{width}}" for e in envs) + " | " + f"{'mean':>{width}}"
     lines = [head, "-" * len(head)]
     for rnd in range(rounds + 1):
-        cells, vals = [], []
-        for e in envs:
-            m = by.get((e, rnd))
-            if m and "test_success" in m:
-                vals.append(m["test_success"])
-                cells.append(f"{100 * m['test_success']:>{width - 1}.1f}%")
-            else:
-                cells.append(f"{'-':>{width}}")
-        mean = f"{100 * sum(vals) / len(vals):>{width - 1}.1f}%" if len(vals) == len(envs) else f"{'-':>{width}}"
-        lines.append(f"{rnd:>5} | " + " | ".join(cells) + " | " + mean)
+        cells = [f"{100 * by[e, rnd]:>{width - 1}.1f}%" if (e, rnd) in by else f"{'-':>{width}}" for e in envs]
+        mean = round_mean(rows, envs, rnd)
+        cells.append(f"{100 * mean:>{width - 1}.1f}%" if mean is not None else f"{'-':>{width}}")
+        lines.append(f"{rnd:>5} | " + " | ".join(cells))
     return "\n".join(lines)
 
 
@@ -139,7 +212,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_xlabel("round (0 = base model, before any training)")
     ax.set_ylabel("held-out success (%)")
     ax.set_ylim(-2, 102)
-    ax.set_title(f"Fed-SE, {results['base_model']}, {len(results['envs'])} clients, {results['strategy']}")
+    ax.set_title(f"Fed-SE, {results['base_model']}, {results['topology']}, {len(results['envs'])} environments, "
+                 f"{results['strategy']}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -147,18 +221,28 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def collect(reports: list[dict[str, Any]], client_env: dict[str, str], cfg: RunConfig, wall_s: float) -> dict[str, Any]:
-    envs: dict[str, list[dict[str, float]]] = {}
-    for r in sorted(reports, key=lambda r: (r["client_id"], r["round"])):
-        if r["client_id"] in client_env:
-            envs.setdefault(client_env[r["client_id"]], []).append({"round": r["round"], **r["metrics"]})
+def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...]], cfg: RunConfig,
+            wall_s: float) -> dict[str, Any]:
+    """The run's results (results.json), what `fedse run` and the experiment driver read:
+
+    {"config": the RunConfig as a dict, "topology", "base_model", "strategy", "rounds", "wall_s",
+     "envs": {env: [{"round", "test_success" (that environment's held-out success), "test_tasks"
+              (its test tasks evaluated), "upload_bytes" (bytes of the adapter its client uploaded
+              that round; absent in the final, evaluation-only round), and its client's other
+              metrics: "train_loss", "buffer", "kept", "eval_s", ...}, one per round 0..rounds]},
+     "mean_test_success": [per round from 0, micro-averaged over all test tasks, while every
+                           environment has reported]}
+    """
+    envs = env_rows(reports, client_envs)
     mean: list[float] = []
     for rnd in range(cfg.rounds + 1):
-        vals = [row["test_success"] for rows in envs.values() for row in rows if row["round"] == rnd]
-        if len(vals) == len(client_env):
-            mean.append(sum(vals) / len(vals))
-    return {"config": dataclasses.asdict(cfg), "base_model": cfg.base_model, "strategy": cfg.strategy,
-            "rounds": cfg.rounds, "wall_s": round(wall_s, 1), "envs": envs, "mean_test_success": mean}
+        m = round_mean(envs, cfg.env_list(), rnd)
+        if m is None:
+            break
+        mean.append(m)
+    return {"config": dataclasses.asdict(cfg), "topology": cfg.topology, "base_model": cfg.base_model,
+            "strategy": cfg.strategy, "rounds": cfg.rounds, "wall_s": round(wall_s, 1), "envs": envs,
+            "mean_test_success": mean}
 
 
 def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
@@ -168,54 +252,58 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     shutil.rmtree(state, ignore_errors=True)
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
-    envs = cfg.env_list()
+    feds = plan(cfg)
+    members = [(f, c) for f in feds for c in f.clients]
+    client_envs = {c.client_id: c.envs for _, c in members}
     procs: list[Proc] = []
     started = time.monotonic()
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
+    def start(name: str, argv: list[str]) -> Proc:
+        procs.append(Proc(name, argv, logs))
+        return procs[-1]
+
     try:
-        env_ports = {}
-        for env in envs:
-            p = Proc(f"env_server-{env}", ["services.env_server", "--address", "127.0.0.1:0", "--envs", env,
-                                           "--metrics-port", "-1", "--seed", str(cfg.seed),
-                                           "--wordle-vocab-size", str(cfg.wordle_vocab_size)], logs)
-            procs.append(p)
-        agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
-                                  "--state-dir", str(state / "aggregator"), "--run-id", "local",
-                                  "--num-rounds", str(cfg.rounds), "--min-clients", str(len(envs)),
-                                  "--round-deadline-s", str(cfg.round_deadline_s), "--strategy", cfg.strategy,
-                                  "--seed", str(cfg.seed)], logs)
-        procs.append(agg)
-        for env, p in zip(envs, procs):
-            env_ports[env] = p.port()
-        agg_port = agg.port()
-        say(f"env servers on {', '.join(f'{e}:{p}' for e, p in env_ports.items())}; aggregator on {agg_port}")
-        client_env: dict[str, str] = {}
-        clients: list[Proc] = []
-        for env in envs:
-            cid = f"org-{env}"
-            client_env[cid] = env
-            c = Proc(f"client_agent-{env}", [
-                "services.client_agent", "--client-id", cid, "--env", env,
-                "--env-server", f"127.0.0.1:{env_ports[env]}", "--aggregator", f"127.0.0.1:{agg_port}",
-                "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(state / "clients"),
-                "--base-model", cfg.base_model, "--expert-demos", str(cfg.expert_demos),
-                "--explore-tasks", str(cfg.explore_tasks), "--eval-tasks", str(cfg.eval_tasks),
-                "--lr", str(cfg.lr), "--epochs", str(cfg.epochs), "--seed", str(cfg.seed), "--torch-threads", "1"],
-                logs)
-            procs.append(c)
-            clients.append(c)
-        say(f"{len(clients)} clients started ({', '.join(client_env)}); logs in {logs}/")
-        metrics_path = state / "aggregator" / "local" / "metrics.jsonl"
+        env_servers = {
+            c: start(f"env_server-{c.label}", [
+                "services.env_server", "--address", "127.0.0.1:0", "--envs", ",".join(c.envs), "--metrics-port", "-1",
+                "--seed", str(cfg.seed), "--wordle-vocab-size", str(cfg.wordle_vocab_size)])
+            for _, c in members}
+        aggregators = {
+            f.name: start(f.name, [
+                "services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
+                "--state-dir", str(state / f.name), "--run-id", f.run_id, "--num-rounds", str(cfg.rounds),
+                "--min-clients", str(len(f.clients)), "--round-deadline-s", str(cfg.round_deadline_s),
+                "--strategy", cfg.strategy, "--seed", str(cfg.seed)])
+            for f in feds}
+        env_ports = {c: p.port() for c, p in env_servers.items()}
+        agg_ports = {name: p.port() for name, p in aggregators.items()}
+        say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
+            + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
+        clients = [start(f"client_agent-{c.label}", [
+            "services.client_agent", "--client-id", c.client_id, "--env", ",".join(c.envs),
+            "--env-server", f"127.0.0.1:{env_ports[c]}", "--aggregator", f"127.0.0.1:{agg_ports[f.name]}",
+            "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(state / "clients"),
+            "--base-model", cfg.base_model, "--expert-demos", str(cfg.expert_demos),
+            "--explore-tasks", str(cfg.explore_tasks), "--eval-tasks", str(cfg.eval_tasks),
+            "--keep", cfg.keep, "--history", cfg.history, "--lora-r", str(cfg.lora_r),
+            "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
+            "--seed", str(cfg.seed), "--torch-threads", "1"]) for f, c in members]
+        say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
+        metrics_paths = [state / f.name / f.run_id / "metrics.jsonl" for f in feds]
+
+        def reports() -> list[dict[str, Any]]:
+            return [r for path in metrics_paths for r in read_metrics(path)]
+
         shown = -1
         while True:
-            reports = read_metrics(metrics_path)
-            if len(reports) != shown:
-                shown = len(reports)
+            seen = reports()
+            if len(seen) != shown:
+                shown = len(seen)
                 say(f"\n[{time.monotonic() - started:6.1f}s] held-out success per environment and round\n"
-                    + success_table(reports, client_env, cfg.rounds))
+                    + success_table(env_rows(seen, client_envs), cfg.env_list(), cfg.rounds))
             failed = [c for c in clients if c.popen.poll() not in (None, 0)]
             if failed:
                 raise RuntimeError(f"{failed[0].name} exited with {failed[0].popen.returncode}; "
@@ -223,8 +311,7 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             if all(c.popen.poll() == 0 for c in clients):
                 break
             time.sleep(1.0)
-        reports = read_metrics(metrics_path)
-        results = collect(reports, client_env, cfg, time.monotonic() - started)
+        results = collect(reports(), client_envs, cfg, time.monotonic() - started)
         (results_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot(results, results_dir / "success.png")
         mean = results["mean_test_success"]

@@ -6,12 +6,22 @@ trajectories; add them to the cumulative buffer D_t = D_{t-1} ∪ D_succ (D_0 = 
 fine-tune the LoRA on the whole buffer; upload phi_{t,k}. After the last round the final global
 adapter is evaluated too, so the metrics cover phi_0 (the untrained base) to phi_T.
 
+The methods the paper compares change only parts of this loop (buffer.py defines the selections):
+`--keep all` keeps failed explorations too ("no filter"); `--history round` trains round t on D_0
+plus round t's kept trajectories only ("no history"); `--explore-tasks 0` never explores, so every
+round trains on D_0 (FedIT, Local, Centralized); `--env a,b` holds several environments (the
+Centralized client): D_0, exploration and evaluation cover each, training pools them, and the
+metrics give each environment's success (`test_success/<env>`, `test_tasks/<env>`) beside their
+micro-average (`test_success`).
+
 Every step that matters is recorded before the next begins, so a client killed at any point and
 started again continues where it was: `progress.json` (written atomically) names the run, the
 round and the last phase finished ("explored", "trained", "uploaded", "reported"); the trained
 adapter is saved to `upload.safetensors` before it is uploaded. `decide_resume` turns the
 recorded progress and the aggregator's status into where to start. Exploration and training are
-seeded from (seed, round), so a resumed round gives the adapter an uninterrupted one would have.
+seeded from (seed, round), so a resumed round gives the adapter an uninterrupted one would have;
+each environment of a client is seeded as a client holding it alone is, so a Centralized client
+draws the demonstrations and exploration tasks the federated clients draw.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
 from . import model as mdl
-from .buffer import Buffer, Trajectory
+from .buffer import Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient
 from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound, encode_transport
@@ -61,6 +71,20 @@ def training_examples(trajectories: list[Trajectory], max_history: int) -> list[
         for i, (obs, action) in enumerate(t.turns):
             out.append((format_prompt(t.instruction, list(t.turns[:i]), obs, max_history), action))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvTasks:
+    """One environment this client holds: its env server client, its training tasks and the test
+    tasks it evaluates."""
+
+    env: EnvClient
+    train_ids: list[int]
+    test_ids: list[int]
+
+    @property
+    def name(self) -> str:
+        return self.env.env
 
 
 # ---- progress ---------------------------------------------------------------------------------------
@@ -169,8 +193,9 @@ class ClientAgent:
             torch.set_num_threads(config.torch_threads)
         self.dir = pathlib.Path(config.state_dir) / config.client_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.env = EnvClient(config.env_server, config.env,
-                             security=None if config.env_server_plain else config)
+        names = config.env_list()
+        env_server = EnvClient(config.env_server, names[0], security=None if config.env_server_plain else config)
+        self.envs = [env_server.with_env(name) for name in names]  # one channel to the env server
         self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype,
                                     security=config)
         self.heartbeat = Heartbeat(self.fed, config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S)
@@ -198,15 +223,34 @@ class ClientAgent:
             return [c[i] for c, i in zip(candidates, picks)]
         return choose
 
-    def episodes(self, task_ids: list[int], policy: Policy, round_: int, phase: str) -> list[Trajectory]:
+    def episodes(self, env: EnvClient, task_ids: list[int], policy: Policy, round_: int,
+                 phase: str) -> list[Trajectory]:
         def count(t: Trajectory) -> None:
             STEPS.labels(phase).inc(len(t.turns))
             EPISODES.labels(phase, "success" if t.success else "failure").inc()
-        return run_episodes(self.env, task_ids, policy, self.cfg.concurrency, round_, phase, on_episode=count)
+        return run_episodes(env, task_ids, policy, self.cfg.concurrency, round_, phase, on_episode=count)
 
-    def evaluate(self, test_ids: list[int], round_: int) -> float:
-        trajs = self.episodes(test_ids, self.model_policy(True, torch.Generator().manual_seed(0)), round_, "eval")
-        return sum(t.success for t in trajs) / max(1, len(trajs))
+    def env_tasks(self, env: EnvClient) -> EnvTasks:
+        """The environment's training tasks and the test tasks evaluated (the first --eval-tasks)."""
+        train_ids, _ = env.tasks("train")
+        test_ids, _ = env.tasks("test")
+        return EnvTasks(env, train_ids, test_ids[: self.cfg.eval_tasks] if self.cfg.eval_tasks else test_ids)
+
+    def evaluate(self, tasks: list[EnvTasks], round_: int) -> dict[str, float]:
+        """Greedy success of the loaded adapter on each environment's test tasks (`test_success/<env>`
+        over `test_tasks/<env>` tasks) and over all of them (`test_success`)."""
+        metrics: dict[str, float] = {}
+        successes = episodes = 0
+        for task in tasks:
+            trajs = self.episodes(task.env, task.test_ids, self.model_policy(True, torch.Generator().manual_seed(0)),
+                                  round_, "eval")
+            ok = sum(t.success for t in trajs)
+            metrics[f"test_success/{task.name}"] = ok / max(1, len(trajs))
+            metrics[f"test_tasks/{task.name}"] = float(len(trajs))
+            TEST_SUCCESS.labels(task.name).set(metrics[f"test_success/{task.name}"])
+            successes, episodes = successes + ok, episodes + len(trajs)
+        metrics["test_success"] = successes / max(1, episodes)
+        return metrics
 
     # ---- state on disk -----------------------------------------------------------------------
     def record(self, progress: Progress) -> None:
@@ -250,16 +294,22 @@ class ClientAgent:
         return data
 
     # ---- the loop ----------------------------------------------------------------------------
-    def seed_buffer(self, train_ids: list[int]) -> None:
-        if any(t.source == "expert" for t in self.buffer.trajectories) or self.cfg.expert_demos == 0:
+    def seed_buffer(self, tasks: list[EnvTasks]) -> None:
+        """Adds the successful expert demonstrations D_0 of every environment that has none in the
+        buffer yet; the tasks are sampled from --seed alone, per environment."""
+        if self.cfg.expert_demos == 0:
             return
-        rng = random.Random(self.cfg.seed)
-        ids = rng.sample(train_ids, min(self.cfg.expert_demos, len(train_ids)))
-        demos = self.episodes(ids, expert_policy(self.env), -1, "expert")
-        kept = [t for t in demos if t.success]
-        self.buffer.extend(kept)
-        log.info("buffer seeded with expert demonstrations",
-                 extra=log_fields(demos=len(demos), successful=len(kept)))
+        seeded = {t.env for t in self.buffer.trajectories if t.source == "expert"}
+        for task in tasks:
+            if task.name in seeded:
+                continue
+            rng = random.Random(self.cfg.seed)
+            ids = rng.sample(task.train_ids, min(self.cfg.expert_demos, len(task.train_ids)))
+            demos = self.episodes(task.env, ids, expert_policy(task.env), -1, "expert")
+            kept = [t for t in demos if t.success]
+            self.buffer.extend(kept)
+            log.info("buffer seeded with expert demonstrations",
+                     extra=log_fields(env=task.name, demos=len(demos), successful=len(kept)))
 
     def load_global(self, round_: int) -> None:
         with PHASE_SECONDS.labels("download").time():
@@ -267,7 +317,7 @@ class ClientAgent:
         mdl.set_adapter_state(self.model, g.adapter())
         self.loaded_round = round_
 
-    def resume(self, plan: Resume, train_ids: list[int]) -> None:
+    def resume(self, plan: Resume, tasks: list[EnvTasks]) -> None:
         """Brings the state directory to where `plan` starts."""
         old = self.progress
         if plan.action == "fresh":
@@ -275,7 +325,7 @@ class ClientAgent:
                 log.warning("starting fresh", extra=log_fields(reason=plan.reason))
             self.set_aside(old)
             self.progress = None
-            self.seed_buffer(train_ids)
+            self.seed_buffer(tasks)
             self.record(Progress(self.run_id, -1, "seeded"))
             return
         log.info("resuming", extra=log_fields(action=plan.action, round=plan.round, after=plan.phase or None,
@@ -284,7 +334,7 @@ class ClientAgent:
         if dropped:
             log.warning("dropped trajectories of an unfinished exploration",
                         extra=log_fields(from_round=plan.drop_from, trajectories=dropped))
-        self.seed_buffer(train_ids)
+        self.seed_buffer(tasks)
         if plan.missed is not None and old is not None:
             try:
                 self.fed.report(old.round, old.metrics)
@@ -303,25 +353,23 @@ class ClientAgent:
         self.heartbeat.set("joining", joined.current_round)
         self.heartbeat.start()
         try:
-            train_ids, _ = self.env.tasks("train")
-            test_ids, _ = self.env.tasks("test")
-            if cfg.eval_tasks:
-                test_ids = test_ids[: cfg.eval_tasks]
+            tasks = [self.env_tasks(env) for env in self.envs]
             log.info("joined", extra=log_fields(run_id=joined.config.run_id, rounds=num_rounds,
-                                                round=joined.current_round, train_tasks=len(train_ids),
-                                                test_tasks=len(test_ids)))
+                                                round=joined.current_round, envs=[t.name for t in tasks],
+                                                train_tasks=sum(len(t.train_ids) for t in tasks),
+                                                test_tasks=sum(len(t.test_ids) for t in tasks)))
             self.heartbeat.set("waiting")
             st = self.fed.wait_until(lambda s: s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
                                      timeout_s=cfg.round_timeout_s)
             self.run_id = st.run_id or joined.config.run_id
             self.progress = self.load_progress()
             plan = decide_resume(self.progress, self.run_id, st.round)
-            self.resume(plan, train_ids)
+            self.resume(plan, tasks)
             round_, done = plan.round, plan.phase
             while True:
                 ROUND.set(round_)
                 final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= num_rounds
-                self.play_round(round_, done, final, train_ids, test_ids)
+                self.play_round(round_, done, final, tasks)
                 if final:
                     break
                 self.heartbeat.set("waiting", round_)
@@ -339,7 +387,7 @@ class ClientAgent:
         self.heartbeat.stop()
         return self.history
 
-    def play_round(self, round_: int, done: str, final: bool, train_ids: list[int], test_ids: list[int]) -> None:
+    def play_round(self, round_: int, done: str, final: bool, tasks: list[EnvTasks]) -> None:
         """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported"."""
         p = self.progress if done else None
         metrics: dict[str, float] = dict(p.metrics) if p else {}
@@ -348,9 +396,8 @@ class ClientAgent:
                 self.heartbeat.set("evaluating", round_)
                 self.load_global(round_)
                 started = time.perf_counter()
-                success = self.evaluate(test_ids, round_)
-                TEST_SUCCESS.labels(self.cfg.env).set(success)
-                metrics = {"test_success": success, "eval_s": time.perf_counter() - started}
+                metrics = self.evaluate(tasks, round_)
+                metrics["eval_s"] = time.perf_counter() - started
                 PHASE_SECONDS.labels("eval").observe(metrics["eval_s"])
                 if final:  # after the last round: only evaluate phi_T and report
                     metrics["buffer"] = float(len(self.buffer))
@@ -358,9 +405,9 @@ class ClientAgent:
                     self.record(Progress(self.run_id, round_, "reported", metrics=metrics))
                     return
                 self.heartbeat.set("exploring", round_)
-                kept, explored = self.explore(round_, train_ids)
+                successes, explored = self.explore(round_, tasks)
                 metrics.update(explored)
-                p = Progress(self.run_id, round_, "explored", num_successes=kept, metrics=metrics)
+                p = Progress(self.run_id, round_, "explored", num_successes=successes, metrics=metrics)
                 self.record(p)
                 done = "explored"
             elif done == "explored":
@@ -394,29 +441,37 @@ class ClientAgent:
             else:
                 raise AssertionError(f"unknown phase {done!r}")
 
-    def explore(self, round_: int, train_ids: list[int]) -> tuple[int, dict[str, float]]:
-        """Explores this round's training tasks and appends the successes to the buffer."""
+    def explore(self, round_: int, tasks: list[EnvTasks]) -> tuple[int, dict[str, float]]:
+        """Explores this round's training tasks of every environment and appends what --keep keeps
+        to the buffer. Returns the successes (what --strategy weighted weighs) and the metrics;
+        with --explore-tasks 0 nothing is explored and there is no explore_success."""
         cfg = self.cfg
-        rng = random.Random(cfg.seed * 100_003 + round_)
-        ids = rng.sample(train_ids, min(cfg.explore_tasks, len(train_ids)))
-        gen = torch.Generator().manual_seed(cfg.seed * 100_003 + round_)
+        seed = cfg.seed * 100_003 + round_
         t0 = time.perf_counter()
-        trajs = self.episodes(ids, self.model_policy(False, gen), round_, "explore")
-        kept = [t for t in trajs if t.success]
+        trajs: list[Trajectory] = []
+        for task in tasks:
+            ids = random.Random(seed).sample(task.train_ids, min(cfg.explore_tasks, len(task.train_ids)))
+            trajs += self.episodes(task.env, ids, self.model_policy(False, torch.Generator().manual_seed(seed)),
+                                   round_, "explore")
+        kept = to_keep(trajs, cfg.keep)
         self.buffer.extend(kept)
-        KEPT.inc(len(kept))
+        successes = sum(t.success for t in trajs)
+        KEPT.inc(sum(t.success for t in kept))
         BUFFER.set(len(self.buffer))
         PHASE_SECONDS.labels("explore").observe(time.perf_counter() - t0)
-        return len(kept), {"explore_success": len(kept) / max(1, len(trajs)), "kept": float(len(kept)),
-                           "buffer": float(len(self.buffer)), "explore_s": time.perf_counter() - t0}
+        metrics = {"kept": float(len(kept)), "buffer": float(len(self.buffer)), "explore_s": time.perf_counter() - t0}
+        if trajs:
+            metrics["explore_success"] = successes / len(trajs)
+        return successes, metrics
 
     def train(self, round_: int) -> tuple[bytes, int, dict[str, float]]:
-        """Trains the LoRA (from the loaded phi_round) on the whole buffer; the adapter's bytes in the
-        transport dtype. Seeded from (seed, round), dropout included, so a retrained round matches."""
+        """Trains the LoRA (from the loaded phi_round) on the round's training set (--history); the
+        adapter's bytes in the transport dtype. Seeded from (seed, round), dropout included, so a
+        retrained round matches."""
         cfg = self.cfg
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
-        examples = training_examples(self.buffer.trajectories, cfg.max_history)
+        examples = training_examples(training_set(self.buffer.trajectories, cfg.history, round_), cfg.max_history)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices):
@@ -465,5 +520,5 @@ class ClientAgent:
 
     def close(self) -> None:
         self.heartbeat.stop()
-        self.env.close_channel()
+        self.envs[0].close_channel()
         self.fed.close()

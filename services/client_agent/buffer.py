@@ -1,5 +1,12 @@
 """The client's trajectory buffer D_t: expert seeds plus every kept success, persisted on disk.
 
+What goes in and what a round trains on are the parts the paper's ablations change (`to_keep`,
+`training_set`): exploration keeps its successes (`--keep successes`, the paper's filter) or every
+trajectory, failures too (`--keep all`, "no filter"); round t trains on the whole buffer,
+D_t = D_{t-1} ∪ kept_t (`--history cumulative`, the paper), or on the expert demonstrations D_0
+plus round t's kept trajectories only (`--history round`, "no history": earlier rounds' explored
+trajectories stay in the file but are not trained on).
+
 Trajectories never leave the client. The buffer is an append-only JSON-lines file; each append
 is flushed and fsynced before it counts, so a crash loses no trajectory that was recorded. The one
 rewrite, dropping the trajectories of rounds whose exploration never finished (a crash mid-round),
@@ -38,6 +45,20 @@ class Trajectory:
         d = json.loads(line)
         d["turns"] = tuple((o, a) for o, a in d["turns"])
         return Trajectory(**d)
+
+
+def to_keep(explored: list[Trajectory], keep: str) -> list[Trajectory]:
+    """The explored trajectories that go into the buffer: the successes ("successes") or all ("all")."""
+    return list(explored) if keep == "all" else [t for t in explored if t.success]
+
+
+def training_set(trajectories: list[Trajectory], history: str, round_: int) -> list[Trajectory]:
+    """The trajectories round `round_` trains on, in buffer order: every expert demonstration and
+    kept trajectory up to this round ("cumulative"), or the expert demonstrations and this round's
+    kept trajectories only ("round")."""
+    if history == "round":
+        return [t for t in trajectories if t.source == "expert" or t.round == round_]
+    return [t for t in trajectories if t.round <= round_]
 
 
 class Buffer:

@@ -8,15 +8,21 @@ from fedse.config import ConfigError, field
 from fedse.security import Security
 from fedse.tinymodel import TINY_MODEL_NAME
 
+# What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
+KEEP_MODES = ("successes", "all")
+HISTORY_MODES = ("cumulative", "round")
+
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig(Security):
-    """A Fed-SE client agent: explores its environment, keeps successes, trains LoRA, federates.
+    """A Fed-SE client agent: explores its environment(s), keeps successes, trains LoRA, federates.
 
     The TLS / token settings apply to the aggregator and, unless --env-server-plain, to the env server."""
 
     client_id: str = field("client-0", "unique, stable id of this client in the run")
-    env: str = field("maze", "environment name on the env server")
+    env: str = field("maze", "environment name on the env server, or several comma-separated (e.g. 'maze,wordle'): "
+                              "one client then holds the data of all of them and trains one adapter on it all "
+                              "(the Centralized method)")
     env_server: str = field("127.0.0.1:50051", "env_server gRPC address")
     aggregator: str = field("127.0.0.1:50060", "aggregator gRPC address")
     address: str = field("0.0.0.0:50070", "this agent's gRPC health address (port 0 picks one)")
@@ -33,7 +39,13 @@ class ClientConfig(Security):
     batch_size: int = field(8, "training batch size (steps of trajectories)")
     max_history: int = field(1, "previous turns shown in each prompt")
     expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0)")
-    explore_tasks: int = field(32, "training tasks attempted per round")
+    explore_tasks: int = field(32, "training tasks attempted per round in each environment (0 = no exploration: "
+                                   "train on the expert demonstrations only, as FedIT, Local and Centralized do)")
+    keep: str = field("successes", "explored trajectories added to the buffer: 'successes' (the paper's success "
+                                   "filter) or 'all' (ablation 'no filter': failures too)")
+    history: str = field("cumulative", "what round t trains on: 'cumulative' (D_t = D_{t-1} plus round t's kept "
+                                       "trajectories, the paper) or 'round' (ablation 'no history': the expert "
+                                       "demonstrations D_0 plus round t's kept trajectories only)")
     eval_tasks: int = field(0, "held-out test tasks evaluated per round (0 = all)")
     concurrency: int = field(16, "episodes run at once (one batched model call per step)")
     temperature: float = field(1.0, "sampling temperature during exploration")
@@ -52,12 +64,11 @@ class ClientConfig(Security):
     def __post_init__(self) -> None:
         super().__post_init__()
         positive = {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "epochs": self.epochs,
-                    "batch_size": self.batch_size, "concurrency": self.concurrency,
-                    "explore_tasks": self.explore_tasks}
+                    "batch_size": self.batch_size, "concurrency": self.concurrency}
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        for name in ("expert_demos", "eval_tasks", "max_history", "torch_threads"):
+        for name in ("expert_demos", "explore_tasks", "eval_tasks", "max_history", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if not self.lr > 0:
@@ -74,6 +85,21 @@ class ClientConfig(Security):
                               f"got {self.heartbeat_interval_s}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        envs = self.env_list()
+        if not envs:
+            raise ConfigError("--env is empty: name an environment, e.g. maze, or several: maze,wordle")
+        if len(set(envs)) != len(envs):
+            raise ConfigError(f"--env {self.env!r} names an environment twice; name each once")
+        if self.keep not in KEEP_MODES:
+            raise ConfigError(f"--keep must be 'successes' (the success filter) or 'all' (no filter), "
+                              f"got {self.keep!r}")
+        if self.history not in HISTORY_MODES:
+            raise ConfigError(f"--history must be 'cumulative' (the paper) or 'round' (no history), "
+                              f"got {self.history!r}")
+
+    def env_list(self) -> list[str]:
+        """The environments this client holds, in the order given."""
+        return [e.strip() for e in self.env.split(",") if e.strip()]
 
     def lora_targets(self) -> str | list[str]:
         if self.target_modules == "all-linear":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from fedse.security import Security, channel
@@ -33,6 +34,13 @@ class EnvClient:
         self.timeout_s = timeout_s
         self.channel = channel(target, security) if security is not None else insecure_channel(target)
         self.stub = epb_grpc.EnvServiceStub(self.channel)
+
+    def with_env(self, env: str) -> "EnvClient":
+        """A client for another environment of the same env server, over this client's channel
+        (closing either closes it)."""
+        other = copy.copy(self)
+        other.env = env
+        return other
 
     def close_channel(self) -> None:
         self.channel.close()

@@ -1,0 +1,396 @@
+"""`fedse experiment`: the Fed-SE paper's comparison and ablations, with seeds, in one command.
+
+Every method is a whole local federation (`fedse.launcher.run`: real env servers, aggregator and
+client agents talking gRPC) that differs from Fed-SE only in the settings that define it:
+
+  Pre-trained   the base model, no training: the round-0 evaluation (phi_0 adapts nothing), taken
+                from the Fed-SE runs (every method with the same seed has the same phi_0)
+  Local         each client alone in its own federation, trained on its expert data only
+  Centralized   one client holding every environment, trained on all the expert data pooled
+  FedIT         federated averaging (FedAvg of A and B) on the static expert data
+  Fed-SE        explore, keep successes, train on the cumulative buffer, FedAvg of A and B
+and the ablations of Fed-SE: without the success filter (every explored trajectory kept), without
+the history (each round trains on the expert data and its own round's successes only), averaging
+weighted by successes, and LoRA rank 2, 4 and 16 (Fed-SE itself is rank 8; alpha = 2 x rank).
+
+All methods share seeds, tasks and budgets: for each seed the runs start from the same base model
+and phi_0 and see the same training and test tasks. The score of a run is the held-out success of
+its last global adapter phi_T; an environment's average is micro-averaged over test tasks. Each
+method runs once per seed and the table shows mean +- sample standard deviation over seeds.
+
+Output in --results: table.md (the paper's layout), results.csv (every run, environment and
+round), methods.png and ablations.png (success per round per environment), bytes.png (adapter
+bytes each client sends per round), and runs/<method>-seed<k>/ with each run's own results and
+logs. A run whose results.json exists with the same settings is not run again, so an interrupted
+experiment picks up where it stopped (--fresh runs everything again).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+from typing import IO, Any, Iterable
+
+from fedse.config import ConfigError, field
+from fedse.launcher import RunConfig
+from fedse.launcher import run as run_federation
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    key: str  # what --methods names
+    name: str  # what the table shows
+    group: str  # "main" (Table 1) or "ablation"
+    settings: dict[str, Any]  # the RunConfig fields that make it differ from Fed-SE
+
+
+METHODS: tuple[Method, ...] = (
+    Method("local", "Local", "main", {"topology": "local", "explore_tasks": 0}),
+    Method("centralized", "Centralized", "main", {"topology": "centralized", "explore_tasks": 0}),
+    Method("fedit", "FedIT", "main", {"explore_tasks": 0}),
+    Method("fedse", "Fed-SE", "main", {}),
+    Method("no-filter", "w/o success filter", "ablation", {"keep": "all"}),
+    Method("no-history", "w/o history", "ablation", {"history": "round"}),
+    Method("weighted", "weighted averaging", "ablation", {"strategy": "weighted"}),
+    Method("rank2", "LoRA rank 2", "ablation", {"lora_r": 2, "lora_alpha": 4}),
+    Method("rank4", "LoRA rank 4", "ablation", {"lora_r": 4, "lora_alpha": 8}),
+    Method("rank16", "LoRA rank 16", "ablation", {"lora_r": 16, "lora_alpha": 32}),
+)
+BY_KEY = {m.key: m for m in METHODS}
+PRETRAINED = "Pre-trained"
+
+# Budgets: what a run of each method costs. "quick" is sized to finish every method for every seed
+# in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "full" is for a GPU
+# machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
+BUDGETS: dict[str, dict[str, Any]] = {
+    "quick": {"envs": "maze,wordle", "seeds": 2, "rounds": 3, "expert_demos": 10, "explore_tasks": 8,
+              "eval_tasks": 10, "epochs": 2},
+    "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "seeds": 3, "rounds": 5, "expert_demos": 20,
+             "explore_tasks": 32, "eval_tasks": 0, "epochs": 2},
+}
+BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Runs Pre-trained, Local, Centralized, FedIT, Fed-SE and Fed-SE's ablations over several seeds and
+    writes the paper-style table, a CSV and plots. Numbers left at -1 (or empty) take the budget's."""
+
+    budget: str = field("quick", "'quick' (under 15 min on a 2-core CPU with the tiny model) or 'full' "
+                                 "(GPU machine, real model: all five environments, all test tasks)")
+    methods: str = field("all", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
+                                + " ('all' = every one; Pre-trained comes with fedse)")
+    results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
+    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory")
+    lr: float = field(3e-3, "client learning rate (the paper's 5e-5 suits 7B models)")
+    envs: str = field("", "environments, one client each ('' = the budget's)")
+    seeds: int = field(-1, "repeats with seeds 0..N-1 (-1 = the budget's)")
+    rounds: int = field(-1, "federated rounds T (-1 = the budget's)")
+    expert_demos: int = field(-1, "expert demonstrations per environment (-1 = the budget's)")
+    explore_tasks: int = field(-1, "Fed-SE's exploration tasks per client and round (-1 = the budget's)")
+    eval_tasks: int = field(-1, "held-out test tasks per environment, 0 = all (-1 = the budget's)")
+    epochs: int = field(-1, "training epochs per round (-1 = the budget's)")
+    wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
+    fresh: bool = field(False, "run every method again even where a finished run with the same settings exists")
+
+    def __post_init__(self) -> None:
+        if self.budget not in BUDGETS:
+            raise ConfigError(f"--budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
+        unknown = [k for k in self.method_keys() if k not in BY_KEY]
+        if unknown:
+            raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from "
+                              f"{', '.join(m.key for m in METHODS)} or 'all'")
+        if not self.method_keys():
+            raise ConfigError("--methods is empty: name at least one method, or 'all'")
+        for name in BUDGET_FIELDS:
+            value = getattr(self, name)
+            if name != "envs" and value < -1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be -1 (the budget's) or at least 0, got {value}")
+        if self.setting("seeds") < 1 or self.setting("rounds") < 1:
+            raise ConfigError("--seeds and --rounds must be at least 1")
+
+    def method_keys(self) -> list[str]:
+        if self.methods.strip() == "all":
+            return [m.key for m in METHODS]
+        return [k.strip() for k in self.methods.split(",") if k.strip()]
+
+    def setting(self, name: str) -> Any:
+        """A budget field: the flag's value if given, else the budget's."""
+        value = getattr(self, name)
+        return BUDGETS[self.budget][name] if value in (-1, "") else value
+
+    def env_list(self) -> list[str]:
+        return [e.strip() for e in self.setting("envs").split(",") if e.strip()]
+
+    def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
+        common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}
+        return RunConfig(results=str(results), base_model=self.base_model, lr=self.lr, seed=seed,
+                         wordle_vocab_size=self.wordle_vocab_size, **{**common, **method.settings})
+
+
+# ---- running ---------------------------------------------------------------------------------------
+def run_name(method: Method, seed: int) -> str:
+    return f"{method.key}-seed{seed}"
+
+
+def _finished(path: pathlib.Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """The results of a finished run with exactly these settings, else None."""
+    try:
+        results = json.loads((path / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return results if results.get("config") == dataclasses.asdict(cfg) else None
+
+
+def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
+    """Runs every (method, seed), then writes and returns the summary."""
+    root = pathlib.Path(cfg.results)
+    (root / "runs").mkdir(parents=True, exist_ok=True)
+    methods = [BY_KEY[k] for k in cfg.method_keys()]
+    seeds = list(range(cfg.setting("seeds")))
+    jobs = [(m, s) for s in seeds for m in methods]  # seed by seed: an early stop leaves whole seeds
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    started = time.monotonic()
+    spent: list[float] = []
+
+    def say(msg: str) -> None:
+        print(msg, file=out, flush=True)
+
+    say(f"experiment: {len(methods)} methods x {len(seeds)} seeds on {', '.join(cfg.env_list())}, "
+        f"{cfg.setting('rounds')} rounds, budget {cfg.budget}; runs in {root / 'runs'}/")
+    for i, (method, seed) in enumerate(jobs, 1):
+        path = root / "runs" / run_name(method, seed)
+        rc = cfg.run_config(method, seed, path)
+        results = None if cfg.fresh else _finished(path, rc)
+        if results is not None:
+            say(f"[{i}/{len(jobs)}] {method.name}, seed {seed}: kept from an earlier run")
+        else:
+            left = len(jobs) - i + 1
+            eta = f", about {statistics.mean(spent) * left / 60:.0f} min left" if spent else ""
+            say(f"[{i}/{len(jobs)}] {method.name}, seed {seed}: running{eta} (log: {path / 'progress.log'})")
+            t0 = time.monotonic()
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / "progress.log", "w") as log:
+                results = run_federation(rc, out=log)
+            spent.append(time.monotonic() - t0)
+        runs[(method.key, seed)] = results
+        final = micro_average(results, rc.rounds)
+        say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "
+            + (f"{100 * final:.1f}%" if final is not None else "-"))
+    summary = summarise(cfg, methods, seeds, runs)
+    write_outputs(cfg, summary, root)
+    say("\n" + summary["table"])
+    say(f"\ndone in {time.monotonic() - started:.0f}s; wrote {root / 'table.md'}, {root / 'results.csv'}, "
+        f"{root / 'methods.png'}, {root / 'ablations.png'}, {root / 'bytes.png'}")
+    return summary
+
+
+# ---- scores ----------------------------------------------------------------------------------------
+def rows_at(results: dict[str, Any], round_: int) -> dict[str, dict[str, float]]:
+    """env -> that environment's metrics row for `round_` (envs without one are left out)."""
+    out = {}
+    for env, rows in results["envs"].items():
+        row = next((r for r in rows if r["round"] == round_ and "test_success" in r), None)
+        if row is not None:
+            out[env] = row
+    return out
+
+
+def micro_average(results: dict[str, Any], round_: int) -> float | None:
+    """Successes over test tasks across every environment, for `round_`'s global adapter."""
+    rows = rows_at(results, round_)
+    if len(rows) != len(results["envs"]) or not rows:
+        return None
+    tasks = sum(r["test_tasks"] for r in rows.values())
+    return sum(r["test_success"] * r["test_tasks"] for r in rows.values()) / tasks if tasks else None
+
+
+def mean_sd(values: Iterable[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value); NaN mean for none."""
+    xs = [v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def upload_mb_per_round(results: dict[str, Any]) -> float:
+    """Mean MB (10^6 bytes) one client sent the aggregator per round."""
+    sent = [r["upload_bytes"] for rows in results["envs"].values() for r in rows if "upload_bytes" in r]
+    return statistics.mean(sent) / 1e6 if sent else math.nan
+
+
+def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
+              runs: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """Per method: per-seed final success per env and micro average, gains, bytes; plus the table."""
+    envs = cfg.env_list()
+    last = cfg.setting("rounds")
+    scored: dict[str, dict[str, Any]] = {}
+
+    def score(name: str, group: str, key: str, round_: int) -> None:
+        per_seed = [runs[(key, s)] for s in seeds if (key, s) in runs]
+        if not per_seed:
+            return
+        env_values = {e: [rows_at(r, round_).get(e, {}).get("test_success") for r in per_seed] for e in envs}
+        scored[name] = {"group": group, "key": key, "round": round_, "env": env_values,
+                        "avg": [micro_average(r, round_) for r in per_seed],
+                        "mb_per_round": statistics.mean(upload_mb_per_round(r) for r in per_seed)
+                        if round_ else 0.0}
+
+    if "fedse" in cfg.method_keys():
+        score(PRETRAINED, "main", "fedse", 0)
+    for m in methods:
+        score(m.name, m.group, m.key, last)
+    summary = {"envs": envs, "seeds": seeds, "rounds": last, "budget": cfg.budget, "base_model": cfg.base_model,
+               "methods": scored, "curves": curves(methods, seeds, runs, envs, last)}
+    summary["table"] = table(summary)
+    return summary
+
+
+def _paired_gain(a: list[float | None], b: list[float | None]) -> tuple[float, float]:
+    return mean_sd(x - y for x, y in zip(a, b) if x is not None and y is not None)
+
+
+def _cell(mean: float, sd: float, n: int, signed: bool = False) -> str:
+    if math.isnan(mean):
+        return "-"
+    text = f"{100 * mean:+.1f}" if signed else f"{100 * mean:.1f}"
+    return f"{text} ± {100 * sd:.1f}" if n > 1 else text
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Markdown: Table 1's layout (methods x environments, the average, the gain over Pre-trained),
+    then the ablations beside Fed-SE with the bytes each client sends per round."""
+    envs, n, scored = summary["envs"], len(summary["seeds"]), summary["methods"]
+    head = "| Method | " + " | ".join(envs) + " | Avg. | Δ vs Pre-trained |"
+    rule = "|---|" + "---:|" * (len(envs) + 2)
+    lines = [f"Held-out success (%) after round {summary['rounds']}, mean ± sd over {n} seed(s); "
+             f"Avg. micro-averaged over test tasks; {summary['base_model']}, budget {summary['budget']}.", "",
+             head, rule]
+    base = scored.get(PRETRAINED)
+    for name, s in scored.items():
+        if s["group"] != "main":
+            continue
+        gain = _cell(*_paired_gain(s["avg"], base["avg"]), n, signed=True) if base and name != PRETRAINED else "-"
+        lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
+                     + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
+    ablations = [name for name, s in scored.items() if s["group"] == "ablation"]
+    if ablations:
+        ref = scored.get("Fed-SE")
+        lines += ["", "| Variant | " + " | ".join(envs) + " | Avg. | Δ vs Fed-SE | MB sent / client / round |",
+                  "|---|" + "---:|" * (len(envs) + 3)]
+        for name in (["Fed-SE"] if ref else []) + ablations:
+            s = scored[name]
+            gain = _cell(*_paired_gain(s["avg"], ref["avg"]), n, signed=True) if ref and name != "Fed-SE" else "-"
+            label = "Fed-SE (rank 8)" if name == "Fed-SE" else name
+            lines.append(f"| {label} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
+                         + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} | {s['mb_per_round']:.2f} |")
+    return "\n".join(lines)
+
+
+def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], dict[str, Any]],
+           envs: list[str], last: int) -> dict[str, dict[str, list[list[float | None]]]]:
+    """method name -> env (and "Avg.") -> per round, the values over seeds."""
+    out: dict[str, dict[str, list[list[float | None]]]] = {}
+    for m in methods:
+        per_seed = [runs[(m.key, s)] for s in seeds if (m.key, s) in runs]
+        by_env: dict[str, list[list[float | None]]] = {}
+        for e in envs:
+            by_env[e] = [[rows_at(r, t).get(e, {}).get("test_success") for r in per_seed] for t in range(last + 1)]
+        by_env["Avg."] = [[micro_average(r, t) for r in per_seed] for t in range(last + 1)]
+        out[m.name] = by_env
+    return out
+
+
+# ---- files -----------------------------------------------------------------------------------------
+def write_outputs(cfg: ExperimentConfig, summary: dict[str, Any], root: pathlib.Path) -> None:
+    (root / "table.md").write_text(summary["table"] + "\n")
+    write_csv(cfg, root / "results.csv")
+    plot_curves(summary, [m.name for m in METHODS if m.group == "main"], root / "methods.png",
+                "Local, Centralized, FedIT and Fed-SE")
+    plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ablation"], root / "ablations.png",
+                "Fed-SE and its ablations")
+    plot_bytes(summary, root / "bytes.png")
+    (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
+
+
+def write_csv(cfg: ExperimentConfig, path: pathlib.Path) -> None:
+    """One row per method, seed, environment and round, from each run's results.json."""
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["method", "seed", "env", "round", "test_success", "test_tasks", "upload_bytes"])
+        for seed in range(cfg.setting("seeds")):
+            for key in cfg.method_keys():
+                method = BY_KEY[key]
+                try:
+                    results = json.loads((pathlib.Path(cfg.results) / "runs" / run_name(method, seed)
+                                          / "results.json").read_text())
+                except (OSError, ValueError):
+                    continue
+                for env, rows in results["envs"].items():
+                    for r in rows:
+                        w.writerow([method.name, seed, env, r["round"], r.get("test_success", ""),
+                                    r.get("test_tasks", ""), r.get("upload_bytes", "")])
+
+
+def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, title: str) -> None:
+    """One panel per environment and one for the average: mean success per round, band = seeds' range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = summary["envs"] + ["Avg."]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
+    shown = [n for n in names if n in summary["curves"]]
+    for ax, panel in zip(axes.flat, panels):
+        for name in shown:
+            per_round = summary["curves"][name][panel]
+            xs = [t for t, vals in enumerate(per_round) if any(v is not None for v in vals)]
+            vals = [[100 * v for v in per_round[t] if v is not None] for t in xs]
+            ax.plot(xs, [statistics.mean(v) for v in vals], marker="o", markersize=3, label=name)
+            if len(summary["seeds"]) > 1:
+                ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15)
+        ax.set_title(panel)
+        ax.set_xlabel("round (0 = base model)")
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("held-out success (%)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), frameon=False)
+    fig.suptitle(f"{title}: mean over {len(summary['seeds'])} seed(s), band = min..max "
+                 f"({summary['base_model']}, budget {summary['budget']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bytes(summary: dict[str, Any], path: pathlib.Path) -> None:
+    """MB each client sends the aggregator per round, per method (a download of phi_t is the same size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = [(name, s["mb_per_round"]) for name, s in summary["methods"].items()
+             if name != PRETRAINED and not math.isnan(s["mb_per_round"])]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    bars = ax.bar([n for n, _ in items], [mb for _, mb in items], color="tab:blue")
+    ax.bar_label(bars, labels=[f"{mb:.2f}" for _, mb in items], fontsize=8)
+    ax.set_ylabel("MB sent per client per round")
+    ax.set_title(f"Adapter bytes per round ({summary['base_model']})", fontsize=10)
+    ax.tick_params(axis="x", rotation=30)
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

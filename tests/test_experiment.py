@@ -1,0 +1,104 @@
+"""`fedse experiment`: the scores and table from known runs, then the whole command at a small budget."""
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fedse import experiment as ex
+from fedse.config import ConfigError
+
+
+def results_of(envs: dict[str, list[tuple[float, int]]], upload_bytes: float = 2e6) -> dict:
+    """A launcher results dict: env -> per round (test_success, test_tasks); uploads in every round but the last."""
+    out = {}
+    for env, per_round in envs.items():
+        rows = []
+        for t, (success, tasks) in enumerate(per_round):
+            row = {"round": t, "test_success": success, "test_tasks": tasks}
+            if t < len(per_round) - 1:
+                row["upload_bytes"] = upload_bytes
+            rows.append(row)
+        out[env] = rows
+    return {"envs": out}
+
+
+def test_the_average_is_micro_over_test_tasks():
+    r = results_of({"maze": [(0.0, 10), (1.0, 10)], "wordle": [(0.0, 30), (0.0, 30)]})
+    assert ex.micro_average(r, 1) == pytest.approx(10 / 40)  # not (1.0 + 0.0) / 2
+    assert ex.micro_average(r, 0) == 0.0
+    assert ex.micro_average(r, 2) is None  # no such round
+    assert ex.upload_mb_per_round(r) == pytest.approx(2.0)
+
+
+def test_table_has_the_papers_layout_with_spread_and_paired_gains():
+    cfg = ex.ExperimentConfig(envs="maze,wordle", seeds=2, rounds=1, methods="fedit,fedse,no-filter")
+    runs = {
+        ("fedse", 0): results_of({"maze": [(0.0, 10), (0.6, 10)], "wordle": [(0.1, 10), (0.2, 10)]}),
+        ("fedse", 1): results_of({"maze": [(0.2, 10), (0.8, 10)], "wordle": [(0.0, 10), (0.0, 10)]}),
+        ("fedit", 0): results_of({"maze": [(0.0, 10), (0.3, 10)], "wordle": [(0.1, 10), (0.1, 10)]}),
+        ("fedit", 1): results_of({"maze": [(0.2, 10), (0.5, 10)], "wordle": [(0.0, 10), (0.0, 10)]}),
+        ("no-filter", 0): results_of({"maze": [(0.0, 10), (0.0, 10)], "wordle": [(0.1, 10), (0.0, 10)]}, 5e5),
+        ("no-filter", 1): results_of({"maze": [(0.2, 10), (0.1, 10)], "wordle": [(0.0, 10), (0.0, 10)]}, 5e5),
+    }
+    methods = [ex.BY_KEY[k] for k in cfg.method_keys()]
+    summary = ex.summarise(cfg, methods, [0, 1], runs)
+    s = summary["methods"]
+    # Pre-trained is Fed-SE's round 0; final scores are round 1.
+    assert s[ex.PRETRAINED]["avg"] == [pytest.approx(0.05), pytest.approx(0.1)]
+    assert s["Fed-SE"]["avg"] == [pytest.approx(0.4), pytest.approx(0.4)]
+    lines = summary["table"].splitlines()
+    assert lines[2] == "| Method | maze | wordle | Avg. | Δ vs Pre-trained |"
+    assert lines[4] == "| Pre-trained | 10.0 ± 14.1 | 5.0 ± 7.1 | 7.5 ± 3.5 | - |"
+    assert lines[5] == "| FedIT | 40.0 ± 14.1 | 5.0 ± 7.1 | 22.5 ± 3.5 | +15.0 ± 0.0 |"
+    assert lines[6] == "| Fed-SE | 70.0 ± 14.1 | 10.0 ± 14.1 | 40.0 ± 0.0 | +32.5 ± 3.5 |"
+    ablation = [line for line in lines if line.startswith("| w/o success filter")]
+    assert ablation == ["| w/o success filter | 5.0 ± 7.1 | 0.0 ± 0.0 | 2.5 ± 3.5 | -37.5 ± 3.5 | 0.50 |"]
+    assert any(line.startswith("| Fed-SE (rank 8) |") and line.endswith("| - | 2.00 |") for line in lines)
+
+
+def test_settings_come_from_the_budget_unless_given():
+    cfg = ex.ExperimentConfig(budget="quick", rounds=7, eval_tasks=0)
+    assert cfg.setting("rounds") == 7 and cfg.setting("eval_tasks") == 0
+    assert cfg.setting("envs") == ex.BUDGETS["quick"]["envs"]
+    rc = cfg.run_config(ex.BY_KEY["rank2"], seed=3, results=pathlib.Path("x"))
+    assert (rc.lora_r, rc.lora_alpha, rc.seed, rc.rounds, rc.topology) == (2, 4, 3, 7, "federated")
+    local = cfg.run_config(ex.BY_KEY["local"], seed=0, results=pathlib.Path("x"))
+    assert (local.topology, local.explore_tasks) == ("local", 0)
+    with pytest.raises(ConfigError, match="unknown nope"):
+        ex.ExperimentConfig(methods="fedse,nope")
+    with pytest.raises(ConfigError, match="--budget"):
+        ex.ExperimentConfig(budget="huge")
+
+
+def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tmp_path):
+    out = tmp_path / "exp"
+    argv = [sys.executable, "-m", "fedse.cli", "experiment", "--budget", "quick", "--results", str(out),
+            "--envs", "maze", "--seeds", "1", "--rounds", "1", "--expert-demos", "4", "--explore-tasks", "4",
+            "--eval-tasks", "4", "--epochs", "1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[10/10] LoRA rank 16, seed 0: running" in done.stdout
+    table = (out / "table.md").read_text()
+    for name in ("Pre-trained", "Local", "Centralized", "FedIT", "Fed-SE", "w/o success filter", "w/o history",
+                 "weighted averaging", "LoRA rank 2", "LoRA rank 4", "LoRA rank 16"):
+        assert f"| {name} |" in table or f"| {name} (rank 8) |" in table, name
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert {r["method"] for r in rows} == {m.name for m in ex.METHODS}
+    assert all(r["env"] == "maze" and r["round"] in ("0", "1") for r in rows)
+    sent = {r["method"]: float(r["upload_bytes"]) for r in rows if r["upload_bytes"]}
+    assert sent["LoRA rank 2"] < sent["LoRA rank 4"] < sent["Fed-SE"] < sent["LoRA rank 16"]
+    for png in ("methods.png", "ablations.png", "bytes.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["methods"]) == {ex.PRETRAINED} | {m.name for m in ex.METHODS}
+    # A second call with the same settings runs nothing again.
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("kept from an earlier run") == 10
+    assert (out / "table.md").read_text() == table
