@@ -83,27 +83,48 @@ def encode(adapter: Mapping[str, torch.Tensor]) -> bytes:
     Python bytes, then into the file image): the format is an 8-byte little-endian header length,
     a JSON header padded to 8 bytes, then the raw tensors, so one join copies each tensor once.
     `decode`, AdapterFile, safetensors and PEFT all read the result."""
+    tensors = {name: adapter[name].detach().to("cpu").contiguous() for name in sorted(adapter)}
+    head = _header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()])
+    return b"".join([head, *(t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values() if t.numel())])
+
+
+def allocate(schema: Schema) -> tuple[bytearray, Adapter]:
+    """A zeroed adapter_model.safetensors image laid out as `encode` lays out the schema's tensors,
+    and a writable view of each tensor in it: what is written into the views is the file, with no
+    encoding copy (phi_0 and aggregation results are made this way)."""
+    specs = [(s.name, getattr(torch, s.dtype), s.shape) for s in sorted(schema.tensors, key=lambda s: s.name)]
+    head = _header(specs)
+    image = bytearray(len(head) + sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs))
+    image[:len(head)] = head
+    views: Adapter = {}
+    offset = len(head)
+    for name, dtype, shape in specs:
+        count = math.prod(shape)
+        views[name] = torch.frombuffer(image, dtype=dtype, count=count, offset=offset).view(shape) if count \
+            else torch.empty(shape, dtype=dtype)
+        offset += count * dtype.itemsize
+    return image, views
+
+
+def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding `specs` packed in that order."""
     header: dict[str, object] = {}
-    parts: list[object] = []
     offset = 0
-    for name in sorted(adapter):
-        t = adapter[name].detach().to("cpu").contiguous()
-        if t.dtype not in _SAFETENSORS_NAMES:
-            raise AdapterError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot hold")
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        parts.append(raw)
-        offset += len(raw)
+    for name, dtype, shape in specs:
+        if dtype not in _SAFETENSORS_NAMES:
+            raise AdapterError(f"tensor {name} has dtype {dtype}, which safetensors cannot hold")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *parts])
+    return struct.pack("<Q", len(text)) + text
 
 
-def decode(data: bytes) -> Adapter:
+def decode(data: bytes | bytearray) -> Adapter:
     try:
-        return dict(st_load(data))
+        return dict(st_load(bytes(data)))  # bytes(b) is b itself; a bytearray (allocate's image) is copied
     except Exception as exc:  # safetensors raises its own error types
         raise AdapterError(f"not a valid safetensors file ({exc})") from None
 
@@ -334,24 +355,26 @@ def fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def kaiming_uniform_a(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """PEFT's default lora_A init: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+def kaiming_uniform_a(shape: tuple[int, ...], generator: torch.Generator,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """PEFT's default lora_A init: kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    float32, drawn into `out` when given."""
     bound = 1.0 / math.sqrt(shape[1])
-    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+    return (torch.empty(shape) if out is None else out).uniform_(-bound, bound, generator=generator)
 
 
-def fresh(schema: Schema, seed: int) -> Adapter:
+def fresh(schema: Schema, seed: int) -> tuple[bytearray, Adapter]:
     """A deterministic fresh LoRA for round 0: A as PEFT initialises it (seeded), B = 0, so the
-    adapted model equals the base model."""
+    adapted model equals the base model. Its safetensors image and the tensors (views into it)."""
     gen = torch.Generator().manual_seed(seed)
-    out: Adapter = {}
+    image, views = allocate(schema)
     for spec in schema.tensors:
-        dtype = getattr(torch, spec.dtype)
-        if ".lora_A." in spec.name:
-            out[spec.name] = kaiming_uniform_a(spec.shape, gen).to(dtype)
-        else:
-            out[spec.name] = torch.zeros(spec.shape, dtype=dtype)
-    return out
+        view = views[spec.name]
+        if ".lora_A." in spec.name and view.dtype == torch.float32:
+            kaiming_uniform_a(spec.shape, gen, out=view)
+        elif ".lora_A." in spec.name:
+            view.copy_(kaiming_uniform_a(spec.shape, gen))
+    return image, views
 
 
 def write_peft_dir(directory: pathlib.Path, data: bytes, adapter_config_json: str) -> None:

@@ -48,8 +48,7 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
     """Builds cls from argv and the environment; raises ConfigError on a bad value."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description or cls.__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description or cls.__doc__)  # each help names its default
     for f in dataclasses.fields(cls):
         flag = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}  # a bare --flag means true
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str, **flag,

@@ -69,12 +69,13 @@ PRETRAINED = "Pre-trained"
 # in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "full" is for a GPU
 # machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
 BUDGETS: dict[str, dict[str, Any]] = {
-    "quick": {"envs": "maze,wordle", "seeds": 2, "rounds": 3, "expert_demos": 10, "explore_tasks": 8,
-              "eval_tasks": 10, "epochs": 2},
+    "quick": {"envs": "maze,wordle", "seeds": 2, "rounds": 3, "expert_demos": 10, "explore_tasks": 16,
+              "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 30},
     "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "seeds": 3, "rounds": 5, "expert_demos": 20,
-             "explore_tasks": 32, "eval_tasks": 0, "epochs": 2},
+             "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 100},
 }
-BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs")
+BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs",
+                 "wordle_vocab_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ class ExperimentConfig:
     explore_tasks: int = field(-1, "Fed-SE's exploration tasks per client and round (-1 = the budget's)")
     eval_tasks: int = field(-1, "held-out test tasks per environment, 0 = all (-1 = the budget's)")
     epochs: int = field(-1, "training epochs per round (-1 = the budget's)")
-    wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
+    wordle_vocab_size: int = field(-1, "Wordle's guessable vocabulary size (-1 = the budget's)")
     fresh: bool = field(False, "run every method again even where a finished run with the same settings exists")
 
     def __post_init__(self) -> None:
@@ -131,7 +132,7 @@ class ExperimentConfig:
     def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
         common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}
         return RunConfig(results=str(results), base_model=self.base_model, lr=self.lr, seed=seed,
-                         wordle_vocab_size=self.wordle_vocab_size, **{**common, **method.settings})
+                         **{**common, **method.settings})
 
 
 # ---- running ---------------------------------------------------------------------------------------

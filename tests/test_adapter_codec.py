@@ -67,13 +67,17 @@ def test_validate_refuses_each_kind_of_bad_adapter():
 
 def test_fresh_adapter_is_deterministic_with_zero_b():
     schema = ad.Schema.of(sample_adapter(), "{}")
-    one, two = ad.fresh(schema, seed=3), ad.fresh(schema, seed=3)
+    (image, one), (image2, two) = ad.fresh(schema, seed=3), ad.fresh(schema, seed=3)
+    assert image == image2
     for k in one:
         assert torch.equal(one[k], two[k])
     assert torch.count_nonzero(one["base_model.model.layers.0.q_proj.lora_B.weight"]) == 0
     a = one["base_model.model.layers.0.q_proj.lora_A.weight"]
     assert a.abs().max() <= 1 / 16 ** 0.5 and a.std() > 0
-    assert not torch.equal(a, ad.fresh(schema, seed=4)["base_model.model.layers.0.q_proj.lora_A.weight"])
+    assert not torch.equal(a, ad.fresh(schema, seed=4)[1]["base_model.model.layers.0.q_proj.lora_A.weight"])
+    # The image is the safetensors file of those tensors, as encode would write it.
+    assert bytes(image) == ad.encode(one)
+    assert all(torch.equal(v, one[k]) for k, v in ad.decode(bytes(image)).items())
 
 
 def test_schema_proto_round_trip():

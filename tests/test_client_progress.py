@@ -279,7 +279,7 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
     def Join(self, request, context):
         self.joins += 1
         if not self.globals:
-            self.globals[self.round] = ad.encode(ad.fresh(serde.schema_from_proto(request.schema), seed=0))
+            self.globals[self.round] = bytes(ad.fresh(serde.schema_from_proto(request.schema), seed=0)[0])
         return fpb.JoinResponse(config=fpb.RunConfig(run_id="run-a", num_rounds=self.num_rounds, min_clients=1,
                                                      max_chunk_bytes=64 * 1024, heartbeat_interval_s=0.2),
                                 current_round=self.round)

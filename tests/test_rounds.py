@@ -182,3 +182,26 @@ def test_a_restart_with_settings_that_change_the_result_is_refused(tmp_path):
         Federation(settings(params=StrategyParams(clip_norm=1.0)), Store(tmp_path, "r"), clock=clock)
     # Settings that do not change the result (deadlines, quorum) may change across a restart.
     assert federation(tmp_path, clock, round_deadline_s=5.0, min_clients=1).status().joined == ("a",)
+
+
+def test_a_bad_upload_is_refused_at_the_chunk_that_shows_it_and_leaves_nothing(tmp_path):
+    fed = federation(tmp_path, Clock())
+    join(fed, "a")
+    st = fed.status()
+    wrong = ad.encode({A: torch.zeros(3, 3), B: torch.zeros(3, 2)})  # A's shape is not the run's
+    h = UploadHeader("a", st.round, st.round_nonce, ad.sha256_hex(wrong), len(wrong))
+    _, held, gen = fed.begin_upload(h)
+    with pytest.raises(ad.AdapterError, match=r"shape \[3, 3\]"):
+        fed.receive(h, gen, 0, wrong[:-8])  # the header is complete; the values are not all here yet
+    assert fed.upload_state("a", st.round, h.sha256) == (0, False)
+    fed.end_stream(h, gen)
+    nan = ad.encode({A: torch.full((2, 3), float("nan")), B: torch.zeros(3, 2)})
+    h = UploadHeader("a", st.round, st.round_nonce, ad.sha256_hex(nan), len(nan))
+    _, held, gen = fed.begin_upload(h)
+    with pytest.raises(ad.AdapterError, match="NaN"):
+        for start in range(0, len(nan), 64):
+            fed.receive(h, gen, start, nan[start:start + 64])
+    fed.end_stream(h, gen)
+    assert fed.status().uploaded == ()
+    upload(fed, "a", 1.0)  # a good one still goes through
+    assert fed.status().round == 1

@@ -196,7 +196,8 @@ class Federation:
         self._generation = 0
         self._progress_at = 0.0
         self._version = 0
-        self._cache: dict[tuple[int, str], tuple[bytes, str]] = {}  # (round, transport) -> (bytes, sha)
+        # (round, transport) -> (the adapter file's bytes, sha256); phi made here is a bytearray image
+        self._cache: dict[tuple[int, str], tuple[bytes | bytearray, str]] = {}
         self._metrics = store.latest_metrics()
         self._restore()
 
@@ -266,7 +267,7 @@ class Federation:
             self._cond.wait_for(lambda: self._version != version, timeout=timeout)
             return self._status_locked()
 
-    def global_adapter(self, round_: int, transport: str = "") -> tuple[int, bytes, str, str]:
+    def global_adapter(self, round_: int, transport: str = "") -> tuple[int, bytes | bytearray, str, str]:
         """(round, bytes, sha256, adapter_config_json) of phi_round in the transport dtype; -1 = latest."""
         wire = ad.transport_dtype(transport)
         with self._cond:
@@ -280,7 +281,7 @@ class Federation:
             data, sha = self._global_locked(round_, transport if wire is not None else "")
             return round_, data, sha, ad.config_with_base(self._schema.adapter_config_json, self._base_model or "")
 
-    def _save_global(self, round_: int, data: bytes) -> None:
+    def _save_global(self, round_: int, data: bytes | bytearray) -> None:
         """Writes phi_round as a PEFT directory and keeps its bytes and hash for downloads (the
         lock, re-entrant, is taken only for the cache)."""
         assert self._schema is not None
@@ -358,7 +359,7 @@ class Federation:
             if self._schema is None:
                 self._schema = schema
                 self._base_model = base_model
-                self._save_global(0, ad.encode(ad.fresh(schema, self.settings.seed)))
+                self._save_global(0, ad.fresh(schema, self.settings.seed)[0])
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
                                                                 base_model=base_model))
             else:
@@ -613,11 +614,12 @@ class Federation:
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
         try:
-            previous = ad.AdapterFile(self.store.global_path(round_))
-            merged = aggregate(self.settings.strategy, updates, previous, self.settings.params, round_)
-            data = ad.encode(merged)
             assert self._schema is not None
-            self._save_global(round_ + 1, data)
+            image, views = ad.allocate(self._schema)  # phi_{t+1} is aggregated into its file image
+            aggregate(self.settings.strategy, updates, ad.AdapterFile(self.store.global_path(round_)),
+                      self.settings.params, round_, out=views)
+            del views
+            self._save_global(round_ + 1, image)
         except Exception:  # noqa: BLE001 - a failed aggregation must not end the run; the round stays open
             log.exception("aggregation failed; the round stays open", extra=log_fields(round=round_))
             with self._cond:

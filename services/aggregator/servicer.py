@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Iterator
 
 import grpc
@@ -84,6 +85,10 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         self.fed = federation
         self.chunk_bytes = chunk_bytes
         self.identity = identity
+        # The data chunks of the global adapter downloaded last, made once for every client that
+        # downloads it: (sha256 of the bytes, [(chunk, its size)] from offset 0).
+        self._chunks: tuple[str, list[tuple[fpb.AdapterChunk, int]]] = ("", [])
+        self._chunks_lock = threading.Lock()
         CLIENTS_ALIVE.set_function(federation.clients_alive)
         self._observe(federation.status())
 
@@ -152,10 +157,25 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         yield fpb.AdapterChunk(header=fpb.AdapterHeader(
             run_id=self.fed.settings.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
             offset=request.offset, transport_dtype=request.transport_dtype))
-        for start in range(request.offset, len(data), self.chunk_bytes):
-            part = data[start:start + self.chunk_bytes]
+        size = self.chunk_bytes
+        first = request.offset // size
+        if request.offset % size:  # a download resumed mid-chunk: the rest of that chunk first
+            part = bytes(memoryview(data)[request.offset:(first + 1) * size])
             BYTES_SENT.inc(len(part))
             yield fpb.AdapterChunk(data=part)
+            first += 1
+        for chunk, n in self._data_chunks(data, sha)[first:]:
+            BYTES_SENT.inc(n)
+            yield chunk
+
+    def _data_chunks(self, data: bytes | bytearray, sha: str) -> list[tuple[fpb.AdapterChunk, int]]:
+        with self._chunks_lock:
+            if self._chunks[0] != sha:
+                view = memoryview(data)  # data may be a bytearray image; protobuf takes bytes
+                self._chunks = (sha, [(fpb.AdapterChunk(data=bytes(view[s:s + self.chunk_bytes])),
+                                       min(self.chunk_bytes, len(data) - s))
+                                      for s in range(0, len(data), self.chunk_bytes)])
+            return self._chunks[1]
 
     def UploadAdapter(self, request_iterator, context):
         header: rounds.UploadHeader | None = None

@@ -91,8 +91,11 @@ def validate_params(strategy: str, params: StrategyParams) -> None:
 
 
 def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, torch.Tensor],
-              params: StrategyParams = StrategyParams(), round_: int = 0) -> Adapter:
-    """phi_{t+1} from the clients' phi_k and phi_t (`previous`), tensor by tensor (see the module doc)."""
+              params: StrategyParams = StrategyParams(), round_: int = 0,
+              out: Mapping[str, torch.Tensor] | None = None) -> Adapter:
+    """phi_{t+1} from the clients' phi_k and phi_t (`previous`), tensor by tensor (see the module doc).
+    With `out` (tensors of previous's names, shapes and dtypes, e.g. `fedse.adapter.allocate`'s views
+    of a file image), the result is written there and those tensors are returned."""
     validate_params(strategy, params)
     if not updates:
         raise ValueError("nothing to aggregate: the round has no updates")
@@ -104,7 +107,7 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
     noise = _noise_generator(params.seed, round_) if params.noise_multiplier > 0 else None
     std = params.noise_multiplier * params.clip_norm / k
     work = _Workspace()
-    out: Adapter = {}
+    result: Adapter = {}
     for group in _groups(names, paired=strategy == "exact"):
         if len(group) == 2:
             combined = _exact_pair(clients, *group)
@@ -114,8 +117,8 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
             value, dtype = combined[name]
             if noise is not None:
                 value = value + torch.randn(value.shape, generator=noise, dtype=_F64).mul_(std)
-            out[name] = value.to(dtype)
-    return {name: out[name] for name in names}
+            result[name] = value.to(dtype) if out is None else out[name].copy_(value)
+    return {name: result[name] for name in names}
 
 
 def weighted_average(adapters: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> Adapter:

@@ -495,7 +495,7 @@ class ClientAgent:
             with PHASE_SECONDS.labels("upload").time():
                 self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
                                 adapter_config_json=mdl.adapter_config_json(self.model),
-                                transport_dtype=p.transport_dtype)
+                                transport_dtype=p.transport_dtype, sha256=p.sha256)  # checked by saved_upload
         except StaleRound as exc:
             log.warning("round closed before our upload; catching up with the next round",
                         extra=log_fields(round=p.round, open_round=exc.open_round, detail=str(exc)))
