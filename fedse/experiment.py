@@ -345,6 +345,7 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = summary["envs"] + ["Avg."]
     cols = min(3, len(panels))
@@ -361,6 +362,7 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
                 ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15)
         ax.set_title(panel)
         ax.set_xlabel("round (0 = base model)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("held-out success (%)")
@@ -370,7 +372,8 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), frameon=False)
     fig.suptitle(f"{title}: mean over {len(summary['seeds'])} seed(s), band = min..max "
                  f"({summary['base_model']}, budget {summary['budget']})", fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    legend_rows = -(-len(labels) // 4)
+    fig.tight_layout(rect=(0, (0.025 + 0.05 * legend_rows) / rows, 1, 1 - 0.05 / rows))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
