@@ -14,8 +14,7 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
                  client hashes the bytes and asks the round status first; the aggregator checks
                  each 4 MB chunk as it arrives (sha256, then the safetensors header against the
                  run's schema, then every value finite) and writes it, fsyncs the file when the
-                 stream ends and renames it as accepted (bf16: reads it back, casts it to fp32
-                 and re-encodes it), all before the ack.
+                 stream ends and renames it as accepted (in either dtype), all before the ack.
                  Every repeat is a different client of the same open round (the round needs more
                  uploads than the bench makes, so it never closes under an upload: no aggregation
                  is timed there). A download includes the client's sha256 check; the aggregator
@@ -311,7 +310,7 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
     order = ["client: sha256", "client: 4 MB chunks as AdapterChunk (copies)", "protobuf serialize + parse",
              "aggregator: write chunks, no fsync (for scale)", "aggregator: write chunks, fsync at the end (Store)",
              "aggregator: check as chunks arrive (sha256, header, finite)",
-             "  of which: sha256", "aggregator: read back, cast to fp32, re-encode (bf16 only)"]
+             "  of which: sha256"]
     rows: dict[str, dict[str, float]] = {name: {} for name in order}
 
     def step(name: str, dtype: str, fn) -> None:
@@ -351,9 +350,6 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
 
         step("aggregator: check as chunks arrive (sha256, header, finite)", dtype, check)
         step("  of which: sha256", dtype, lambda: ad.sha256_hex(payload))
-        if dtype:
-            step("aggregator: read back, cast to fp32, re-encode (bf16 only)", dtype,
-                 lambda: ad.encode(ad.cast(ad.decode(store.read_partial(0, "c")), torch.float32)))
     return [(name, v.get("", float("nan")), v.get("bfloat16", float("nan"))) for name, v in rows.items()]
 
 
@@ -462,8 +458,7 @@ def main() -> None:
                   + " ".join(f"{x:.3f}" for x in times), flush=True)
         print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, 4 MB chunks "
               "checked (sha256, header, finite values) and written by the aggregator as they arrive, fsynced at the "
-              "end, then committed as accepted (fp32: the received file renamed; bf16: read back, cast to fp32 and "
-              "re-encoded); a fresh client each run")
+              "end, then committed as accepted (the received file renamed); a fresh client each run")
         print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "
               "serves it from memory; the first bf16 download also makes the bf16 variant)", flush=True)
 

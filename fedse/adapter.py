@@ -114,7 +114,8 @@ def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
         if dtype not in _SAFETENSORS_NAMES:
             raise AdapterError(f"tensor {name} has dtype {dtype}, which safetensors cannot hold")
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -255,7 +256,7 @@ class UploadCheck:
         expected = self.schema.by_name()
 
         def as_torch(spec: TensorSpec) -> TensorSpec:
-            if self._wire is not None and spec.name in expected:  # cast back to the schema's dtype on arrival
+            if self._wire is not None and spec.name in expected:  # the wire dtype, checked above, stands in for it
                 return expected[spec.name]
             return dataclasses.replace(spec, dtype=str(_SAFETENSORS_DTYPES[spec.dtype]).removeprefix("torch."))
 

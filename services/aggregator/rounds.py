@@ -28,8 +28,6 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
-
 from fedse import adapter as ad
 from fedse.serving import log_fields
 
@@ -526,20 +524,16 @@ class Federation:
             except ad.AdapterError:
                 self.store.drop_partial(h.round, h.client_id)  # a bad upload leaves nothing behind
                 raise
+        # Stored as received, also in a transport dtype: aggregation reads every upload in float64
+        # and writes phi_{t+1} in the schema's dtypes.
         self.store.sync_partial(h.round, h.client_id)
-        stored = None  # None: the received file as it is
-        if h.transport:  # stored in the schema's dtypes, so aggregation reads one format
-            assert self._schema is not None
-            specs = self._schema.by_name()
-            received = ad.decode(self.store.read_partial(h.round, h.client_id))
-            stored = ad.encode({n: t.to(getattr(torch, specs[n].dtype)) for n, t in received.items()})
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             if h.client_id not in self._uploads:
                 record = {"sha256": h.sha256, "size": h.size, "transport": h.transport,
                           "num_examples": int(h.num_examples), "num_successes": int(h.num_successes),
                           "accepted_unix": self.clock()}
-                self.store.accept_upload(h.round, h.client_id, stored, record)
+                self.store.accept_upload(h.round, h.client_id, record)
                 self._add_upload_locked(h.client_id, record)
                 log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
                                                                uploaded=len(self._uploads), joined=len(self._clients)))

@@ -124,16 +124,13 @@ class Store:
             except FileNotFoundError:
                 pass
 
-    def accept_upload(self, round_: int, client_id: str, data: bytes | None, record: dict[str, Any]) -> pathlib.Path:
-        """Stores an accepted upload: the tensors first, then the record that commits it. With
-        data None the partial file (fsynced by the caller) becomes the upload as it is."""
+    def accept_upload(self, round_: int, client_id: str, record: dict[str, Any]) -> pathlib.Path:
+        """Stores an accepted upload: the partial file (fsynced by the caller) becomes the upload as
+        it is, then the record that commits it is written."""
         folder = self.upload_dir(round_)
         path = folder / f"{client_id}.safetensors"
-        if data is None:
-            os.replace(folder / f"{client_id}.part", path)
-            ad.fsync_dir(folder)
-        else:
-            ad.atomic_write(path, data)
+        os.replace(folder / f"{client_id}.part", path)
+        ad.fsync_dir(folder)
         ad.atomic_write(folder / f"{client_id}.json", json.dumps(record, sort_keys=True).encode())
         self.drop_partial(round_, client_id)
         return path

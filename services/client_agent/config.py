@@ -54,7 +54,8 @@ class ClientConfig(Security):
     torch_threads: int = field(0, "torch CPU threads (0 = torch's default)")
     round_timeout_s: float = field(7200.0, "longest wait for the next round before giving up")
     transport_dtype: str = field("", "dtype of adapters on the wire, both directions: '' (the run's schema dtype, "
-                                     "fp32) or 'bfloat16' (half the bytes; the aggregator casts back)")
+                                     "fp32) or 'bfloat16' (half the bytes; the global adapter stays in the "
+                                     "schema's dtype)")
     heartbeat_interval_s: float = field(0.0, "seconds between heartbeats to the aggregator "
                                              "(0 = the interval the aggregator asks for at Join)")
     log_level: str = field("INFO", "log level")
