@@ -258,10 +258,16 @@ def _paired_gain(a: list[float | None], b: list[float | None]) -> tuple[float, f
 
 
 def _cell(mean: float, sd: float, n: int, signed: bool = False) -> str:
+    """A percentage, ± the spread over seeds; a difference (signed) no larger than its spread is
+    marked "≈": the seeds cannot tell it from noise."""
     if math.isnan(mean):
         return "-"
-    text = f"{100 * mean:+.1f}" if signed else f"{100 * mean:.1f}"
-    return f"{text} ± {100 * sd:.1f}" if n > 1 else text
+    value = round(100 * mean, 1) + 0.0  # + 0.0: no "-0.0"
+    text = f"{value:+.1f}" if signed else f"{value:.1f}"
+    if n < 2:
+        return text
+    noise = " ≈" if signed and abs(mean) <= sd else ""
+    return f"{text} ± {100 * sd:.1f}{noise}"
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -271,8 +277,8 @@ def table(summary: dict[str, Any]) -> str:
     head = "| Method | " + " | ".join(envs) + " | Avg. | Δ vs Pre-trained |"
     rule = "|---|" + "---:|" * (len(envs) + 2)
     lines = [f"Held-out success (%) after round {summary['rounds']}, mean ± sd over {n} seed(s); "
-             f"Avg. micro-averaged over test tasks; {summary['base_model']}, budget {summary['budget']}.", "",
-             head, rule]
+             f"Avg. micro-averaged over test tasks; Δ: paired difference per seed, ≈ where it is no larger "
+             f"than its sd (noise); {summary['base_model']}, budget {summary['budget']}.", "", head, rule]
     base = scored.get(PRETRAINED)
     for name, s in scored.items():
         if s["group"] != "main":

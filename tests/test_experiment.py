@@ -36,7 +36,7 @@ def test_the_average_is_micro_over_test_tasks():
 
 
 def test_table_has_the_papers_layout_with_spread_and_paired_gains():
-    cfg = ex.ExperimentConfig(envs="maze,wordle", seeds=2, rounds=1, methods="fedit,fedse,no-filter")
+    cfg = ex.ExperimentConfig(envs="maze,wordle", seeds=2, rounds=1, methods="fedit,fedse,no-filter,no-history")
     runs = {
         ("fedse", 0): results_of({"maze": [(0.0, 10), (0.6, 10)], "wordle": [(0.1, 10), (0.2, 10)]}),
         ("fedse", 1): results_of({"maze": [(0.2, 10), (0.8, 10)], "wordle": [(0.0, 10), (0.0, 10)]}),
@@ -44,6 +44,8 @@ def test_table_has_the_papers_layout_with_spread_and_paired_gains():
         ("fedit", 1): results_of({"maze": [(0.2, 10), (0.5, 10)], "wordle": [(0.0, 10), (0.0, 10)]}),
         ("no-filter", 0): results_of({"maze": [(0.0, 10), (0.0, 10)], "wordle": [(0.1, 10), (0.0, 10)]}, 5e5),
         ("no-filter", 1): results_of({"maze": [(0.2, 10), (0.1, 10)], "wordle": [(0.0, 10), (0.0, 10)]}, 5e5),
+        ("no-history", 0): results_of({"maze": [(0.0, 10), (0.7, 10)], "wordle": [(0.1, 10), (0.2, 10)]}),
+        ("no-history", 1): results_of({"maze": [(0.2, 10), (0.7, 10)], "wordle": [(0.0, 10), (0.0, 10)]}),
     }
     methods = [ex.BY_KEY[k] for k in cfg.method_keys()]
     summary = ex.summarise(cfg, methods, [0, 1], runs)
@@ -54,11 +56,14 @@ def test_table_has_the_papers_layout_with_spread_and_paired_gains():
     lines = summary["table"].splitlines()
     assert lines[2] == "| Method | maze | wordle | Avg. | Δ vs Pre-trained |"
     assert lines[4] == "| Pre-trained | 10.0 ± 14.1 | 5.0 ± 7.1 | 7.5 ± 3.5 | - |"
-    assert lines[5] == "| FedIT | 40.0 ± 14.1 | 5.0 ± 7.1 | 22.5 ± 3.5 | +15.0 ± 0.0 |"
+    assert lines[5] == "| FedIT | 40.0 ± 14.1 | 5.0 ± 7.1 | 22.5 ± 3.5 | +15.0 ± 0.0 |"  # a gain beyond the noise
     assert lines[6] == "| Fed-SE | 70.0 ± 14.1 | 10.0 ± 14.1 | 40.0 ± 0.0 | +32.5 ± 3.5 |"
     ablation = [line for line in lines if line.startswith("| w/o success filter")]
     assert ablation == ["| w/o success filter | 5.0 ± 7.1 | 0.0 ± 0.0 | 2.5 ± 3.5 | -37.5 ± 3.5 | 0.50 |"]
     assert any(line.startswith("| Fed-SE (rank 8) |") and line.endswith("| - | 2.00 |") for line in lines)
+    # +5 for seed 0, -5 for seed 1: no larger than its spread, so marked as noise.
+    assert [line for line in lines if line.startswith("| w/o history")] == [
+        "| w/o history | 70.0 ± 0.0 | 10.0 ± 14.1 | 40.0 ± 7.1 | +0.0 ± 7.1 ≈ | 2.00 |"]
 
 
 def test_settings_come_from_the_budget_unless_given():
