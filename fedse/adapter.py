@@ -256,8 +256,8 @@ class UploadCheck:
         expected = self.schema.by_name()
 
         def as_torch(spec: TensorSpec) -> TensorSpec:
-            if self._wire is not None and spec.name in expected:  # the wire dtype, checked above, stands in for it
-                return expected[spec.name]
+            if self._wire is not None and spec.name in expected:  # the wire dtype, checked above, stands in
+                return dataclasses.replace(spec, dtype=expected[spec.name].dtype)
             return dataclasses.replace(spec, dtype=str(_SAFETENSORS_DTYPES[spec.dtype]).removeprefix("torch."))
 
         check_tensors(self.schema, {name: as_torch(spec) for name, spec in specs.items()})

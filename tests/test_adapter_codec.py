@@ -182,6 +182,9 @@ def test_upload_check_takes_bf16_on_the_wire_only_when_the_header_says_so():
     fp32 = ad.encode(a)
     with pytest.raises(ad.AdapterError, match="transport dtype is bfloat16"):
         ad.validate(schema, fp32, ad.sha256_hex(fp32), len(fp32), 1 << 20, "bfloat16")
+    wrong_shape = ad.encode({k: torch.zeros(4, 4, dtype=torch.bfloat16) for k in a})
+    with pytest.raises(ad.AdapterError, match="shape"):
+        ad.validate(schema, wrong_shape, ad.sha256_hex(wrong_shape), len(wrong_shape), 1 << 20, "bfloat16")
     inf = ad.cast(a, torch.bfloat16)
     inf["base_model.model.layers.0.q_proj.lora_A.weight"][0, 0] = float("-inf")
     d = ad.encode(inf)
