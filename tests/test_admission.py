@@ -13,8 +13,7 @@ from fedse.launcher import Proc
 from fedse.security import Security, channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
-from test_resilience import wait_for
-from test_security import Pki
+from support import Pki, wait_for
 
 pytestmark = pytest.mark.slow
 

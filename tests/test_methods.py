@@ -110,7 +110,7 @@ def test_a_client_holding_two_environments_keeps_all_and_trains_on_the_round(tmp
     from services.client_agent.agent import ClientAgent, training_examples
     from services.client_agent.metrics import INFO
     from services.env_server.server import EnvServerConfig, create_server
-    from test_client_progress import FakeAggregator, serve_fake
+    from support import FakeAggregator, serve_fake
 
     env_server, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze,wordle", metrics_port=-1,
                                                          wordle_vocab_size=30))

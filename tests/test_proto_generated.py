@@ -1,7 +1,5 @@
 """The committed generated code is exactly what `make proto` produces from proto/."""
 
-import pathlib
-
 from fedse import protogen
 
 

@@ -18,24 +18,12 @@ import time
 import pytest
 
 from fedse.launcher import Proc
+from support import wait_for
 
 pytestmark = pytest.mark.slow
 
 ROUNDS = 3
 CLIENTS = {"org-a": 2, "org-b": 10}  # client id -> explore tasks per round
-
-
-def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        for p in procs:
-            if p.popen.poll() not in (None, 0):
-                raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Federation:

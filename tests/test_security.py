@@ -6,13 +6,13 @@ import logging
 import grpc
 import prometheus_client
 import pytest
-import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedse import security
 from fedse.config import ConfigError
 from fedse.security import Security
 from fedse.serving import Service, insecure_channel
+from support import Pki
 
 SERVICE = "fedse.test.Echo"
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -57,32 +57,6 @@ def refused(ch: grpc.Channel, kind: str = "unary_unary") -> grpc.RpcError:
 
 def health_status(ch: grpc.Channel) -> int:
     return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status
-
-
-class Pki:
-    """PEM files of a federation CA, a stranger CA, a server and some clients."""
-
-    def __init__(self, root):
-        self.root = root
-        self.ca = trustme.CA(organization_name="fedse federation")
-        self.other_ca = trustme.CA(organization_name="not the federation")
-        self.ca_pem = self._write("ca.pem", self.ca.cert_pem.bytes())
-        self.server = self.issue(self.ca, "server", "localhost", "127.0.0.1")
-        self.named_server = self.issue(self.ca, "named-server", "aggregator.fedse.internal")
-        # The SAN is the identity; the CN is there to show it does not win over the SAN.
-        self.org_a = self.issue(self.ca, "org-a", "org-a", common_name="org-a-common-name")
-        self.org_b = self.issue(self.ca, "org-b", "org-b")
-        self.stranger = self.issue(self.other_ca, "stranger", "org-a")
-
-    def _write(self, name: str, data: bytes) -> str:
-        path = self.root / name
-        path.write_bytes(data)
-        return str(path)
-
-    def issue(self, ca: trustme.CA, name: str, *identities: str, common_name: str | None = None) -> tuple[str, str]:
-        cert = ca.issue_cert(*identities, common_name=common_name)
-        chain = b"".join(pem.bytes() for pem in cert.cert_chain_pems)
-        return self._write(f"{name}.pem", chain), self._write(f"{name}-key.pem", cert.private_key_pem.bytes())
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,190 @@
+"""Helpers several test modules share: waiting on real processes, a test PKI, and a fake
+aggregator speaking the resumable transfer protocol over real gRPC (with breaks on purpose)."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+import grpc
+import trustme
+
+from fedse import adapter as ad
+from fedse import serde
+from fedse.launcher import Proc
+from fedse.serving import GRPC_OPTIONS
+from fedse.v1 import federation_pb2 as fpb
+from fedse.v1 import federation_pb2_grpc as fpb_grpc
+from services.client_agent.federation import decode_transport, encode_transport
+
+
+def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
+    """check()'s first truthy result; fails with a process's log if one of `procs` exits non-zero."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        for p in procs:
+            if p.popen.poll() not in (None, 0):
+                raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Pki:
+    """PEM files of a federation CA, a stranger CA, a server and some clients."""
+
+    def __init__(self, root):
+        self.root = root
+        self.ca = trustme.CA(organization_name="fedse federation")
+        self.other_ca = trustme.CA(organization_name="not the federation")
+        self.ca_pem = self._write("ca.pem", self.ca.cert_pem.bytes())
+        self.server = self.issue(self.ca, "server", "localhost", "127.0.0.1")
+        self.named_server = self.issue(self.ca, "named-server", "aggregator.fedse.internal")
+        # The SAN is the identity; the CN is there to show it does not win over the SAN.
+        self.org_a = self.issue(self.ca, "org-a", "org-a", common_name="org-a-common-name")
+        self.org_b = self.issue(self.ca, "org-b", "org-b")
+        self.stranger = self.issue(self.other_ca, "stranger", "org-a")
+
+    def _write(self, name: str, data: bytes) -> str:
+        path = self.root / name
+        path.write_bytes(data)
+        return str(path)
+
+    def issue(self, ca: trustme.CA, name: str, *identities: str, common_name: str | None = None) -> tuple[str, str]:
+        cert = ca.issue_cert(*identities, common_name=common_name)
+        chain = b"".join(pem.bytes() for pem in cert.cert_chain_pems)
+        return self._write(f"{name}.pem", chain), self._write(f"{name}-key.pem", cert.private_key_pem.bytes())
+
+
+class FakeAggregator(fpb_grpc.FederationServiceServicer):
+    """Just enough of the aggregator's new protocol for one client, with breaks injected on purpose.
+    With `advance=True` an accepted upload closes the round: its adapter becomes the next global."""
+
+    def __init__(self, global_adapter: bytes | None = None, round_: int = 1, num_rounds: int = 3,
+                 advance: bool = False):
+        self.round, self.nonce, self.state = round_, f"nonce-{round_}", fpb.ROUND_STATE_OPEN
+        self.num_rounds, self.advance = num_rounds, advance
+        self.globals: dict[int, bytes] = {round_: global_adapter} if global_adapter else {}
+        self.held: dict[tuple[str, int, str], bytearray] = {}
+        self.accepted: dict[tuple[str, int], bytes] = {}
+        self.received = 0  # data bytes received over all upload streams
+        self.break_upload_after: list[int] = []  # per stream: abort UNAVAILABLE after this many bytes
+        self.end_upload_after: list[int] = []  # per stream: stop reading (incomplete) after this many
+        self.break_download_after: list[int] = []
+        self.corrupt_downloads = 0
+        self.download_requests: list[fpb.DownloadRequest] = []
+        self.reports: list[tuple[int, dict[str, float]]] = []
+        self.heartbeats: list[tuple[int, str]] = []
+        self.joins = 0
+
+    @property
+    def global_fp32(self) -> bytes:
+        return self.globals[self.round]
+
+    def status(self):
+        return fpb.RoundStatus(run_id="run-a", round=self.round, state=self.state, num_rounds=self.num_rounds,
+                               round_nonce=self.nonce)
+
+    def open(self, round_: int, data: bytes) -> None:
+        self.globals[round_] = data
+        self.round, self.nonce = round_, f"nonce-{round_}"
+        self.state = fpb.ROUND_STATE_FINISHED if round_ >= self.num_rounds else fpb.ROUND_STATE_OPEN
+
+    def Join(self, request, context):
+        self.joins += 1
+        if not self.globals:
+            self.globals[self.round] = bytes(ad.fresh(serde.schema_from_proto(request.schema), seed=0)[0])
+        return fpb.JoinResponse(config=fpb.RunConfig(run_id="run-a", num_rounds=self.num_rounds, min_clients=1,
+                                                     max_chunk_bytes=64 * 1024, heartbeat_interval_s=0.2),
+                                current_round=self.round)
+
+    def GetRoundStatus(self, request, context):
+        return self.status()
+
+    def WatchRound(self, request, context):
+        last = None
+        while context.is_active():
+            st = self.status()
+            if st != last:
+                yield st
+                last = st
+                if st.state == fpb.ROUND_STATE_FINISHED:
+                    return
+            time.sleep(0.02)
+
+    def Heartbeat(self, request, context):
+        self.heartbeats.append((request.round, request.phase))
+        return fpb.HeartbeatAck(status=self.status())
+
+    def ReportMetrics(self, request, context):
+        self.reports.append((request.round, dict(request.metrics)))
+        return fpb.MetricsAck()
+
+    def GetUploadState(self, request, context):
+        key = (request.client_id, request.round, request.sha256)
+        done = (request.client_id, request.round) in self.accepted
+        return fpb.UploadState(received_bytes=len(self.held.get(key, b"")), complete=done)
+
+    def UploadAdapter(self, request_iterator, context):
+        h = next(request_iterator).header
+        if h.round != self.round or h.round_nonce != self.nonce or self.state != fpb.ROUND_STATE_OPEN:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"upload for round {h.round} refused: "
+                                                               f"round {self.round} is open")
+        buf = self.held.setdefault((h.client_id, h.round, h.sha256), bytearray())
+        if h.offset != len(buf):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"offset {h.offset} differs from the {len(buf)} bytes held: resume from offset {len(buf)}")
+        limit = self.break_upload_after.pop(0) if self.break_upload_after else None
+        stop = self.end_upload_after.pop(0) if self.end_upload_after else None
+        got = 0
+        for chunk in request_iterator:
+            buf += chunk.data
+            got += len(chunk.data)
+            self.received += len(chunk.data)
+            if limit is not None and got >= limit:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "stream broke")
+            if stop is not None and got >= stop:
+                break
+        if len(buf) < h.size:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"upload incomplete: {len(buf)} of {h.size} bytes; resume from offset {len(buf)}")
+        if ad.sha256_hex(bytes(buf)) != h.sha256:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sha256 mismatch")
+        self.accepted[(h.client_id, h.round)] = bytes(buf)
+        if self.advance:
+            self.open(h.round + 1, ad.encode(decode_transport(bytes(buf))))
+        return fpb.UploadAck(round=h.round, sha256=h.sha256, size=h.size)
+
+    def DownloadAdapter(self, request, context):
+        self.download_requests.append(request)
+        round_ = request.round if request.round >= 0 else self.round
+        data = self.globals[round_]
+        if request.transport_dtype == "bfloat16":
+            data = encode_transport(decode_transport(data), "bfloat16")
+        sha = ad.sha256_hex(data)
+        if request.sha256 and request.sha256 != sha:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the adapter changed; download again from 0")
+        yield fpb.AdapterChunk(header=fpb.AdapterHeader(run_id="run-a", round=round_, sha256=sha,
+                                                        size=len(data), offset=request.offset))
+        body = data
+        if self.corrupt_downloads:
+            self.corrupt_downloads -= 1
+            body = data[:-1] + bytes([data[-1] ^ 1])
+        limit = self.break_download_after.pop(0) if self.break_download_after else None
+        sent = 0
+        for start in range(request.offset, len(body), 1000):
+            part = body[start:start + 1000]
+            yield fpb.AdapterChunk(data=part)
+            sent += len(part)
+            if limit is not None and sent >= limit:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "stream broke")
+
+
+def serve_fake(agg: FakeAggregator):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
+    fpb_grpc.add_FederationServiceServicer_to_server(agg, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
