@@ -237,17 +237,9 @@ class UploadCheck:
         return 8 + n
 
     def _read_header(self) -> None:
-        try:
-            header = json.loads(bytes(self._head[8:]))
-            specs = {name: TensorSpec(name, tuple(int(d) for d in v["shape"]), str(v["dtype"]))
-                     for name, v in header.items() if name != "__metadata__"}
-            offsets = {name: (int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-                       for name, v in header.items() if name != "__metadata__"}
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-            raise AdapterError("not a valid safetensors file (bad header)") from None
-        unknown = next((s for s in specs.values() if s.dtype not in _SAFETENSORS_DTYPES), None)
-        if unknown is not None:
-            raise AdapterError(f"tensor {unknown.name} has dtype {unknown.dtype}, which fedse does not read")
+        entries = parse_header(bytes(self._head[8:]), "the upload")
+        specs = {name: TensorSpec(name, tuple(e["shape"]), e["dtype"]) for name, e in entries.items()}
+        offsets = {name: tuple(e["data_offsets"]) for name, e in entries.items()}
         if self._wire is not None:
             wrong = next((s for s in specs.values() if s.dtype != self._wire), None)
             if wrong is not None:
@@ -323,15 +315,6 @@ def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_b
     check = UploadCheck(schema, declared_size, max_bytes, transport)
     check.update(data)
     check.finish(sha256)
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite. A finite sum proves it (a NaN or an infinity makes any sum
-    NaN or infinite), at a tenth of the cost of isfinite; only a non-finite sum, which overflow can
-    also cause, needs the element-wise check."""
-    if not t.is_floating_point():
-        return True
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def atomic_write(path: pathlib.Path, data: bytes) -> None:
@@ -420,6 +403,22 @@ _SAFETENSORS_DTYPES = {
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
+def parse_header(text: bytes, source: str) -> dict[str, dict]:
+    """The tensor entries of a safetensors JSON header, {name: {"dtype", "shape", "data_offsets"}}
+    with integer shapes and offsets and a dtype fedse reads; AdapterError naming `source` if not."""
+    try:
+        header = json.loads(text)
+        entries = {name: {"dtype": str(v["dtype"]), "shape": [int(d) for d in v["shape"]],
+                          "data_offsets": [int(v["data_offsets"][0]), int(v["data_offsets"][1])]}
+                   for name, v in header.items() if name != "__metadata__"}
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        raise AdapterError(f"{source} is not a valid safetensors file (bad header)") from None
+    for name, e in entries.items():
+        if e["dtype"] not in _SAFETENSORS_DTYPES:
+            raise AdapterError(f"tensor {name} in {source} has dtype {e['dtype']!r}, which fedse does not read")
+    return entries
+
+
 class AdapterFile(Mapping[str, torch.Tensor]):
     """A read-only view of an adapter's safetensors file that reads one tensor per lookup.
 
@@ -438,16 +437,8 @@ class AdapterFile(Mapping[str, torch.Tensor]):
             if len(head) != 8:
                 raise AdapterError(f"{self.path} is not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", head)
-            try:
-                header = json.loads(fh.read(n))
-            except ValueError:
-                raise AdapterError(f"{self.path} is not a safetensors file (bad header)") from None
+            self._specs = parse_header(fh.read(n), str(self.path))
         self._base = 8 + n
-        self._specs = {k: v for k, v in header.items() if k != "__metadata__"}
-        for name, spec in self._specs.items():
-            if spec.get("dtype") not in _SAFETENSORS_DTYPES:
-                raise AdapterError(f"tensor {name} in {self.path} has dtype {spec.get('dtype')!r}, which fedse "
-                                   "does not read")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         spec = self._specs[name]

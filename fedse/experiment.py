@@ -38,7 +38,7 @@ import time
 from typing import IO, Any, Iterable
 
 from fedse.config import ConfigError, field
-from fedse.launcher import RunConfig
+from fedse.launcher import RunConfig, round_mean
 from fedse.launcher import run as run_federation
 
 
@@ -185,7 +185,7 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "
             + (f"{100 * final:.1f}%" if final is not None else "-"))
     summary = summarise(cfg, methods, seeds, runs)
-    write_outputs(cfg, summary, root)
+    write_outputs(summary, runs, root)
     say("\n" + summary["table"])
     say(f"\ndone in {time.monotonic() - started:.0f}s; wrote {root / 'table.md'}, {root / 'results.csv'}, "
         f"{root / 'methods.png'}, {root / 'ablations.png'}, {root / 'bytes.png'}")
@@ -204,12 +204,8 @@ def rows_at(results: dict[str, Any], round_: int) -> dict[str, dict[str, float]]
 
 
 def micro_average(results: dict[str, Any], round_: int) -> float | None:
-    """Successes over test tasks across every environment, for `round_`'s global adapter."""
-    rows = rows_at(results, round_)
-    if len(rows) != len(results["envs"]) or not rows:
-        return None
-    tasks = sum(r["test_tasks"] for r in rows.values())
-    return sum(r["test_success"] * r["test_tasks"] for r in rows.values()) / tasks if tasks else None
+    """Successes over test tasks across every environment of a run, for `round_`'s global adapter."""
+    return round_mean(results["envs"], list(results["envs"]), round_)
 
 
 def mean_sd(values: Iterable[float]) -> tuple[float, float]:
@@ -315,9 +311,10 @@ def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], 
 
 
 # ---- files -----------------------------------------------------------------------------------------
-def write_outputs(cfg: ExperimentConfig, summary: dict[str, Any], root: pathlib.Path) -> None:
+def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
+                  root: pathlib.Path) -> None:
     (root / "table.md").write_text(summary["table"] + "\n")
-    write_csv(cfg, root / "results.csv")
+    write_csv(runs, root / "results.csv")
     plot_curves(summary, [m.name for m in METHODS if m.group == "main"], root / "methods.png",
                 "Local, Centralized, FedIT and Fed-SE")
     plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ablation"], root / "ablations.png",
@@ -326,23 +323,16 @@ def write_outputs(cfg: ExperimentConfig, summary: dict[str, Any], root: pathlib.
     (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
 
 
-def write_csv(cfg: ExperimentConfig, path: pathlib.Path) -> None:
-    """One row per method, seed, environment and round, from each run's results.json."""
+def write_csv(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path) -> None:
+    """One row per method, seed, environment and round (`runs`: (method key, seed) -> run results)."""
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["method", "seed", "env", "round", "test_success", "test_tasks", "upload_bytes"])
-        for seed in range(cfg.setting("seeds")):
-            for key in cfg.method_keys():
-                method = BY_KEY[key]
-                try:
-                    results = json.loads((pathlib.Path(cfg.results) / "runs" / run_name(method, seed)
-                                          / "results.json").read_text())
-                except (OSError, ValueError):
-                    continue
-                for env, rows in results["envs"].items():
-                    for r in rows:
-                        w.writerow([method.name, seed, env, r["round"], r.get("test_success", ""),
-                                    r.get("test_tasks", ""), r.get("upload_bytes", "")])
+        for (key, seed), results in sorted(runs.items(), key=lambda item: item[0][1]):
+            for env, rows in results["envs"].items():
+                for r in rows:
+                    w.writerow([BY_KEY[key].name, seed, env, r["round"], r.get("test_success", ""),
+                                r.get("test_tasks", ""), r.get("upload_bytes", "")])
 
 
 def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, title: str) -> None:

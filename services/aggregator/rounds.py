@@ -163,10 +163,8 @@ class _Liveness:
 @dataclasses.dataclass
 class _Receiving:
     generation: int
-    sha256: str
-    held: int
     lock: threading.Lock
-    check: ad.UploadCheck  # fed every byte of the upload in order, from byte 0
+    check: ad.UploadCheck  # fed every byte of the upload in order, from byte 0: `received` is what is held
 
 
 class Federation:
@@ -318,7 +316,7 @@ class Federation:
                 live = self._live.get(cid, _Liveness())
                 m_round, m = self._metrics.get(cid, (-1, {}))
                 rec = self._receiving.get(cid)
-                partial = rec.held if rec else (self.store.partial_size(self._round, cid)
+                partial = rec.check.received if rec else (self.store.partial_size(self._round, cid)
                                                 if self._state is State.OPEN and cid not in self._uploads else 0)
                 views.append(ClientView(cid, c.env, cid in self._uploads, self._alive_locked(cid, now),
                                         live.last_seen, live.phase_round, live.phase, partial, m_round, dict(m)))
@@ -432,7 +430,7 @@ class Federation:
             # A new stream supersedes one still registered (its connection may be half-dead);
             # both share the client's write lock so their writes never interleave.
             lock = previous.lock if previous is not None else threading.Lock()
-            self._receiving[h.client_id] = _Receiving(self._generation, h.sha256, held, lock, check)
+            self._receiving[h.client_id] = _Receiving(self._generation, lock, check)
             self._progress_at = self.clock()
             self._seen_locked(h.client_id)
             return False, held, self._generation
@@ -460,7 +458,6 @@ class Federation:
                 raise
             held = self.store.append_partial(h.round, h.client_id, offset, data)
         with self._cond:
-            rec.held = held
             self._progress_at = self.clock()
             self._seen_locked(h.client_id)
         return held
@@ -505,7 +502,7 @@ class Federation:
                 _, meta = self.store.partial(round_, client_id)
                 if meta is not None and meta["sha256"] == sha256:
                     rec = self._receiving.get(client_id)
-                    return (rec.held if rec else self.store.partial_size(round_, client_id)), False
+                    return (rec.check.received if rec else self.store.partial_size(round_, client_id)), False
             return 0, False
 
     def finish_upload(self, h: UploadHeader, generation: int) -> Status:
