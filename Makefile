@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment test test-fast proto bench bench-env bench-aggregation bench-transfer images clean
+.PHONY: install run experiment test proto bench bench-env bench-aggregation bench-transfer images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	python3 -m venv $(VENV)

@@ -18,13 +18,16 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
                  Every repeat is a different client of the same open round (the round needs more
                  uploads than the bench makes, so it never closes under an upload: no aggregation
                  is timed there). A download includes the client's sha256 check; the aggregator
-                 keeps each round's global adapter (and its bf16 variant, made on the first bf16
-                 download) in memory once asked for.
+                 keeps each round's global adapter in memory from when it is made (built in place,
+                 fedse.adapter.allocate), its chunk messages made once, and its bf16 variant from
+                 the first bf16 download.
 "x floor" is the time divided by that floor's time for the same number of bytes on the wire.
 
 Then where an upload's time goes: each step of the path (client hashing and chunking, protobuf,
 the aggregator's chunk writes, checks and storing) timed alone in this process
-with fedse's own functions on the same bytes; they run one after another in the real path.
+with fedse's own functions on the same bytes; in the real path the client's chunking and the
+aggregator's per-chunk check and write overlap the transfer, the client's sha256 comes before it,
+the fsync and the rename after.
 
 Then one whole round, --repeats times, each on a fresh aggregator (--num-rounds 1 --min-clients 2)
 with two client processes that join, wait for the round to open, download phi_0, upload their
@@ -67,7 +70,7 @@ from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.aggregator.store import Store  # noqa: E402
 from services.client_agent.federation import FederationClient, encode_transport  # noqa: E402
 
-from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK  # noqa: E402  (bench/, beside this file)
+from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)
 
 CONFIG_JSON = json.dumps({
     "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 16, "lora_dropout": 0.0,
@@ -84,13 +87,8 @@ START_S = 120.0
 def adapter_of(layers: int, seed: int) -> ad.Adapter:
     """PEFT state-dict names: lora_A is (r, in), lora_B is (out, r); small random fp32 values."""
     gen = torch.Generator().manual_seed(seed)
-    out: ad.Adapter = {}
-    for layer in range(layers):
-        for module, (fan_in, fan_out) in MODULES.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{prefix}.lora_A.weight"] = torch.randn((RANK, fan_in), generator=gen) * 0.01
-            out[f"{prefix}.lora_B.weight"] = torch.randn((fan_out, RANK), generator=gen) * 0.001
-    return out
+    return {name: torch.randn(shape, generator=gen) * (0.01 if ".lora_A." in name else 0.001)
+            for name, shape in schema(layers).items()}
 
 
 def layers_for(mb: float) -> int:
@@ -302,8 +300,8 @@ def federation_times(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repea
 
 def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int) -> list[tuple[str, float, float]]:
     """The steps of an upload, each timed alone in this process with fedse's own code on the same bytes
-    (median of `repeats`): (step, fp32 s, bf16 s). They run one after another in the real path, except
-    that the client's chunking and the aggregator's writes overlap with the transfer."""
+    (median of `repeats`): (step, fp32 s, bf16 s). In the real path the client's chunking and the
+    aggregator's per-chunk check and write overlap the transfer."""
     schema = ad.Schema.of(adapter, CONFIG_JSON)
     store = Store(work / "breakdown", "bench")
     payloads = {"": data, "bfloat16": encode_transport(adapter, "bfloat16")}

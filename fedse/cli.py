@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 
 from fedse.config import field, parse_or_exit
 from fedse.security import Security
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (kill, timeout, a CI job ending) stops the processes as Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _stop)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fedse run [options]            run a whole federation locally (fedse run --help)\n"
               "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "

@@ -1,13 +1,23 @@
-"""Helpers several test modules share: waiting on real processes, a test PKI, and a fake
+"""Helpers several test modules share: waiting on real processes, free ports and HTTP GETs, an
+in-process aggregator, `kubectl kustomize` of the repository's scenarios, a test PKI, and a fake
 aggregator speaking the resumable transfer protocol over real gRPC (with breaks on purpose)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
 import time
+import urllib.request
 from concurrent import futures
+from typing import Iterator
 
 import grpc
 import trustme
+import yaml
 
 from fedse import adapter as ad
 from fedse import serde
@@ -15,7 +25,12 @@ from fedse.launcher import Proc
 from fedse.serving import GRPC_OPTIONS
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
+from services.aggregator.server import Aggregator, AggregatorConfig, create_server
 from services.client_agent.federation import decode_transport, encode_transport
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+KUBECTL = os.environ.get("KUBECTL") or shutil.which("kubectl")
 
 
 def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
@@ -30,6 +45,61 @@ def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
                 raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n{p.log_path.read_text()[-3000:]}")
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all bound at once, so no two are the same)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+@contextlib.contextmanager
+def aggregator_in_process(state_dir: pathlib.Path, **settings) -> Iterator[tuple[Aggregator, int, pathlib.Path]]:
+    """A real aggregator on a free port (run "t", 2 rounds, 2 clients unless `settings` say
+    otherwise): (aggregator, port, the run's state folder)."""
+    cfg = AggregatorConfig(**{"address": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(state_dir),
+                              "run_id": "t", "num_rounds": 2, "min_clients": 2, "torch_threads": 0, **settings})
+    agg, port = create_server(cfg)
+    agg.start()
+    try:
+        yield agg, port, pathlib.Path(state_dir) / cfg.run_id
+    finally:
+        agg.stop(0)
+
+
+def kustomize(path: pathlib.Path) -> list[dict]:
+    """The objects `kubectl kustomize path` renders."""
+    proc = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {path} failed:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def write_scenario(directory: pathlib.Path, components: list[str]) -> pathlib.Path:
+    """k8s/kustomization.yaml with its paths made relative to `directory`, plus `components`."""
+    root = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def rel(p: str) -> str:
+        return os.path.relpath(K8S / p, directory)
+
+    root["resources"] = [rel(p) for p in root.get("resources") or []]
+    root["components"] = [rel(p) for p in (root.get("components") or [])] + \
+        [rel(f"components/{c}") for c in components]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(root, sort_keys=False))
+    return directory
 
 
 class Pki:
@@ -77,7 +147,6 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
         self.download_requests: list[fpb.DownloadRequest] = []
         self.reports: list[tuple[int, dict[str, float]]] = []
         self.heartbeats: list[tuple[int, str]] = []
-        self.joins = 0
 
     @property
     def global_fp32(self) -> bytes:
@@ -93,7 +162,6 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
         self.state = fpb.ROUND_STATE_FINISHED if round_ >= self.num_rounds else fpb.ROUND_STATE_OPEN
 
     def Join(self, request, context):
-        self.joins += 1
         if not self.globals:
             self.globals[self.round] = bytes(ad.fresh(serde.schema_from_proto(request.schema), seed=0)[0])
         return fpb.JoinResponse(config=fpb.RunConfig(run_id="run-a", num_rounds=self.num_rounds, min_clients=1,

@@ -96,11 +96,6 @@ def test_peft_dir_is_written_atomically_and_replaced(tmp_path):
 
 
 def test_adapter_file_reads_each_tensor_as_saved_and_refuses_a_truncated_file(tmp_path):
-    import pytest
-    import torch
-
-    from fedse import adapter as ad
-
     saved = {"a.lora_A.weight": torch.randn(3, 5), "a.lora_B.weight": torch.randn(5, 3).to(torch.bfloat16),
              "steps": torch.arange(4)}
     path = tmp_path / "x.safetensors"

@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from fedse import adapter as ad
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
 from fedse.v1 import federation_pb2 as fpb
-from services.aggregator.server import AggregatorConfig, create_server
+from support import aggregator_in_process
 from services.client_agent.federation import FederationClient
 
 
@@ -31,12 +31,8 @@ def perturbed(state: ad.Adapter, seed: int, scale: float = 0.01) -> ad.Adapter:
 
 @pytest.fixture
 def aggregator(tmp_path):
-    cfg = AggregatorConfig(address="127.0.0.1:0", metrics_port=-1, state_dir=str(tmp_path), run_id="t",
-                           num_rounds=2, min_clients=2, round_deadline_s=60.0)
-    agg, port = create_server(cfg)
-    agg.start()
-    yield agg, f"127.0.0.1:{port}", tmp_path / "t"
-    agg.stop(0)
+    with aggregator_in_process(tmp_path, round_deadline_s=60.0) as (agg, port, run_dir):
+        yield agg, f"127.0.0.1:{port}", run_dir
 
 
 def join_two(target, state, config_json):

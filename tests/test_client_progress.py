@@ -410,7 +410,7 @@ def test_a_killed_agent_resumes_where_it_was_and_uploads_the_same_adapter(
     assert {"evaluating", "training", "waiting", "done"} <= {ph for _, ph in agg.heartbeats}
 
 
-def test_a_round_that_closed_without_our_upload_is_skipped(env_target, tmp_path, uninterrupted):
+def test_a_round_that_closed_without_our_upload_is_skipped(env_target, tmp_path):
     agg = FakeAggregator(round_=0, num_rounds=2, advance=True)
     server, target = serve_fake(agg)
     from services.client_agent.agent import ClientAgent

@@ -2,6 +2,7 @@
 talking real gRPC on loopback complete every round and write results.json and success.png."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -56,9 +57,9 @@ def children_of(parent: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_process(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_every_process(tmp_path, signum):
     import os
-    import signal
     import time
 
     results = tmp_path / "results"
@@ -70,7 +71,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
             break
     children = children_of(proc.pid)
     assert len(children) == 11, children  # 5 env servers, the aggregator, 5 client agents
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     assert proc.wait(timeout=60) == 130
     assert "interrupted" in proc.stderr.read()
     for pid in children:

@@ -1,6 +1,7 @@
 """`fedse experiment`: the scores and table from known runs, then the whole command at a small budget."""
 
 import csv
+import io
 import json
 import os
 import pathlib
@@ -80,6 +81,7 @@ def test_settings_come_from_the_budget_unless_given():
         ex.ExperimentConfig(budget="huge")
 
 
+@pytest.mark.slow
 def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tmp_path):
     out = tmp_path / "exp"
     argv = [sys.executable, "-m", "fedse.cli", "experiment", "--budget", "quick", "--results", str(out),
@@ -93,7 +95,8 @@ def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tm
     for name in ("Pre-trained", "Local", "Centralized", "FedIT", "Fed-SE", "w/o success filter", "w/o history",
                  "weighted averaging", "LoRA rank 2", "LoRA rank 4", "LoRA rank 16"):
         assert f"| {name} |" in table or f"| {name} (rank 8) |" in table, name
-    rows = list(csv.DictReader(open(out / "results.csv")))
+    with open(out / "results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
     assert {r["method"] for r in rows} == {m.name for m in ex.METHODS}
     assert all(r["env"] == "maze" and r["round"] in ("0", "1") for r in rows)
     sent = {r["method"]: float(r["upload_bytes"]) for r in rows if r["upload_bytes"]}
@@ -109,6 +112,7 @@ def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tm
     assert (out / "table.md").read_text() == table
 
 
+@pytest.mark.slow
 def test_a_model_from_a_local_path_runs_the_experiment(tmp_path):
     """The full budget's path: a Hugging Face model directory (here the tiny model exported as one)."""
     from fedse.tinymodel import export_tiny_model
@@ -117,7 +121,7 @@ def test_a_model_from_a_local_path_runs_the_experiment(tmp_path):
     cfg = ex.ExperimentConfig(budget="full", methods="fedit,fedse", base_model=model_dir, envs="maze",
                               seeds=1, rounds=1, expert_demos=4, explore_tasks=4, eval_tasks=4, epochs=1,
                               results=str(tmp_path / "exp"))
-    summary = ex.run(cfg, out=open(tmp_path / "log.txt", "w"))
+    summary = ex.run(cfg, out=io.StringIO())
     assert set(summary["methods"]) == {ex.PRETRAINED, "FedIT", "Fed-SE"}
     results = json.loads((tmp_path / "exp" / "runs" / "fedse-seed0" / "results.json").read_text())
     assert results["base_model"] == model_dir and [r["round"] for r in results["envs"]["maze"]] == [0, 1]

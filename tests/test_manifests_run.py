@@ -35,19 +35,15 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
-import yaml
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-KUBECTL = os.environ.get("KUBECTL") or shutil.which("kubectl")
+from support import KUBECTL, REPO, free_ports, http_get, kustomize, write_scenario
+
 NAMESPACE = "fedse"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
 # Budget flags added to shrink the run (see the module docstring); never ports, paths or names.
@@ -64,25 +60,6 @@ OWN_METRICS = {"services.aggregator": "fedse_aggregator_", "services.env_server"
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(KUBECTL is None, reason="kubectl not found (needed for `kubectl kustomize`)")]
-
-
-def render(path: pathlib.Path) -> list[dict]:
-    proc = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclasses.dataclass
@@ -266,11 +243,6 @@ def probe_ports(pod: Pod) -> set[int]:
     return ports
 
 
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
-
-
 def watch(pods: list[Pod], seen: dict[str, str], deadline: float, until_exit: bool) -> None:
     """Polls the probes of `pods` (as the kubelet would) and scrapes each one's metrics port once it is
     SERVING; returns once every pod was seen serving (and, with until_exit, every one exited)."""
@@ -282,7 +254,7 @@ def watch(pods: list[Pod], seen: dict[str, str], deadline: float, until_exit: bo
             if pod.name not in seen and rc is None and all(serving(pod.ports[p]) for p in probe_ports(pod)):
                 metrics = pod.ports[next(p["containerPort"] for p in pod.container["ports"] if p["name"] == "metrics")]
                 try:
-                    text = scrape(metrics)
+                    text = http_get(f"http://127.0.0.1:{metrics}/metrics")
                 except OSError:
                     continue  # e.g. a client agent exiting right then; polled again
                 # Its own metrics appear once its modules are loaded (grpc's health servicer answers
@@ -294,18 +266,6 @@ def watch(pods: list[Pod], seen: dict[str, str], deadline: float, until_exit: bo
         time.sleep(0.5)
     pytest.fail(f"timed out; not yet serving: {[p.name for p in pods if p.name not in seen]}; still running: "
                 f"{[p.name for p in pods if p.popen.poll() is None]}")
-
-
-def scenario_with(components: list[str], directory: pathlib.Path) -> pathlib.Path:
-    """k8s/kustomization.yaml with its paths made relative to `directory`, plus `components`."""
-    k8s = REPO / "k8s"
-    root = yaml.safe_load((k8s / "kustomization.yaml").read_text())
-    directory.mkdir(parents=True, exist_ok=True)
-    rel = lambda p: os.path.relpath(k8s / p, directory)  # noqa: E731
-    root["resources"] = [rel(p) for p in root.get("resources") or []]
-    root["components"] = [rel(p) for p in root.get("components") or []] + [rel(f"components/{c}") for c in components]
-    (directory / "kustomization.yaml").write_text(yaml.safe_dump(root, sort_keys=False))
-    return directory
 
 
 def run_federation(docs: list[dict], tmp_path: pathlib.Path, envs: set[str] | None = None,
@@ -362,7 +322,7 @@ def check_round_completed(cluster: Cluster, servers: list[Pod], clients: list[Po
 
 def test_default_manifests_run_a_federation_round(tmp_path):
     """All five pairs and the aggregator, as k8s/kustomization.yaml deploys them."""
-    docs = render(REPO / "k8s")
+    docs = kustomize(REPO / "k8s")
     cluster, servers, clients = run_federation(docs, tmp_path / "run")
     assert len(clients) == 5 and len(servers) == 6
     check_round_completed(cluster, servers, clients)
@@ -374,7 +334,7 @@ def test_mtls_manifests_run_a_federation_round(tmp_path):
     wordle), so the aggregator is also told --min-clients=2 (round 0 opens once they have joined):
     what is checked is the wiring (mounted Secrets, TLS flags, allowed client ids, health ports),
     which the other three pairs share."""
-    docs = render(scenario_with(["mtls"], tmp_path / "kustomization"))
+    docs = kustomize(write_scenario(tmp_path / "kustomization", ["mtls"]))
     extra = {"services.aggregator": ["--min-clients=2"]}
     cluster, servers, clients = run_federation(docs, tmp_path / "run", envs={"maze", "wordle"}, extra=extra)
     for pod in servers:  # TLS on the service port, plain health on another

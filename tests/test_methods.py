@@ -108,7 +108,6 @@ def test_results_split_a_clients_report_per_environment_and_micro_average():
 # ---- one client, two environments, keep all, history round (in process) ----------------------------
 def test_a_client_holding_two_environments_keeps_all_and_trains_on_the_round(tmp_path):
     from services.client_agent.agent import ClientAgent, training_examples
-    from services.client_agent.metrics import INFO
     from services.env_server.server import EnvServerConfig, create_server
     from support import FakeAggregator, serve_fake
 
@@ -128,7 +127,6 @@ def test_a_client_holding_two_environments_keeps_all_and_trains_on_the_round(tmp
         agent.close()
         server.stop(0)
         env_server.stop(0)
-        INFO.remove("org-central", "maze,wordle")  # the process-wide registry: leave one identity for other tests
     assert [r for r, _ in agg.reports] == [0, 1, 2]
     for _, m in agg.reports:
         assert m["test_tasks/maze"] == m["test_tasks/wordle"] == 2

@@ -11,13 +11,11 @@ import json
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 
 import prometheus_client
 import pytest
@@ -28,6 +26,7 @@ import services.aggregator.metrics  # noqa: F401 - registers the aggregator's me
 import services.client_agent.metrics  # noqa: F401 - registers the client agent's metrics
 import services.env_server.metrics  # noqa: F401 - registers the env server's metrics
 from fedse.launcher import Proc
+from support import free_ports, http_get
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "k8s" / "components" / "monitoring" / "fedse-dashboard.json"
@@ -236,24 +235,13 @@ def test_no_label_can_hold_trajectory_text():
         assert set(obj._labelnames) <= allowed, name
     services.client_agent.metrics.init_client("org-a", "maze")
     info = [s for f in prometheus_client.REGISTRY.collect() if f.name == "fedse_client" for s in f.samples]
-    assert [set(s.labels) for s in info] == [{"client_id", "env"}]
+    assert info and all(set(s.labels) == {"client_id", "env"} for s in info)  # no unlabelled series
 
 
 # ---- a real Prometheus server scraping a real federation ---------------------------------------------------
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
 class Prometheus:
     def __init__(self, root: pathlib.Path, jobs: dict[str, list[int]]):
-        self.port = free_port("127.0.0.1")
+        self.port = free_ports(1)[0]
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                   "scrape_configs": [{"job_name": job, "scrape_interval": "1s", "scrape_timeout": "1s",
                                       "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
@@ -319,7 +307,7 @@ def grafana_to_promql(expr: str) -> str:
 def test_prometheus_scrapes_a_federation(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    ports = {"env_server": free_port(), "aggregator": free_port(), **{cid: free_port() for cid in CLIENTS}}
+    ports = dict(zip(["env_server", "aggregator", *CLIENTS], free_ports(2 + len(CLIENTS))))
     prom = Prometheus(tmp_path, {"env_server": [ports["env_server"]], "aggregator": [ports["aggregator"]],
                                  "client_agent": [ports[cid] for cid in CLIENTS]})
     procs: list[Proc] = []

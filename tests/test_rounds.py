@@ -32,8 +32,7 @@ def settings(**kw) -> RunSettings:
 
 
 def federation(tmp_path, clock, **kw) -> Federation:
-    fed = Federation(settings(**kw), Store(tmp_path, "r"), clock=clock)
-    return fed
+    return Federation(settings(**kw), Store(tmp_path, "r"), clock=clock)
 
 
 def adapter_bytes(value: float) -> bytes:
@@ -49,15 +48,13 @@ def settle(fed: Federation) -> None:
         time.sleep(0.01)
 
 
-def upload(fed: Federation, client: str, value: float, chunks: int = 1) -> None:
+def upload(fed: Federation, client: str, value: float) -> None:
     data = adapter_bytes(value)
     st = fed.status()
     h = UploadHeader(client, st.round, st.round_nonce, ad.sha256_hex(data), len(data))
     done, held, gen = fed.begin_upload(h)
-    assert not done
-    step = -(-len(data) // chunks)
-    for start in range(held, len(data), step):
-        held = fed.receive(h, gen, start, data[start:start + step])
+    assert not done and held == 0
+    fed.receive(h, gen, 0, data)
     fed.finish_upload(h, gen)
     fed.end_stream(h, gen)
     settle(fed)
@@ -89,7 +86,7 @@ def test_a_round_waits_for_every_live_client_then_closes(tmp_path):
 
 def test_a_silent_client_is_not_waited_for_once_there_is_a_quorum(tmp_path):
     clock = Clock()
-    fed = federation(tmp_path, clock, heartbeat_timeout_s=10.0)
+    fed = federation(tmp_path, clock)  # heartbeat timeout 10 s
     join(fed, "a", "b")
     upload(fed, "a", 1.0)
     clock.now += 9
@@ -102,8 +99,7 @@ def test_a_silent_client_is_not_waited_for_once_there_is_a_quorum(tmp_path):
 
 def test_wait_after_quorum_and_the_deadline_close_a_round_unless_a_transfer_progresses(tmp_path):
     clock = Clock()
-    fed = federation(tmp_path, clock, min_clients=1, wait_after_min_s=50.0, round_deadline_s=100.0,
-                     heartbeat_timeout_s=1000.0)
+    fed = federation(tmp_path, clock, wait_after_min_s=20.0, heartbeat_timeout_s=30.0)
     join(fed, "a", "b")
     clock.now += 30
     upload(fed, "a", 1.0)  # quorum reached at t+30
@@ -111,15 +107,15 @@ def test_wait_after_quorum_and_the_deadline_close_a_round_unless_a_transfer_prog
     data = adapter_bytes(5.0)
     st = fed.status()
     h = UploadHeader("b", 0, st.round_nonce, ad.sha256_hex(data), len(data))
-    _, held, gen = fed.begin_upload(h)
-    clock.now += 49
+    _, held, gen = fed.begin_upload(h)  # progress at t+30
+    clock.now += 29  # 29 s after quorum: wait-after-min has passed, b's stream started 29 s ago
     fed.tick()
     assert fed.status().round == 0
-    clock.now += 2  # 51 s after quorum: wait-after-min has passed...
-    held = fed.receive(h, gen, held, data[:100])  # ...but b's upload is making progress
+    clock.now += 2  # 31 s since b's stream began: it counts as progressing only if bytes arrive...
+    fed.receive(h, gen, held, data[:100])  # ...and they do
     fed.tick()
     assert fed.status().round == 0  # a transfer is making progress
-    clock.now += 1001  # the transfer stalled for longer than the heartbeat timeout
+    clock.now += 31  # the transfer stalled for longer than the heartbeat timeout
     fed.tick()
     assert fed.status().round == 1
     assert fed.status().uploaded == ()

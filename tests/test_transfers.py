@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedse import adapter as ad
-from services.aggregator.server import AggregatorConfig, create_server
+from support import aggregator_in_process
 from services.client_agent.federation import FederationClient, encode_transport
 
 MB = 1024 * 1024
@@ -89,12 +89,8 @@ def big_adapter(seed: int) -> ad.Adapter:
 
 @pytest.fixture
 def aggregator(tmp_path):
-    cfg = AggregatorConfig(address="127.0.0.1:0", metrics_port=-1, state_dir=str(tmp_path), run_id="t",
-                           num_rounds=2, min_clients=2, torch_threads=0)
-    agg, port = create_server(cfg)
-    agg.start()
-    yield agg, port, tmp_path / "t"
-    agg.stop(0)
+    with aggregator_in_process(tmp_path) as running:
+        yield running
 
 
 def joined_pair(port: int, proxy_port: int) -> tuple[FederationClient, FederationClient]:
