@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.client_agent.model import add_lora, load_base  # noqa: E402
-from services.client_agent.policy import TINY_MAX_PROMPT_TOKENS, ActionScorer, format_prompt  # noqa: E402
+from services.client_agent.policy import ActionScorer  # noqa: E402
+from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, format_prompt  # noqa: E402
 from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
 
 

@@ -26,6 +26,7 @@ import time
 from typing import IO, Any
 
 from fedse.config import ConfigError, field
+from fedse.machine import available_cores
 
 SERVICE_START_S = 120.0
 TOPOLOGIES = ("federated", "local", "centralized")
@@ -282,6 +283,8 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         agg_ports = {name: p.port() for name, p in aggregators.items()}
         say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
             + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
+        # The clients share this machine's cores; each gets its share (at least one thread).
+        threads = max(1, available_cores() // len(members))
         clients = [start(f"client_agent-{c.label}", [
             "services.client_agent", "--client-id", c.client_id, "--env", ",".join(c.envs),
             "--env-server", f"127.0.0.1:{env_ports[c]}", "--aggregator", f"127.0.0.1:{agg_ports[f.name]}",
@@ -290,7 +293,7 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             "--explore-tasks", str(cfg.explore_tasks), "--eval-tasks", str(cfg.eval_tasks),
             "--keep", cfg.keep, "--history", cfg.history, "--lora-r", str(cfg.lora_r),
             "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
-            "--seed", str(cfg.seed), "--torch-threads", "1"]) for f, c in members]
+            "--seed", str(cfg.seed), "--torch-threads", str(threads)]) for f, c in members]
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
         metrics_paths = [state / f.name / f.run_id / "metrics.jsonl" for f in feds]
 

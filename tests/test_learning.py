@@ -3,11 +3,13 @@ well enough to raise held-out maze success (a small version of bench/learning_cu
 
 import random
 
+import pytest
 import torch
 
 from fedse.tinymodel import build_tiny_model, weights_digest
 from services.client_agent.model import add_lora, get_adapter_state
-from services.client_agent.policy import ActionScorer, format_prompt
+from services.client_agent.policy import ActionScorer
+from services.client_agent.prompts import format_prompt
 from services.client_agent.trainer import train_lora
 from services.env_server.envs.maze import MazeEnv
 
@@ -100,3 +102,41 @@ def test_imitating_expert_demonstrations_raises_held_out_maze_success():
     assert pre <= 3, f"the untrained policy already solves {pre}/25 test tasks"
     assert stats["loss"] < 0.05
     assert post >= 15, f"held-out success {pre}/25 -> {post}/25 after imitation"
+
+
+def test_micro_batches_stay_within_the_token_budget():
+    from services.client_agent.trainer import micro_batches
+
+    lengths = [50, 120, 30, 400, 90, 90, 10, 700]
+    runs = micro_batches(lengths, 256)
+    assert [i for run in runs for i in run] == list(range(len(lengths)))  # every sequence, in order
+    for run in runs:
+        assert len(run) == 1 or len(run) * max(lengths[i] for i in run) <= 256
+    assert [3] in runs and [7] in runs  # longer than the budget: alone
+
+
+def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient():
+    """A token budget changes how a step's gradient is computed, not the gradient: one sequence per
+    micro-batch accumulates what one pass over the whole batch gives."""
+    from services.client_agent.trainer import accumulate_gradients, encode_pairs
+
+    model, tok = build_tiny_model()
+    peft_model = add_lora(model)
+    with torch.no_grad():  # nonzero B, so every LoRA parameter gets a gradient
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    params = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    for p in params.values():
+        p.requires_grad_(True)
+    batch = encode_pairs(tok, _examples(3), 160)
+    grads, losses = [], []
+    for budget in (1 << 20, 1):
+        for p in params.values():
+            p.grad = None
+        losses.append(accumulate_gradients(peft_model, batch, budget, tok.pad_token_id))
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+    whole, one_by_one = grads
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert all(torch.allclose(whole[n], one_by_one[n], rtol=1e-4, atol=1e-7) for n in whole)
+    assert all(float(g.abs().max()) > 0 for g in whole.values())

@@ -107,7 +107,7 @@ def test_results_split_a_clients_report_per_environment_and_micro_average():
 
 # ---- one client, two environments, keep all, history round (in process) ----------------------------
 def test_a_client_holding_two_environments_keeps_all_and_trains_on_the_round(tmp_path):
-    from services.client_agent.agent import ClientAgent, training_examples
+    from services.client_agent.agent import ClientAgent
     from services.env_server.server import EnvServerConfig, create_server
     from support import FakeAggregator, serve_fake
 
@@ -142,8 +142,9 @@ def test_a_client_holding_two_environments_keeps_all_and_trains_on_the_round(tmp
     assert {t.env for t in explored} == {"maze", "wordle"}
     # --history round: round 1 trained on D_0 and round 1's trajectories, not on round 0's.
     round_1 = [t for t in buffer if t.source == "expert" or t.round == 1]
-    assert agg.reports[1][1]["examples"] == len(training_examples(round_1, cfg.max_history))
-    assert agg.reports[1][1]["examples"] < len(training_examples(buffer, cfg.max_history))
+    # "examples" counts the agent turns trained on.
+    assert agg.reports[1][1]["examples"] == sum(len(t.turns) for t in round_1)
+    assert agg.reports[1][1]["examples"] < sum(len(t.turns) for t in buffer)
 
 
 # ---- real processes: every topology through launcher.run ---------------------------------------------

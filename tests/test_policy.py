@@ -5,12 +5,8 @@ import torch
 
 from fedse.tinymodel import build_tiny_model
 from services.client_agent.model import add_lora
-from services.client_agent.policy import (
-    ActionScorer,
-    format_prompt,
-    format_target,
-    parse_action,
-)
+from services.client_agent.policy import ActionScorer, parse_action
+from services.client_agent.prompts import format_prompt, format_target
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)
@@ -144,3 +140,31 @@ def test_generate_actions_returns_admissible_actions_with_a_fallback():
     for i, text in enumerate(scorer.last_generated):
         if parse_action(text, cands[i]) is None:
             assert actions[i] == cands[i][greedy[i]]
+
+
+def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
+    """The "reuse" method (real models' default) starts each prompt from the KV cache of the longest
+    cached prompt it begins with; scores are those of a plain forward pass."""
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", max_batch_tokens=64)
+    env = MazeEnv()
+    ep = env.reset(3)
+    turns, prompts = [], []
+    for _ in range(4):  # a growing episode: each prompt extends the previous one
+        prompts.append(format_prompt(ep.instruction, turns, ep.observation, max_history=10))
+        action = ep.expert_action()
+        turns.append((ep.observation, action))
+        ep.step(action)
+    cands = [MAZE_ACTIONS, ["move left", "move right"], WORDS, ["a", "bb", "ccc"]]
+    for prompt, cs in zip(prompts, cands):
+        s = scorer.score([prompt], [cs])[0]
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+    assert scorer.cache.hits == 3  # every prompt after the first started from the previous one's cache
+    assert scorer.cache.reused >= sum(len(p) for p in prompts[:-1]) - 3
+    scorer.forget()
+    assert scorer.cache.bytes == 0
+    # The cache never holds more than its budget.
+    small = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", cache_bytes=3_000_000)
+    small.score(prompts, cands)
+    assert 0 < small.cache.bytes <= 3_000_000 and len(small.cache) < len(prompts)

@@ -33,6 +33,7 @@ import os
 import pathlib
 import random
 import re
+import resource
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ import grpc
 import torch
 
 from fedse import adapter as ad
+from fedse.machine import available_cores
 from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
@@ -49,7 +51,9 @@ from .config import ClientConfig
 from .envclient import EnvClient
 from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound, encode_transport
 from .metrics import BUFFER, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS, init_client
-from .policy import ActionScorer, format_prompt
+from .policy import ActionScorer
+from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_trajectory, is_tiny,
+                      make_format)
 from .rollout import Live, Policy, expert_policy, run_episodes
 from .trainer import train_lora
 
@@ -64,13 +68,12 @@ BUFFER_NAME = "buffer.jsonl"
 PROGRESS_PHASES = ("seeded", "explored", "trained", "uploaded", "reported")
 
 
-def training_examples(trajectories: list[Trajectory], max_history: int) -> list[tuple[str, str]]:
-    """(prompt, action) for every turn of every trajectory; the loss covers only the action."""
-    out: list[tuple[str, str]] = []
-    for t in trajectories:
-        for i, (obs, action) in enumerate(t.turns):
-            out.append((format_prompt(t.instruction, list(t.turns[:i]), obs, max_history), action))
-    return out
+def training_examples(trajectories: list[Trajectory], fmt: PromptFormat, tokenize: TokenCache,
+                      max_prompt_tokens: int) -> list[Encoded]:
+    """The training sequences of every turn of every trajectory, each turn's prompt as the agent
+    saw it (prompts.encode_trajectory); the loss covers only the agent's text."""
+    return [e for t in trajectories
+            for e in encode_trajectory(fmt, tokenize, t.instruction, t.turns, max_prompt_tokens)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +192,7 @@ class ClientAgent:
     def __init__(self, config: ClientConfig):
         self.cfg = config
         init_client(config.client_id, config.env)
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        torch.set_num_threads(config.torch_threads or available_cores())
         self.dir = pathlib.Path(config.state_dir) / config.client_id
         self.dir.mkdir(parents=True, exist_ok=True)
         names = config.env_list()
@@ -203,7 +205,14 @@ class ClientAgent:
         self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
                                   target_modules=config.lora_targets(), seed=config.seed)
         self.device = next(self.model.parameters()).device
-        self.scorer = ActionScorer(self.model, self.tokenizer, self.device)
+        self.precision = mdl.pick_precision(config.precision, self.model, self.device)
+        self.max_prompt_tokens = default_max_prompt_tokens(self.model)
+        self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens)
+        self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
+                                   fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20)
+        log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
+                                                 precision=self.precision, threads=torch.get_num_threads(),
+                                                 prompt_format=type(self.fmt).__name__))
         self.buffer = Buffer(self.dir / BUFFER_NAME)
         self.history: list[dict[str, float]] = []
         self.run_id = ""
@@ -213,8 +222,7 @@ class ClientAgent:
     # ---- policies --------------------------------------------------------------------------
     def model_policy(self, greedy: bool, generator: torch.Generator) -> Policy:
         def choose(states: list[Live]) -> list[str]:
-            prompts = [format_prompt(s.session.instruction, s.turns, s.observation.text, self.cfg.max_history)
-                       for s in states]
+            prompts = [self.fmt.prompt(s.session.instruction, s.turns, s.observation.text) for s in states]
             candidates = [s.observation.actions for s in states]
             if self.cfg.policy == "generate":
                 return self.scorer.generate_actions(prompts, candidates)
@@ -228,7 +236,11 @@ class ClientAgent:
         def count(t: Trajectory) -> None:
             STEPS.labels(phase).inc(len(t.turns))
             EPISODES.labels(phase, "success" if t.success else "failure").inc()
-        return run_episodes(env, task_ids, policy, self.cfg.concurrency, round_, phase, on_episode=count)
+        self.scorer.forget()  # the weights may have changed since the cached prompts were run
+        try:
+            return run_episodes(env, task_ids, policy, self.cfg.concurrency, round_, phase, on_episode=count)
+        finally:
+            self.scorer.forget()  # its memory is the trainer's now
 
     def env_tasks(self, env: EnvClient) -> EnvTasks:
         """The environment's training tasks and the test tasks evaluated (the first --eval-tasks)."""
@@ -471,21 +483,24 @@ class ClientAgent:
         cfg = self.cfg
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
-        examples = training_examples(training_set(self.buffer.trajectories, cfg.history, round_), cfg.max_history)
+        trajectories = training_set(self.buffer.trajectories, cfg.history, round_)
+        examples = training_examples(trajectories, self.fmt, TokenCache(self.tokenizer), self.max_prompt_tokens)
+        turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
-                                batch_size=cfg.batch_size, seed=seed)
+                                batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
+                                checkpointing=not is_tiny(self.model), precision=self.precision)
         self.loaded_round = None
         t2 = time.perf_counter()
         LOSS.set(result["loss"])
         TRAIN_SECONDS.inc(t2 - t1)
         PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
-        return data, len(examples), {"examples": float(len(examples)), "train_loss": result["loss"],
-                                     "train_s": t2 - t1, "upload_bytes": float(len(data))}
+        return data, turns, {"examples": float(turns), "sequences": float(len(examples)),
+                             "train_loss": result["loss"], "train_s": t2 - t1, "upload_bytes": float(len(data))}
 
     def upload(self, p: Progress, data: bytes, metrics: dict[str, float]) -> bool:
         """Uploads the saved adapter; True once the aggregator acknowledged it. False when the round
@@ -513,6 +528,8 @@ class ClientAgent:
         return True
 
     def finish_round(self, round_: int, metrics: dict[str, Any]) -> None:
+        # The most memory this process has held so far (Linux reports kB), for sizing its pod.
+        metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         metrics = {k: float(v) for k, v in metrics.items()}
         self.fed.report(round_, metrics)
         self.history.append({"round": float(round_), **metrics})

@@ -36,8 +36,16 @@ class ClientConfig(Security):
     target_modules: str = field("all-linear", "LoRA target modules: 'all-linear' or comma-separated names")
     lr: float = field(3e-3, "AdamW learning rate (cosine schedule); the paper's 5e-5 suits 7B models")
     epochs: int = field(2, "epochs over the whole buffer per round")
-    batch_size: int = field(8, "training batch size (steps of trajectories)")
-    max_history: int = field(1, "previous turns shown in each prompt")
+    batch_size: int = field(8, "training sequences per optimizer step (a sequence is one turn in the plain format, "
+                               "the turns of an episode that share one prompt window in the chat format)")
+    train_batch_tokens: int = field(0, "most tokens (rows x padded width) per training micro-batch; gradients "
+                                       "accumulate over the micro-batches of a step (0 = 2048 on CPU, 32768 on GPU)")
+    max_history: int = field(-1, "earlier turns shown in each prompt (-1 = real models: the whole episode while it "
+                                 "fits the prompt window; the tiny model: 1)")
+    precision: str = field("auto", "'fp32', 'bf16' (bfloat16 autocast for model passes; LoRA weights, optimizer and "
+                                   "scores stay fp32) or 'auto' (bf16 for a real model on a CPU with native bfloat16 "
+                                   "(AMX / AVX512-BF16), else fp32; on CUDA real models load in bf16)")
+    score_cache_mb: int = field(768, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
     expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0)")
     explore_tasks: int = field(32, "training tasks attempted per round in each environment (0 = no exploration: "
                                    "train on the expert demonstrations only, as FedIT, Local and Centralized do)")
@@ -51,7 +59,8 @@ class ClientConfig(Security):
     temperature: float = field(1.0, "sampling temperature during exploration")
     policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text")
     seed: int = field(0, "seed for the base model (tiny), LoRA init, task sampling and training")
-    torch_threads: int = field(0, "torch CPU threads (0 = torch's default)")
+    torch_threads: int = field(0, "torch CPU threads (0 = the cores this process may run on: its CPU affinity "
+                                  "and cgroup quota)")
     round_timeout_s: float = field(7200.0, "longest wait for the next round before giving up")
     transport_dtype: str = field("", "dtype of adapters on the wire, both directions: '' (the run's schema dtype, "
                                      "fp32) or 'bfloat16' (half the bytes; the global adapter stays in the "
@@ -69,13 +78,18 @@ class ClientConfig(Security):
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        for name in ("expert_demos", "explore_tasks", "eval_tasks", "max_history", "torch_threads"):
+        for name in ("expert_demos", "explore_tasks", "eval_tasks", "torch_threads", "train_batch_tokens",
+                     "score_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.temperature <= 0:
             raise ConfigError(f"--temperature must be positive, got {self.temperature}")
+        if self.max_history < -1:
+            raise ConfigError(f"--max-history must be -1 (the whole episode) or at least 0, got {self.max_history}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.policy not in ("score", "generate"):
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
         if self.transport_dtype not in ("", "bfloat16"):

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
+from fedse.machine import cpu_has_native_bf16
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
 
 
@@ -26,6 +27,16 @@ def pick_device(device: str | None = None) -> torch.device:
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_precision(precision: str, model, device: torch.device) -> str:
+    """"fp32" or "bf16" (autocast) for "auto": bf16 for a real model on a CPU with native bfloat16;
+    fp32 for the tiny model (too small to gain) and on CUDA (real models load in bf16 there)."""
+    if precision != "auto":
+        return precision
+    from .prompts import is_tiny
+
+    return "bf16" if device.type == "cpu" and not is_tiny(model) and cpu_has_native_bf16() else "fp32"
 
 
 def load_base(name_or_path: str, device: str | None = None, seed: int = 0):

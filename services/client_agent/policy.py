@@ -1,118 +1,41 @@
-"""The agent's action policy: ReAct-style prompts and choosing among admissible actions.
+"""The agent's action policy: choosing among admissible actions with the model.
 
 Two ways to act:
 - Scoring (the default, and the only one the tiny model can use): every admissible action is scored
-  by log p(format_target(action) | prompt), summed over its tokens; exploration samples from the
-  softmax over candidates (temperature 1.0), evaluation takes the argmax. Each prompt is run once:
-  with few candidates (maze) each row holds the prompt followed by every candidate's distinct
-  tokens, with a 4D attention mask that lets each candidate see the prompt and its own earlier
-  tokens only and position ids that restart after the prompt; with many (Wordle's 100 words) the
-  prompts run first and the candidates then run in groups on copies of their prompt's KV cache.
-  Tokens shared by all candidates of a prompt ("Action: ", and "move " in the maze) are appended to
-  the prompt and scored once. The output layer runs only where a scored token is predicted.
-- Generation (for real LLMs): generate "Thought: ... Action: ..." text and match the action to an
-  admissible one (see parse_action); when nothing matches, fall back to the scoring choice.
+  by log p(target(action) | prompt), summed over its tokens, where prompt and target come from the
+  client's prompts.PromptFormat; exploration samples from the softmax over candidates (temperature
+  1.0), evaluation takes the argmax. Tokens shared by all candidates of a prompt ("Action: ", and
+  "move " in the maze) are appended to the prompt and scored once; the output layer runs only
+  where a scored token is predicted, in the weights' dtype. How the passes are laid out:
+  - real models ("reuse"): a prompt starts from the KV cache of the longest recent prompt it
+    begins with (PrefixCache: the same episode's previous turn, whose prompt it extends in the chat
+    format, or another episode with the same instruction), so a step computes only the new
+    observation's tokens; its candidates then run packed in rows on that cache, each seeing the
+    prompt and its own earlier tokens (a 4D mask), without copying the cache;
+  - the tiny model, where a call costs more than its arithmetic, batches prompts: with few
+    candidates (maze) each row holds the prompt followed by every candidate's distinct tokens
+    ("packed"); with many (Wordle's 100 words) the prompts run first and the candidates then run in
+    groups on copies of their prompt's KV cache ("cached").
+- Generation: generate the agent's text and match the action to an admissible one (see
+  parse_action); a row stops at the end of the action line or the chat template's end of turn, or
+  after a token limit set from the longest candidate; when nothing matches, fall back to the
+  scoring choice.
 
 Prompts are truncated on the left to `max_prompt_tokens` tokens, both here and in training
-(encode_example), so the model is trained on exactly what it sees when acting.
+(prompts.encode_trajectory), so the model is trained on exactly what it sees when acting.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections import OrderedDict
 from typing import Sequence
 
+import numpy as np
 import torch
 
-# The tiny model sees the last this many prompt tokens (bytes): in the maze exactly the current
-# observation plus the previous "Action: ..." line in the longest case. Real LLMs see a few thousand.
-TINY_MAX_PROMPT_TOKENS = 160
-DEFAULT_MAX_PROMPT_TOKENS = 3072
-
-
-def default_max_prompt_tokens(model) -> int:
-    """TINY_MAX_PROMPT_TOKENS for the embedded tiny model, else DEFAULT_MAX_PROMPT_TOKENS (capped by
-    the model's max_position_embeddings less room for the action). Scorer and trainer both use it
-    when not told otherwise, so training sees what acting sees."""
-    from fedse.tinymodel import TINY_MODEL_NAME
-
-    config = getattr(_inner(model), "config", None)
-    if config is not None and (getattr(config, "name_or_path", None) == TINY_MODEL_NAME
-                               or getattr(config, "fedse_tiny", None)):  # an export_tiny_model directory
-        return TINY_MAX_PROMPT_TOKENS
-    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
-    return min(DEFAULT_MAX_PROMPT_TOKENS, limit - 64) if limit and limit > 128 else DEFAULT_MAX_PROMPT_TOKENS
-
-
-def format_target(action: str) -> str:
-    """The agent's own text for one step: what the training loss covers and what scoring scores."""
-    return f"Action: {action}\n"
-
-
-def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observation: str, max_history: int) -> str:
-    """ReAct-style prompt ending exactly where the agent's text (format_target) begins.
-
-    instruction, then the last `max_history` (observation, action) turns, then the current
-    observation:
-        <instruction>
-        Observation: <obs 1>
-        Action: <action 1>
-        Observation: <current obs>
-    """
-    if max_history < 0:
-        raise ValueError(f"max_history must be >= 0, got {max_history}")
-    parts = [instruction.strip(), "\n"]
-    shown = list(turns)[-max_history:] if max_history > 0 else []
-    for obs, action in shown:
-        parts.append(f"Observation: {obs.strip()}\n")
-        parts.append(format_target(action))
-    parts.append(f"Observation: {observation.strip()}\n")
-    return "".join(parts)
-
-
-class TokenCache:
-    """Tokenizes without special tokens and remembers recent texts (candidate targets repeat a lot)."""
-
-    def __init__(self, tokenizer, size: int = 20000):
-        self.tokenizer = tokenizer
-        self.size = size
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        # Tokenizers that normally start a text with BOS (Llama-2 style) get it before each prompt.
-        bos = getattr(tokenizer, "bos_token_id", None)
-        self.bos = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
-
-    def prompt(self, text: str, max_prompt_tokens: int | None) -> list[int]:
-        """A prompt's ids: the last max_prompt_tokens tokens (BOS, where the tokenizer uses one, first)."""
-        ids = self(text)
-        if max_prompt_tokens:
-            ids = ids[-(max_prompt_tokens - len(self.bos)):]
-        return self.bos + ids
-
-    def __call__(self, text: str) -> list[int]:
-        ids = self._cache.get(text)
-        if ids is None:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            self._cache[text] = ids
-            if len(self._cache) > self.size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(text)
-        return ids
-
-
-def encode_example(tokenize: TokenCache, prompt: str, action: str,
-                   max_prompt_tokens: int | None) -> tuple[list[int], list[int]]:
-    """(prompt ids truncated on the left to max_prompt_tokens, target ids of format_target(action))."""
-    return tokenize.prompt(prompt, max_prompt_tokens), tokenize(format_target(action))
-
-
-def _inner(model):
-    """The causal LM under a PeftModel (its layers carry the active LoRA), else the model itself."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
+from .prompts import PlainFormat, PromptFormat, TokenCache, _inner, default_max_prompt_tokens, is_tiny
+from .trainer import autocast
 
 _ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
 
@@ -147,12 +70,59 @@ def parse_action(text: str, candidates: Sequence[str]) -> str | None:
     return by_norm[close[0]] if close else None
 
 
+class PrefixCache:
+    """KV caches of recent prompts, reused by later prompts that begin with the same tokens: the
+    next turn of an episode (its prompt extends the previous one) and other episodes' prompts with
+    the same instruction. Bounded by `max_bytes` of cached tensors (least recently used go first)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: list[tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]], int]] = []  # oldest first
+        self.bytes = 0
+        self.hits = self.reused = self.computed = 0  # lookups that reused something; tokens reused, computed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def lookup(self, ids: Sequence[int], limit: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """(L, kv): the longest cached prefix of ids[:limit] and the cache it is the start of."""
+        query = np.asarray(ids[:limit], dtype=np.int64)
+        best, best_i = 0, -1
+        for i, (key, _, _) in enumerate(self._entries):
+            m = min(len(key), len(query))
+            if m <= best:
+                continue
+            diff = np.flatnonzero(key[:m] != query[:m])
+            common = int(diff[0]) if len(diff) else m
+            if common > best:
+                best, best_i = common, i
+        if best_i < 0:
+            return 0, None
+        entry = self._entries.pop(best_i)
+        self._entries.append(entry)  # most recently used
+        return best, entry[1]
+
+    def store(self, ids: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if size > self.max_bytes:
+            return
+        self._entries.append((np.asarray(ids, dtype=np.int64), kv, size))
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self.bytes -= self._entries.pop(0)[2]
+
+
 class ActionScorer:
     """Scores and chooses admissible actions with a causal LM (a PeftModel or a plain model)."""
 
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
-                 method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10):
+                 method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
+                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 768 << 20):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -160,19 +130,30 @@ class ActionScorer:
         # Upper bound on (rows x row length) per forward pass; larger inputs are split. On one CPU
         # thread 4096 was fastest (cache-sized activations); GPUs want much larger passes.
         self.max_batch_tokens = max_batch_tokens or (4096 if self.device.type == "cpu" else 65536)
-        if method not in ("auto", "packed", "cached"):
-            raise ValueError(f"method must be 'auto', 'packed' or 'cached', got {method!r}")
+        if method not in ("auto", "packed", "cached", "reuse"):
+            raise ValueError(f"method must be 'auto', 'packed', 'cached' or 'reuse', got {method!r}")
         # "packed": one pass, all candidates in the prompt's row (best for a few short candidates);
         # "cached": a prompt pass keeping the KV cache, then rows of up to `group_size` candidates
         # packed on a copy of their prompt's cache: attention and copy costs grow linearly, not
         # quadratically, with the number of candidates (100 Wordle words: ~1.7x faster than packed).
-        # "auto": packed up to `packed_max_candidates` candidates, else cached.
-        self.method = method
+        # "reuse" (real models): one prompt at a time, starting from the KV cache of the longest
+        # cached prompt it begins with (PrefixCache: the previous turn, the shared instruction),
+        # then its candidates packed in rows on that prompt's cache.
+        # "auto": "reuse" for real models; for the tiny model packed up to `packed_max_candidates`
+        # candidates, else cached (batched across prompts: its forward passes are cheap, calls are not).
+        self.method = ("reuse" if not is_tiny(model) else "auto") if method == "auto" else method
         self.packed_max_candidates = packed_max_candidates
         self.group_size = max(1, group_size)
+        self.fmt = fmt or PlainFormat()
+        self.precision = precision
+        self.cache = PrefixCache(cache_bytes)
         self.tokenize = TokenCache(tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+
+    def forget(self) -> None:
+        """Drops cached prompts: call whenever the model's weights change."""
+        self.cache.clear()
 
     # ---- scoring -------------------------------------------------------------------------------
 
@@ -203,7 +184,7 @@ class ActionScorer:
 
     def _prepare(self, prompt: str, cands: Sequence[str]) -> dict:
         p = self.tokenize.prompt(prompt, self.max_prompt_tokens)
-        targets = [self.tokenize(format_target(c)) for c in cands]
+        targets = [self.tokenize(self.fmt.target(c)) for c in cands]
         # Tokens all candidates share are scored once as part of the prompt; keep >= 1 token per suffix.
         shared = min(len(t) for t in targets) - 1
         first = targets[0]
@@ -218,6 +199,12 @@ class ActionScorer:
                 "length": len(p) + shared + sum(len(s) for s in suffixes)}
 
     def _score_batch(self, items: list[dict], out: list, where: list[int]) -> None:
+        with autocast(self.precision, self.device):
+            return self._score_batch_as(items, out, where)
+
+    def _score_batch_as(self, items: list[dict], out: list, where: list[int]) -> None:
+        if self.method == "reuse":
+            return self._score_reuse(items, out, where)
         if self.method == "packed" or (self.method == "auto" and
                                        max(len(it["suffixes"]) for it in items) <= self.packed_max_candidates):
             return self._score_packed(items, out, where)
@@ -355,10 +342,72 @@ class ActionScorer:
             h = hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
             self._collect(items, out, where, lm, h, owner, tgt, cand)
 
+    def _score_reuse(self, items: list[dict], out: list, where: list[int]) -> None:
+        """One prompt at a time: its tokens after the longest cached prefix run on that prefix's KV
+        cache (the result is cached in turn), then its candidates' later tokens in rows of at most
+        max_batch_tokens / 4 tokens on top of the prompt's cache, each candidate seeing the prompt
+        and its own earlier tokens only. No copies of a cache are made (every row has batch 1)."""
+        from transformers import DynamicCache
+
+        dev = self.device
+        lm = _inner(self.model)
+        decoder = lm.get_decoder()
+        for b, it in enumerate(items):
+            ids, n_prompt, k_sh = it["prompt"], it["n_prompt"], it["shared"]
+            # Reuse at most up to the token before the prompt's end: its hidden state predicts the
+            # first scored token.
+            start, kv = self.cache.lookup(ids, n_prompt - 1)
+            past = DynamicCache(ddp_cache_data=[(k[:, :, :start], v[:, :, :start]) for k, v in kv]) \
+                if kv is not None and start > 0 else DynamicCache()
+            self.cache.hits += start > 0
+            self.cache.reused += start
+            self.cache.computed += len(ids) - start
+            run = decoder(input_ids=torch.tensor([ids[start:]], device=dev),
+                          position_ids=torch.arange(start, len(ids), device=dev).unsqueeze(0),
+                          past_key_values=past, use_cache=True)
+            layers = [(layer.keys, layer.values) for layer in run.past_key_values.layers]
+            self.cache.store(ids, layers)
+            hidden = run.last_hidden_state[0]  # positions start .. len(ids) - 1
+            n = len(ids)
+            rows, src, tgt, cand = [], [], [], []
+            for k in range(k_sh):
+                rows.append(b); src.append(n - k_sh + k - 1 - start); tgt.append(ids[n - k_sh + k]); cand.append(-1)
+            for j, suf in enumerate(it["suffixes"]):
+                rows.append(b); src.append(n - 1 - start); tgt.append(suf[0]); cand.append(j)
+            self._collect(items, out, where, lm, hidden[torch.tensor(src, device=dev)], rows, tgt, cand)
+            later = [(j, suf) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1]
+            row_cap = max(16, self.max_batch_tokens // 4)
+            while later:
+                part, width = [], 0
+                while later and (not part or width + len(later[0][1]) - 1 <= row_cap):
+                    part.append(later.pop(0))
+                    width += len(part[-1][1]) - 1
+                s_ids = torch.empty((1, width), dtype=torch.long)
+                s_pos = torch.empty((1, width), dtype=torch.long)
+                allowed = torch.zeros((1, 1, width, n + width), dtype=torch.bool)
+                allowed[..., :n] = True
+                rows, src, tgt, cand = [], [], [], []
+                cursor = 0
+                for j, suf in part:
+                    m = len(suf) - 1
+                    s_ids[0, cursor:cursor + m] = torch.tensor(suf[:-1], dtype=torch.long)
+                    s_pos[0, cursor:cursor + m] = torch.arange(n, n + m)
+                    allowed[0, 0, cursor:cursor + m, n + cursor:n + cursor + m] = \
+                        torch.ones((m, m), dtype=torch.bool).tril()
+                    for k in range(1, len(suf)):
+                        rows.append(b); src.append(cursor + k - 1); tgt.append(suf[k]); cand.append(j)
+                    cursor += m
+                past = DynamicCache(ddp_cache_data=layers)
+                h = decoder(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev), position_ids=s_pos.to(dev),
+                            past_key_values=past, use_cache=True).last_hidden_state[0]
+                self._collect(items, out, where, lm, h[torch.tensor(src, device=dev)], rows, tgt, cand)
+
     @staticmethod
     def _collect(items, out, where, lm, h, rows, tgt, cand) -> None:
         """Adds log p(tgt) at hidden states h (one per (prompt row, candidate or -1 = shared)) to out."""
-        logits = lm.get_output_embeddings()(h).float()
+        head = lm.get_output_embeddings()
+        with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
+            logits = head(h.to(head.weight.dtype)).float()
         logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tgt, device=h.device).unsqueeze(1)).squeeze(1)
         logp = logp.cpu()
         rows_c, cand_c = torch.tensor(rows), torch.tensor(cand)
@@ -392,8 +441,15 @@ class ActionScorer:
 
     @torch.no_grad()
     def generate_texts(self, prompts: Sequence[str], max_new_tokens: int = 128) -> list[str]:
-        """Greedy ReAct continuations of the prompts, cut after the first "Action: ..." line."""
+        """Greedy continuations of the prompts, cut after the first "Action: ..." line; a row stops at
+        the end of that line, at the format's end of turn (a chat model's end-of-message token) or
+        after max_new_tokens."""
         lm = _inner(self.model)
+        eos = lm.config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        end = getattr(self.fmt, "end_of_turn", "")
+        if end:
+            eos += [t for t in self.tokenize(end) if t not in eos]
         encoded = []
         for p in prompts:
             encoded.append(self.tokenize.prompt(p, self.max_prompt_tokens))
@@ -403,17 +459,22 @@ class ActionScorer:
         for b, e in enumerate(encoded):
             ids[b, L - len(e):] = torch.tensor(e, dtype=torch.long)
             att[b, L - len(e):] = 1
-        gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
-                                  max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=self.pad_id, eos_token_id=lm.config.eos_token_id,
-                                  stopping_criteria=[_ActionLineDone(self.tokenizer, L)])
+        with autocast(self.precision, self.device):
+            gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                                      max_new_tokens=max_new_tokens, do_sample=False,
+                                      pad_token_id=self.pad_id, eos_token_id=eos or None,
+                                      stopping_criteria=[_ActionLineDone(self.tokenizer, L)])
         texts = self.tokenizer.batch_decode(gen[:, L:], skip_special_tokens=True)
         return [_cut_after_action(t) for t in texts]
 
     def generate_actions(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]],
-                         max_new_tokens: int = 128) -> list[str]:
+                         max_new_tokens: int | None = None) -> list[str]:
         """Generation mode: the admissible action each prompt's generated text names; where it names
-        none (parse_action gives None), the greedy scoring choice among the candidates."""
+        none (parse_action gives None), the greedy scoring choice among the candidates.
+        max_new_tokens None: the longest candidate's text (format target) plus 8 tokens, so a model
+        that rambles stops soon after any action it could have meant."""
+        if max_new_tokens is None:
+            max_new_tokens = 8 + max(len(self.tokenize(self.fmt.target(c))) for cands in candidates for c in cands)
         texts = self.generate_texts(prompts, max_new_tokens)
         actions: list[str | None] = [parse_action(t, c) for t, c in zip(texts, candidates)]
         missing = [i for i, a in enumerate(actions) if a is None]

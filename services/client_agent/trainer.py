@@ -1,19 +1,30 @@
-"""LoRA fine-tuning on (prompt, action) examples: the loss covers only the agent's own tokens.
+"""LoRA fine-tuning on the agent's own tokens: the loss covers only what the agent wrote.
 
-Each example is the prompt (truncated on the left to `max_prompt_tokens`, exactly as the scorer
-truncates it) followed by format_target(action); prompt tokens are labelled -100. AdamW over the
-LoRA parameters only, cosine schedule with a short warmup, gradient clipping at 1.0, a fresh
-optimizer per call (one call = one round's local training, as in the paper), examples shuffled
-each epoch by a generator seeded from `seed`: the same inputs give the same adapter.
+Training sequences (prompts.Encoded) hold a prompt, truncated on the left exactly as acting
+truncates it, and the agent's text after it; in the chat format one sequence holds several turns
+of an episode, each action in it a target. Plain (prompt, action) pairs are encoded in the plain
+format (`format_target`). AdamW over the LoRA parameters only, cosine schedule with a short
+warmup, gradient clipping at 1.0, a fresh optimizer per call (one call = one round's local
+training, as in the paper), sequences shuffled each epoch by a generator seeded from `seed`: the
+same inputs give the same adapter.
+
+Memory is bounded by design, whatever the prompts' length: an optimizer step covers `batch_size`
+sequences, run in micro-batches of at most `max_batch_tokens` tokens (rows x padded width; a longer
+sequence runs alone) whose gradients accumulate, so the step is the one a whole batch would take
+(the loss is the mean over the batch's target tokens). `checkpointing` recomputes each layer's
+activations in the backward pass instead of keeping them (real models; the tiny model needs no
+help). `precision` "bf16" runs the forward and backward under bfloat16 autocast (the LoRA weights
+and optimizer stay fp32).
 
 Default learning rate 3e-3 (TINY_LR): the paper's 5e-5 is for 7B models. On the tiny default model
 5e-5 leaves maze success at 0 for 3 rounds (loss 7.0 -> 6.2 nats/token: a 70 k-parameter LoRA moves
 too little in a round's ~40 steps); 1e-3 learns a round later than 3e-3; 1e-2 is unstable (see
-MODEL_NOTES.md). For real LLMs pass the paper's value (PAPER_LR).
+MODEL_NOTES.md). For real LLMs pass the paper's value (PAPER_LR) or what their notes measured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable, Sequence
@@ -21,43 +32,108 @@ from typing import Callable, Sequence
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from .policy import TokenCache, default_max_prompt_tokens, encode_example
+from .prompts import Encoded, TokenCache, default_max_prompt_tokens, encode_example, format_target
 
 TINY_LR = 3e-3
 PAPER_LR = 5e-5
+# Tokens per micro-batch on CPU (rows x padded width): with checkpointing a real model keeps about
+# its hidden size x layers x 4 bytes per token (SmolLM2-135M: 70 kB) plus one layer's activations.
+DEFAULT_TRAIN_BATCH_TOKENS = 2048
 
 
-def _batches(encoded: list[tuple[list[int], list[int]]], order: list[int], batch_size: int, pad_id: int):
-    for start in range(0, len(order), batch_size):
-        chunk = [encoded[i] for i in order[start:start + batch_size]]
-        width = max(len(p) + len(t) for p, t in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
-        att = torch.zeros((len(chunk), width), dtype=torch.long)
-        for b, (p, t) in enumerate(chunk):
-            n = len(p) + len(t)
-            ids[b, :n] = torch.tensor(p + t, dtype=torch.long)
-            labels[b, len(p):n] = torch.tensor(t, dtype=torch.long)
-            att[b, :n] = 1
-        yield ids, att, labels
+def autocast(precision: str, device: torch.device):
+    """bfloat16 autocast for precision "bf16", else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
-def train_lora(peft_model, tokenizer, examples: Sequence[tuple[str, str]], epochs: int = 2,
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Splits the indices 0..n-1, in order, into runs whose padded size (rows x longest) is at most
+    max_tokens; a sequence longer than max_tokens makes a run of its own."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        wider = max(longest, n)
+        if run and wider * (len(run) + 1) > max_tokens:
+            out.append(run)
+            run, wider = [], n
+        run.append(i)
+        longest = wider
+    if run:
+        out.append(run)
+    return out
+
+
+def _tensors(chunk: list[Encoded], pad_id: int):
+    width = max(len(e.ids) for e in chunk)
+    ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+    att = torch.zeros((len(chunk), width), dtype=torch.long)
+    for b, e in enumerate(chunk):
+        row = torch.tensor(e.ids, dtype=torch.long)
+        ids[b, :len(e.ids)] = row
+        att[b, :len(e.ids)] = 1
+        for s, t in e.spans:
+            labels[b, s:t] = row[s:t]
+    return ids, att, labels
+
+
+def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens: int, pad_id: int,
+                         precision: str = "fp32") -> float:
+    """Adds to the parameters' .grad the gradient of the batch's mean target-token loss, computed in
+    micro-batches of at most max_batch_tokens tokens (micro_batches); returns the summed token loss."""
+    inner = peft_model.get_base_model()
+    decoder, head = inner.get_decoder(), inner.get_output_embeddings()
+    device = head.weight.device
+    n_tok = max(1, sum(e.targets for e in batch))
+    total = 0.0
+    for run in micro_batches([len(e.ids) for e in batch], max_batch_tokens):
+        ids, att, labels = (t.to(device) for t in _tensors([batch[i] for i in run], pad_id))
+        with autocast(precision, device):
+            hidden = decoder(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
+        # The output layer runs only where a target token is predicted (vocabularies are large), in
+        # the weights' dtype.
+        where = labels[:, 1:] != -100
+        logits = head(hidden[:, :-1][where].to(head.weight.dtype)).float()
+        tok_loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:][where], reduction="sum")
+        (tok_loss / n_tok).backward()
+        total += float(tok_loss.detach())
+    return total
+
+
+def encode_pairs(tokenizer, examples: Sequence[tuple[str, str]], max_prompt_tokens: int) -> list[Encoded]:
+    """(prompt, action) pairs in the plain format as one-turn training sequences."""
+    tokenize = TokenCache(tokenizer)
+    out = []
+    for prompt, action in examples:
+        p, t = encode_example(tokenize, prompt, format_target(action), max_prompt_tokens)
+        out.append(Encoded(tuple(p + t), ((len(p), len(p) + len(t)),)))
+    return out
+
+
+def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tuple[str, str]], epochs: int = 2,
                lr: float = TINY_LR, batch_size: int = 8, seed: int = 0,
                max_prompt_tokens: int | None = None, warmup_ratio: float = 0.05,
                weight_decay: float = 0.0, max_grad_norm: float = 1.0,
+               max_batch_tokens: int | None = None, checkpointing: bool = False, precision: str = "fp32",
                progress: Callable[[dict], None] | None = None) -> dict:
-    """Fine-tunes the LoRA parameters of `peft_model` in place on (prompt, action) examples.
+    """Fine-tunes the LoRA parameters of `peft_model` in place on training sequences (or plain
+    (prompt, action) pairs). batch_size counts sequences per optimizer step.
 
     Returns {"loss": mean target-token loss over the last epoch, "first_loss": over the first epoch,
-    "steps", "examples", "tokens" (target tokens per epoch), "seconds"}. `progress`, if given, is
-    called after every optimizer step with {"step", "steps", "epoch", "loss", "lr"}.
+    "steps", "examples" (sequences), "turns" (agent turns in them), "tokens" (target tokens per
+    epoch), "seconds"}. `progress`, if given, is called after every optimizer step with {"step",
+    "steps", "epoch", "loss", "lr"}.
     """
     t0 = time.perf_counter()
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     if not examples:
-        return {"loss": float("nan"), "first_loss": float("nan"), "steps": 0, "examples": 0,
+        return {"loss": float("nan"), "first_loss": float("nan"), "steps": 0, "examples": 0, "turns": 0,
                 "tokens": 0, "seconds": 0.0}
     params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
     if not params:
@@ -65,47 +141,46 @@ def train_lora(peft_model, tokenizer, examples: Sequence[tuple[str, str]], epoch
     for p in params:
         p.requires_grad_(True)
     device = params[0].device
-    max_prompt_tokens = max_prompt_tokens or default_max_prompt_tokens(peft_model)
-    tokenize = TokenCache(tokenizer)
-    encoded = [encode_example(tokenize, prompt, action, max_prompt_tokens) for prompt, action in examples]
+    if isinstance(examples[0], Encoded):
+        encoded = list(examples)
+    else:
+        encoded = encode_pairs(tokenizer, examples, max_prompt_tokens or default_max_prompt_tokens(peft_model))
+    budget = max_batch_tokens or (DEFAULT_TRAIN_BATCH_TOKENS if device.type == "cpu" else 32768)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     steps_per_epoch = math.ceil(len(encoded) / batch_size)
     total = steps_per_epoch * epochs
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(warmup_ratio * total)), total)
     gen = torch.Generator().manual_seed(int(seed))
-    n_target = sum(len(t) for _, t in encoded)
+    n_target = sum(e.targets for e in encoded)
     inner = peft_model.get_base_model()
-    decoder, head = inner.get_decoder(), inner.get_output_embeddings()
     was_training = peft_model.training
+    if checkpointing:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     step, epoch_losses = 0, []
     try:
         for epoch in range(epochs):
             order = torch.randperm(len(encoded), generator=gen).tolist()
             loss_sum = 0.0
-            for ids, att, labels in _batches(encoded, order, batch_size, pad_id):
-                ids, att, labels = ids.to(device), att.to(device), labels.to(device)
-                # The output layer runs only where a target token is predicted (vocabularies are large).
-                hidden = decoder(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
-                where = labels[:, 1:] != -100
-                logits = head(hidden[:, :-1][where]).float()
-                tok_loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:][where], reduction="sum")
-                n_tok = int(where.sum())
-                loss = tok_loss / max(n_tok, 1)
+            for start in range(0, len(order), batch_size):
+                batch = [encoded[i] for i in order[start:start + batch_size]]
+                n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision)
                 if max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 step += 1
-                loss_sum += float(tok_loss.detach())
+                loss_sum += batch_loss
                 if progress is not None:
-                    progress({"step": step, "steps": total, "epoch": epoch, "loss": float(loss.detach()),
+                    progress({"step": step, "steps": total, "epoch": epoch, "loss": batch_loss / n_tok,
                               "lr": scheduler.get_last_lr()[0]})
             epoch_losses.append(loss_sum / max(n_target, 1))
     finally:
+        if checkpointing:
+            inner.gradient_checkpointing_disable()
         peft_model.train(was_training)
     return {"loss": epoch_losses[-1], "first_loss": epoch_losses[0], "steps": step, "examples": len(encoded),
-            "tokens": n_target, "seconds": time.perf_counter() - t0}
+            "turns": sum(e.turns for e in encoded), "tokens": n_target, "seconds": time.perf_counter() - t0}

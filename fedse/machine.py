@@ -1,0 +1,34 @@
+"""What this machine offers a process: its CPU cores and whether the CPU computes bfloat16 natively."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+
+
+def available_cores() -> int:
+    """The CPU cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
+    container's CPU limit), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = pathlib.Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bfloat16 natively (AMX or AVX512-BF16), where bf16 matmuls run
+    several times faster than fp32."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,259 @@
+"""What the model reads and writes: prompts that end where the agent's text begins, and that text.
+
+One `PromptFormat` serves acting (the scorer and generation) and training, so the model is trained on
+exactly the tokens it sees when it acts:
+- `PlainFormat` (the embedded tiny byte model): the instruction, the last `max_history` turns and the
+  current observation as ReAct text; the agent writes "Action: <action>\\n".
+- `ChatFormat` (a real instruct model whose tokenizer has a chat template): a system message, the
+  instruction with the first observation as the user's first message, each earlier action as an
+  assistant message "Action: <action>" and each later observation as a user message, rendered by
+  the tokenizer's own template up to the assistant header; the agent writes "Action: <action>" and
+  the template's end-of-turn text (ChatML: "<|im_end|>"), so generation stops at the end of the
+  action line by itself. By default it shows the whole episode while it fits in the prompt window;
+  when the next turn would not fit, the conversation starts again from the current observation
+  (`window_start`). So consecutive prompts of an episode extend each other: the scorer reuses the
+  previous turn's KV cache, and training runs a trajectory's turns as one sequence with the loss on
+  every action (`encode_trajectory`), instead of once per turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Protocol, Sequence
+
+# The tiny model sees the last this many prompt tokens (bytes): in the maze exactly the current
+# observation plus the previous "Action: ..." line in the longest case. Real LLMs see a few thousand.
+TINY_MAX_PROMPT_TOKENS = 160
+DEFAULT_MAX_PROMPT_TOKENS = 3072
+# Prompt room kept free for the agent's answer when deciding whether a turn still fits the window.
+ANSWER_ROOM = 64
+
+SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each turn you read an observation "
+                 "and answer with exactly one line, \"Action: <action>\", naming one of the actions available "
+                 "in that situation.")
+
+
+def _inner(model):
+    """The causal LM under a PeftModel (its layers carry the active LoRA), else the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def is_tiny(model) -> bool:
+    """True for the embedded tiny model (built in code, or exported as a directory)."""
+    from fedse.tinymodel import TINY_MODEL_NAME
+
+    config = getattr(_inner(model), "config", None)
+    return config is not None and (getattr(config, "name_or_path", None) == TINY_MODEL_NAME
+                                   or bool(getattr(config, "fedse_tiny", False)))
+
+
+def default_max_prompt_tokens(model) -> int:
+    """TINY_MAX_PROMPT_TOKENS for the embedded tiny model, else DEFAULT_MAX_PROMPT_TOKENS (capped by
+    the model's max_position_embeddings less room for the action). Scorer and trainer both use it
+    when not told otherwise, so training sees what acting sees."""
+    if is_tiny(model):
+        return TINY_MAX_PROMPT_TOKENS
+    config = getattr(_inner(model), "config", None)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    return min(DEFAULT_MAX_PROMPT_TOKENS, limit - 64) if limit and limit > 128 else DEFAULT_MAX_PROMPT_TOKENS
+
+
+def format_target(action: str) -> str:
+    """The plain format's agent text for one step: what the loss covers and what scoring scores."""
+    return f"Action: {action}\n"
+
+
+def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observation: str, max_history: int) -> str:
+    """Plain ReAct-style prompt ending exactly where the agent's text (format_target) begins.
+
+    instruction, then the last `max_history` (observation, action) turns, then the current
+    observation:
+        <instruction>
+        Observation: <obs 1>
+        Action: <action 1>
+        Observation: <current obs>
+    """
+    if max_history < 0:
+        raise ValueError(f"max_history must be >= 0, got {max_history}")
+    parts = [instruction.strip(), "\n"]
+    shown = list(turns)[-max_history:] if max_history > 0 else []
+    for obs, action in shown:
+        parts.append(f"Observation: {obs.strip()}\n")
+        parts.append(format_target(action))
+    parts.append(f"Observation: {observation.strip()}\n")
+    return "".join(parts)
+
+
+class TokenCache:
+    """Tokenizes without adding special tokens (those written in the text, such as a chat
+    template's, are kept) and remembers recent texts (candidate targets and prompts repeat)."""
+
+    def __init__(self, tokenizer, size: int = 20000):
+        self.tokenizer = tokenizer
+        self.size = size
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        # Tokenizers that normally start a text with BOS (Llama-2 style) get it before each prompt.
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
+
+    def prompt(self, text: str, max_prompt_tokens: int | None) -> list[int]:
+        """A prompt's ids: the last max_prompt_tokens tokens (BOS, where the tokenizer uses one, first)."""
+        ids = self(text)
+        if max_prompt_tokens:
+            ids = ids[-(max_prompt_tokens - len(self.bos)):]
+        return self.bos + ids
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            self._cache[text] = ids
+            if len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(text)
+        return ids
+
+
+def encode_example(tokenize: TokenCache, prompt: str, action_text: str,
+                   max_prompt_tokens: int | None) -> tuple[list[int], list[int]]:
+    """(prompt ids truncated on the left to max_prompt_tokens, ids of the agent's text)."""
+    return tokenize.prompt(prompt, max_prompt_tokens), tokenize(action_text)
+
+
+class PromptFormat(Protocol):
+    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str: ...
+
+    def target(self, action: str) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainFormat:
+    """ReAct text without a chat template: the embedded tiny model's format."""
+
+    max_history: int = 1
+
+    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
+        return format_prompt(instruction, turns, observation, self.max_history)
+
+    def target(self, action: str) -> str:
+        return format_target(action)
+
+
+class ChatFormat:
+    """The tokenizer's chat template (see the module docstring). max_history < 0: every earlier turn
+    of the episode while the prompt fits in max_prompt_tokens; k >= 0: the last k turns."""
+
+    def __init__(self, tokenizer, max_prompt_tokens: int, max_history: int = -1, system: str = SYSTEM_PROMPT):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("ChatFormat needs a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_history = max_history
+        self.system = system
+        self.tokenize = TokenCache(tokenizer, size=4096)
+        self.end_of_turn = self._end_of_turn()
+        self._starts: OrderedDict[tuple, int] = OrderedDict()
+
+    def _end_of_turn(self) -> str:
+        """The text the template puts after an assistant message's content (ChatML: "<|im_end|>"),
+        trailing whitespace dropped: the template's own newline then starts the next message."""
+        mark = "\x00fedse-end\x00"
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}], tokenize=False)
+        return text[text.rindex(mark) + len(mark):].rstrip()
+
+    def messages(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> list[dict]:
+        observations = [obs for obs, _ in turns] + [observation]
+        out = [{"role": "system", "content": self.system},
+               {"role": "user", "content": f"{instruction.strip()}\n\nObservation: {observations[0].strip()}"}]
+        for (_, action), obs in zip(turns, observations[1:]):
+            out.append({"role": "assistant", "content": f"Action: {action}"})
+            out.append({"role": "user", "content": f"Observation: {obs.strip()}"})
+        return out
+
+    def render(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
+        return self.tokenizer.apply_chat_template(self.messages(instruction, turns, observation), tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def window_start(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> int:
+        """Index of the first earlier turn the prompt shows. With the whole episode (max_history < 0)
+        it stays where the previous turn's window started while the prompt fits, else it moves to
+        the current turn, so consecutive prompts extend each other between restarts."""
+        n = len(turns)
+        if self.max_history >= 0:
+            return max(0, n - self.max_history)
+        if n == 0:
+            return 0
+        key = (instruction, tuple(turns), observation)
+        start = self._starts.get(key)
+        if start is None:
+            prev = self.window_start(instruction, turns[:-1], turns[-1][0])
+            fits = len(self.tokenize(self.render(instruction, turns[prev:], observation))) + ANSWER_ROOM \
+                <= self.max_prompt_tokens
+            start = prev if fits else n
+            self._starts[key] = start
+            if len(self._starts) > 8192:
+                self._starts.popitem(last=False)
+        return start
+
+    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
+        start = self.window_start(instruction, turns, observation)
+        return self.render(instruction, list(turns)[start:], observation)
+
+    def target(self, action: str) -> str:
+        return f"Action: {action}{self.end_of_turn}"
+
+
+def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int | None = None) -> PromptFormat:
+    """ChatFormat for a model whose tokenizer has a chat template, else PlainFormat. max_history < 0
+    means the format's default: the whole episode in the window (chat), 1 turn (plain)."""
+    if not is_tiny(model) and getattr(tokenizer, "chat_template", None):
+        return ChatFormat(tokenizer, max_prompt_tokens or default_max_prompt_tokens(model), max_history)
+    return PlainFormat(1 if max_history < 0 else max_history)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """One training sequence: token ids and the [start, end) spans of the agent's own tokens (the
+    only ones the loss covers), and how many agent turns it holds."""
+
+    ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def turns(self) -> int:
+        return len(self.spans)
+
+    @property
+    def targets(self) -> int:
+        return sum(e - s for s, e in self.spans)
+
+
+def encode_trajectory(fmt: PromptFormat, tokenize: TokenCache, instruction: str, turns: Sequence[tuple[str, str]],
+                      max_prompt_tokens: int | None, merge: bool | None = None) -> list[Encoded]:
+    """The training sequences of one trajectory, one turn each as the agent saw it (its prompt,
+    truncated on the left to max_prompt_tokens exactly as acting truncates it, then its text).
+    Where a turn's prompt begins with the previous turn's prompt and text, token for token (the
+    chat format within one window), the turn is added to that sequence instead: the same tokens the
+    agent saw, computed once. merge=None merges for every format but PlainFormat."""
+    merge = not isinstance(fmt, PlainFormat) if merge is None else merge
+    out: list[Encoded] = []
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for i, (obs, action) in enumerate(turns):
+        p = tokenize.prompt(fmt.prompt(instruction, turns[:i], obs), max_prompt_tokens)
+        t = tokenize(fmt.target(action))
+        if merge and ids and len(p) >= len(ids) and p[:len(ids)] == ids:
+            ids = ids + p[len(ids):]
+        else:
+            if ids:
+                out.append(Encoded(tuple(ids), tuple(spans)))
+            ids, spans = list(p), []
+        spans.append((len(ids), len(ids) + len(t)))
+        ids = ids + t
+    if ids:
+        out.append(Encoded(tuple(ids), tuple(spans)))
+    return out

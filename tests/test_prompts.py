@@ -1,0 +1,86 @@
+"""Prompt formats: the chat template's prompts, windows and targets, and training sequences that hold
+exactly the tokens the agent saw when it acted."""
+
+import pytest
+
+from fedse.tinymodel import build_tiny_tokenizer
+from services.client_agent.prompts import (
+    ChatFormat,
+    Encoded,
+    PlainFormat,
+    TokenCache,
+    encode_trajectory,
+    format_prompt,
+    format_target,
+)
+
+# ChatML, as SmolLM2 and Qwen2.5 write it.
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TURNS = [("You are at 1, 1.", "move right"), ("You are at 1, 2.", "move down"), ("You are at 2, 2.", "move down")]
+
+
+def _chat(max_prompt_tokens=4096, max_history=-1):
+    tok = build_tiny_tokenizer()  # byte-level: a token per byte, so lengths are easy to reason about
+    tok.chat_template = CHATML
+    return ChatFormat(tok, max_prompt_tokens, max_history), TokenCache(tok)
+
+
+def test_chat_prompts_follow_the_template_and_end_at_the_assistant_header():
+    fmt, _ = _chat()
+    assert fmt.end_of_turn == "<|im_end|>"
+    assert fmt.target("move up") == "Action: move up<|im_end|>"
+    p = fmt.prompt("Reach the goal.", TURNS[:2], "You are at 2, 2.")
+    assert p.startswith("<|im_start|>system\n" + fmt.system + "<|im_end|>\n")
+    assert "<|im_start|>user\nReach the goal.\n\nObservation: You are at 1, 1.<|im_end|>\n" in p
+    assert "<|im_start|>assistant\nAction: move right<|im_end|>\n<|im_start|>user\nObservation: You are at 1, 2." in p
+    assert p.endswith("<|im_start|>user\nObservation: You are at 2, 2.<|im_end|>\n<|im_start|>assistant\n")
+    # The next turn's prompt extends this one by the agent's text: the KV cache carries over.
+    nxt = fmt.prompt("Reach the goal.", TURNS[:3], "You are at 3, 2.")
+    assert nxt.startswith(p + fmt.target("move down"))
+
+
+def test_the_chat_window_restarts_at_the_current_turn_when_the_episode_no_longer_fits():
+    fmt, tokenize = _chat()
+    one = len(tokenize(fmt.prompt("Reach the goal.", [], "You are at 1, 1.")))
+    two = len(tokenize(fmt.prompt("Reach the goal.", TURNS[:1], "You are at 1, 2.")))
+    fmt, tokenize = _chat(max_prompt_tokens=two + 64 + 10)  # room for two turns, not three (64: the answer)
+    assert fmt.window_start("Reach the goal.", TURNS[:1], "You are at 1, 2.") == 0
+    assert fmt.window_start("Reach the goal.", TURNS[:2], "You are at 2, 2.") == 2
+    assert fmt.window_start("Reach the goal.", TURNS[:3], "You are at 3, 2.") == 2  # the new window goes on
+    restarted = fmt.prompt("Reach the goal.", TURNS[:2], "You are at 2, 2.")
+    assert "Reach the goal.\n\nObservation: You are at 2, 2." in restarted and "1, 1" not in restarted
+    assert len(tokenize(restarted)) == one
+    # A fixed history (max_history >= 0) shows the last k turns.
+    fixed, _ = _chat(max_history=1)
+    assert fixed.window_start("g", TURNS, "x") == 2 and fixed.window_start("g", [], "x") == 0
+
+
+@pytest.mark.parametrize("limit", [4096, 420, 300])
+def test_training_sequences_hold_what_the_agent_saw_at_every_turn(limit):
+    """Each turn's prompt and target, as acting tokenizes and truncates them, appear in one training
+    sequence with the loss on the target; turns of one window share a sequence."""
+    fmt, tokenize = _chat(max_prompt_tokens=limit)
+    seqs = encode_trajectory(fmt, tokenize, "Reach the goal.", TURNS, limit)
+    assert sum(s.turns for s in seqs) == len(TURNS)
+    spans = [(s, span) for s in seqs for span in s.spans]
+    for i, (obs, action) in enumerate(TURNS):
+        seq, (start, end) = spans[i]
+        seen = tokenize.prompt(fmt.prompt("Reach the goal.", TURNS[:i], obs), limit)
+        target = tokenize(fmt.target(action))
+        assert list(seq.ids[:start])[-len(seen):] == seen and list(seq.ids[start:end]) == target
+    if limit == 4096:
+        assert len(seqs) == 1  # the whole episode in one window: one sequence
+    else:
+        assert len(seqs) > 1
+
+
+def test_plain_format_keeps_one_sequence_per_turn():
+    tok = build_tiny_tokenizer()
+    tokenize = TokenCache(tok)
+    fmt = PlainFormat(max_history=1)
+    assert fmt.prompt("Do it.", TURNS[:1], "obs") == format_prompt("Do it.", TURNS[:1], "obs", 1)
+    assert fmt.target("move up") == format_target("move up")
+    seqs = encode_trajectory(fmt, tokenize, "Do it.", TURNS, 160)
+    assert [s.turns for s in seqs] == [1, 1, 1]
+    assert all(isinstance(s, Encoded) and s.targets == len(tokenize(format_target(a))) for s, (_, a) in zip(seqs, TURNS))
