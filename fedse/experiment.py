@@ -40,6 +40,7 @@ from typing import IO, Any, Iterable
 from fedse.config import ConfigError, field
 from fedse.launcher import RunConfig, round_mean
 from fedse.launcher import run as run_federation
+from fedse.pretrained import check_base_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,8 @@ class ExperimentConfig:
     methods: str = field("all", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                                 + " ('all' = every one; Pre-trained comes with fedse)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
-    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory")
+    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
+                                          "(`make model` writes models/smollm2-135m-instruct)")
     lr: float = field(3e-3, "client learning rate (the paper's 5e-5 suits 7B models)")
     envs: str = field("", "environments, one client each ('' = the budget's)")
     seeds: int = field(-1, "repeats with seeds 0..N-1 (-1 = the budget's)")
@@ -115,6 +117,7 @@ class ExperimentConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be -1 (the budget's) or at least 0, got {value}")
         if self.setting("seeds") < 1 or self.setting("rounds") < 1:
             raise ConfigError("--seeds and --rounds must be at least 1")
+        check_base_model(self.base_model)
 
     def method_keys(self) -> list[str]:
         if self.methods.strip() == "all":

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from fedse.config import ConfigError, field
 from fedse.machine import available_cores
+from fedse.pretrained import check_base_model
 
 SERVICE_START_S = 120.0
 TOPOLOGIES = ("federated", "local", "centralized")
@@ -40,7 +41,8 @@ class RunConfig:
                                                               "with --topology centralized)")
     rounds: int = field(5, "federated rounds T")
     results: str = field("results", "folder for results.json, success.png, logs and state")
-    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory")
+    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
+                                          "(`make model` writes models/smollm2-135m-instruct)")
     strategy: str = field("fedavg", "aggregation strategy: fedavg, weighted, exact, median or trimmed_mean")
     expert_demos: int = field(20, "expert demonstrations per client (D_0)")
     explore_tasks: int = field(16, "training tasks each client attempts per round and environment (0 = none: "
@@ -69,6 +71,7 @@ class RunConfig:
             raise ConfigError(f"--explore-tasks must not be negative, got {self.explore_tasks}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        check_base_model(self.base_model)  # here, not in each client process after the others have started
 
     def env_list(self) -> list[str]:
         return [e.strip() for e in self.envs.split(",") if e.strip()]

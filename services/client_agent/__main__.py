@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from fedse.config import parse_or_exit
+from fedse.config import ConfigError, parse_or_exit
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 
 from .config import ClientConfig
@@ -31,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
-    agent = ClientAgent(config)
+    try:
+        agent = ClientAgent(config)
+    except ConfigError as exc:  # a --base-model that is no model directory shows only where it should load
+        print(f"configuration error: {exc}", file=sys.stderr)
+        health.stop(0)
+        return 2
     health.ready([])
     log.info("started", extra=log_fields(port=health.port, metrics_port=metrics_port, client_id=config.client_id,
                                          env=config.env, base_model=config.base_model, device=str(agent.device)))

@@ -28,7 +28,8 @@ class ClientConfig(Security):
     address: str = field("0.0.0.0:50070", "this agent's gRPC health address (port 0 picks one)")
     metrics_port: int = field(9100, "Prometheus /metrics port (0 picks one, -1 disables)")
     state_dir: str = field("state/client", "directory for this client's buffer and adapters")
-    base_model: str = field(TINY_MODEL_NAME, f"'{TINY_MODEL_NAME}' (built in code) or a local Hugging Face model directory")
+    base_model: str = field(TINY_MODEL_NAME, f"'{TINY_MODEL_NAME}' (built in code) or a local Hugging Face model directory "
+                                             "(`make model` writes models/smollm2-135m-instruct)")
     device: str = field("", "torch device; empty picks CUDA when present, else CPU")
     lora_r: int = field(8, "LoRA rank")
     lora_alpha: int = field(16, "LoRA alpha")

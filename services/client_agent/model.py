@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 from fedse.machine import cpu_has_native_bf16
+from fedse.pretrained import check_base_model
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
 
 
@@ -43,8 +44,10 @@ def load_base(name_or_path: str, device: str | None = None, seed: int = 0):
     """(model, tokenizer) with every base parameter frozen, in eval mode, on `device`.
 
     `name_or_path` is TINY_MODEL_NAME ("fedse-tiny", built in code from `seed`) or a local Hugging
-    Face model directory (never downloaded: local_files_only). Real models load in bf16 on CUDA and
-    fp32 on CPU; the tiny model is always fp32.
+    Face model directory (never downloaded: local_files_only), e.g. one `fedse model smollm2` wrote.
+    Real models load in bf16 on CUDA and fp32 on CPU; the tiny model is always fp32. Anything else
+    raises ConfigError naming the path (transformers would say it is no valid model identifier on
+    the Hub, which is beside the point offline).
     """
     dev = pick_device(device)
     if name_or_path == TINY_MODEL_NAME:
@@ -52,6 +55,7 @@ def load_base(name_or_path: str, device: str | None = None, seed: int = 0):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        check_base_model(name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype)
