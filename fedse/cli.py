@@ -28,16 +28,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from fedse.launcher import RunConfig, run
+        from fedse.launcher import RunConfig, run, shortfall
 
         cfg = parse_or_exit(RunConfig, rest)
         try:
             results = run(cfg)
         except KeyboardInterrupt:
-            print("\ninterrupted: all processes stopped", file=sys.stderr)
+            print("\ninterrupted: all processes stopped; the rounds reported so far are in results.json",
+                  file=sys.stderr)
             return 130
         except (RuntimeError, TimeoutError) as exc:
             print(f"run failed: {exc}", file=sys.stderr)
+            return 1
+        if not results["complete"]:  # the results are written; a script must still notice
+            print(f"run incomplete: {shortfall(results)}", file=sys.stderr)
             return 1
         return 0 if results["mean_test_success"] else 1
     if command == "experiment":

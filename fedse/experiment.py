@@ -38,7 +38,7 @@ import time
 from typing import IO, Any, Iterable
 
 from fedse.config import ConfigError, field
-from fedse.launcher import RunConfig, round_mean
+from fedse.launcher import RunConfig, round_mean, shortfall
 from fedse.launcher import run as run_federation
 from fedse.pretrained import check_base_model
 
@@ -144,12 +144,15 @@ def run_name(method: Method, seed: int) -> str:
 
 
 def _finished(path: pathlib.Path, cfg: RunConfig) -> dict[str, Any] | None:
-    """The results of a finished run with exactly these settings, else None."""
+    """The results of a finished run with exactly these settings, else None (also for a run that a
+    failed client or Ctrl-C ended: its results.json holds the rounds reported, but it is not done)."""
     try:
         results = json.loads((path / "results.json").read_text())
     except (OSError, ValueError):
         return None
-    return results if results.get("config") == dataclasses.asdict(cfg) else None
+    # Launchers before "complete" wrote results.json only for finished runs.
+    done = results.get("config") == dataclasses.asdict(cfg) and results.get("complete", True)
+    return results if done else None
 
 
 def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
@@ -182,6 +185,9 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             path.mkdir(parents=True, exist_ok=True)
             with open(path / "progress.log", "w") as log:
                 results = run_federation(rc, out=log)
+            if not results["complete"]:  # a table of runs that lost clients would compare unlike things
+                raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "
+                                   f"{path / 'progress.log'} (the next fedse experiment runs it again)")
             spent.append(time.monotonic() - t0)
         runs[(method.key, seed)] = results
         final = micro_average(results, rc.rounds)

@@ -5,6 +5,18 @@ and the client agents (each its own process, as each is its own pod in k8s/), sh
 held-out success per environment and round as the clients report it, stops everything on Ctrl-C,
 and writes results.json and success.png to the results folder.
 
+A client agent that dies (killed by the out-of-memory killer, a crash) does not sink the run: the
+launcher says which client failed and why (exit status or signal, the last lines and the last error
+of its log), and the others go on. Each aggregator opens round 0 only once every one of its clients
+has joined (--start-clients), but closes a round as soon as every client it still hears from has
+uploaded (--min-clients 1, heartbeats every HEARTBEAT_INTERVAL_S, silence of HEARTBEAT_TIMEOUT_S
+counts as dead), so after a death rounds close with the survivors within seconds while a healthy
+run waits for everyone (up to --round-deadline-s). A federation goes on while one of its clients
+lives; one whose client died before joining can never open round 0, so its other clients are
+stopped. Whatever ends the run (every client done, a failure, Ctrl-C), results.json and
+success.png hold every round every client reported, and results.json says which clients failed;
+the mean over environments is given for the rounds every environment reported (collect()).
+
 --topology says who federates with whom, which is all that tells the paper's methods apart beside
 the client settings (--explore-tasks, --keep, --history, --lora-r): "federated" (one client per
 environment, one aggregator: Fed-SE, FedIT), "local" (each client alone with its own aggregator,
@@ -18,12 +30,13 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 from fedse.config import ConfigError, field
 from fedse.machine import available_cores
@@ -31,6 +44,12 @@ from fedse.pretrained import check_base_model
 
 SERVICE_START_S = 120.0
 TOPOLOGIES = ("federated", "local", "centralized")
+# Liveness at the aggregator: clients beat every HEARTBEAT_INTERVAL_S; one silent for
+# HEARTBEAT_TIMEOUT_S (several missed beats, so a busy but live client is not taken for dead) is
+# not waited for, which is how long a round can wait for a client that died.
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TIMEOUT_S = 15.0
+LOG_TAIL_BYTES = 64 * 1024  # how much of a failed client's log is read for its last lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +79,8 @@ class RunConfig:
     epochs: int = field(2, "epochs over the buffer per round")
     wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
     seed: int = field(0, "seed of everything")
-    round_deadline_s: float = field(1800.0, "round deadline at the aggregator")
+    round_deadline_s: float = field(1800.0, "round deadline at the aggregator: a round closes then without the "
+                                            "clients that have not uploaded")
 
     def __post_init__(self) -> None:
         if not self.env_list():
@@ -159,6 +179,97 @@ def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A client agent that exited non-zero: who, how, and what its log said last (results.json's
+    failed_clients)."""
+
+    client_id: str
+    process: str  # its process and log name, e.g. client_agent-wordle
+    envs: tuple[str, ...]  # the environments it held
+    exit_code: int  # the process's return code; negative: killed by that signal
+    reason: str  # "killed by SIGKILL (out of memory?)", "exited with status 1"
+    last_round: int | None  # the last round it reported (None: none)
+    error: str  # the last error or exception in its log ("" if none)
+    last_lines: tuple[str, ...]  # its log's last meaningful lines
+    log: str  # its log's path
+
+
+def exit_reason(returncode: int) -> str:
+    """How a process ended, from its return code (negative: the signal that killed it)."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+
+
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+TRACEBACK_HEADERS = ("Traceback (most recent call last)", "During handling of the above", "The above exception was")
+LOG_KEYS = ("ts", "level", "service", "logger", "msg", "exc")
+
+
+def condense(lines: list[str]) -> list[str]:
+    """Text that is not a JSON log line (what Python printed on its way out, mostly tracebacks) as
+    the lines worth showing: a traceback's frames are left out and its exception line kept, with
+    the lines that carry on its message (a gRPC error's status and details) joined to it."""
+    out: list[str] = []
+    carry = False
+    for line in lines:
+        if not line.strip() or line.startswith(TRACEBACK_HEADERS):
+            carry = False
+        elif carry:
+            out[-1] += " " + line.strip()
+        elif not line[0].isspace():
+            out.append(line.strip())
+            carry = bool(EXCEPTION_LINE.match(line))
+    return out
+
+
+def log_summary(path: pathlib.Path, lines: int = 3, width: int = 160) -> tuple[tuple[str, ...], str]:
+    """(the last `lines` meaningful lines, the last error) of a service's log, each at most `width`
+    characters. JSON log lines are shown as "level: msg key=value ... (exception)", other text as
+    condense() leaves it. The error is the last error-level entry, entry with an exception, or
+    exception line ("" if none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            start = max(0, fh.tell() - LOG_TAIL_BYTES)
+            fh.seek(start)
+            text = fh.read().decode(errors="replace").splitlines()[1 if start else 0:]  # not a cut first line
+    except OSError:
+        return (), ""
+    items: list[tuple[str, bool]] = []  # (line to show, whether it is an error)
+    block: list[str] = []  # consecutive lines that are not JSON
+
+    def flush() -> None:
+        items.extend((t, bool(EXCEPTION_LINE.match(t))) for t in condense(block))
+        block.clear()
+
+    for line in text:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict):
+            block.append(line)
+            continue
+        flush()
+        extra = "".join(f" {k}={v}" for k, v in entry.items() if k not in LOG_KEYS)
+        exc = condense(str(entry.get("exc", "")).splitlines())
+        items.append((f"{entry.get('level', '?')}: {entry.get('msg', '')}{extra}" + (f" ({exc[-1]})" if exc else ""),
+                      entry.get("level") in ("error", "critical") or bool(exc)))
+    flush()
+    error = next((t for t, is_error in reversed(items) if is_error), "")
+
+    def cut(text: str) -> str:
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    return tuple(cut(t) for t, _ in items[-lines:]), cut(error)
+
+
 def env_rows(reports: list[dict[str, Any]],
              client_envs: dict[str, tuple[str, ...]]) -> dict[str, list[dict[str, Any]]]:
     """Per environment, one row per round its client reported (the last report of a round counts):
@@ -205,11 +316,12 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lost = {env for f in results["failed_clients"] for env in f["envs"]}
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for env, rows in sorted(results["envs"].items()):
         xs = [r["round"] for r in rows if "test_success" in r]
         ys = [100 * r["test_success"] for r in rows if "test_success" in r]
-        ax.plot(xs, ys, marker="o", label=env)
+        ax.plot(xs, ys, marker="o", label=f"{env} (client failed)" if env in lost else env)
     mean = results.get("mean_test_success", [])
     if mean:
         ax.plot(range(len(mean)), [100 * m for m in mean], color="black", linestyle="--", marker="s", label="mean")
@@ -219,23 +331,31 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_title(f"Fed-SE, {results['base_model']}, {results['topology']}, {len(results['envs'])} environments, "
                  f"{results['strategy']}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...]], cfg: RunConfig,
-            wall_s: float) -> dict[str, Any]:
+            wall_s: float, failed: Sequence[Failure] = (), stopped: str = "") -> dict[str, Any]:
     """The run's results (results.json), what `fedse run` and the experiment driver read:
 
     {"config": the RunConfig as a dict, "topology", "base_model", "strategy", "rounds", "wall_s",
      "envs": {env: [{"round", "test_success" (that environment's held-out success), "test_tasks"
               (its test tasks evaluated), "upload_bytes" (bytes of the adapter its client uploaded
               that round; absent in the final, evaluation-only round), and its client's other
-              metrics: "train_loss", "buffer", "kept", "eval_s", ...}, one per round 0..rounds]},
+              metrics: "train_loss", "buffer", "kept", "eval_s", ...}, one per round its client
+              reported: 0..rounds, fewer if the client failed (an environment whose client reported
+              nothing is absent)]},
      "mean_test_success": [per round from 0, micro-averaged over all test tasks, while every
-                           environment has reported]}
+                           environment has reported: a round that a failed client did not report
+                           has no mean, as it would average fewer environments than round 0's],
+     "complete": every client finished every round (no client failed, the run was not stopped),
+     "failed_clients": [Failure as a dict: client_id, process, envs, exit_code, reason, last_round
+                        (the last round it reported, null if none), error, last_lines, log],
+     "stopped": why the run was ended before its clients finished ("" if it was not)}
     """
     envs = env_rows(reports, client_envs)
     mean: list[float] = []
@@ -246,10 +366,59 @@ def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...
         mean.append(m)
     return {"config": dataclasses.asdict(cfg), "topology": cfg.topology, "base_model": cfg.base_model,
             "strategy": cfg.strategy, "rounds": cfg.rounds, "wall_s": round(wall_s, 1), "envs": envs,
-            "mean_test_success": mean}
+            "mean_test_success": mean, "complete": not failed and not stopped,
+            "failed_clients": [dataclasses.asdict(f) for f in failed], "stopped": stopped}
+
+
+def shortfall(results: dict[str, Any]) -> str:
+    """Why a run did not finish, in one line ("" if it did)."""
+    why = [f"{f['client_id']} failed ({f['reason']})" for f in results["failed_clients"]]
+    return "; ".join(why + ([results["stopped"]] if results["stopped"] else []))
+
+
+def describe_failure(client: Client, proc: Proc, reports: list[dict[str, Any]]) -> Failure:
+    """The Failure of a client agent whose process exited non-zero."""
+    code = proc.popen.returncode
+    lines, error = log_summary(proc.log_path)
+    last = max((r["round"] for r in reports if r["client_id"] == client.client_id), default=None)
+    return Failure(client.client_id, proc.name, client.envs, code, exit_reason(code), last, error, lines,
+                   str(proc.log_path))
+
+
+def reported(f: Failure) -> str:
+    """Which round a failed client reported last, as words."""
+    return f"reported round {f.last_round} last" if f.last_round is not None else "reported no round"
+
+
+def failure_text(f: Failure) -> str:
+    """What `fedse run` says when a client fails: who, how, and how its log ends."""
+    lines = [f"client {f.client_id} ({'+'.join(f.envs)}) failed: {f.reason}, exit code {f.exit_code}; it "
+             f"{reported(f)}", f"  last error: {f.error or '(none logged)'}", f"  its log {f.log} ends with:"]
+    return "\n".join(lines + [f"    {line}" for line in f.last_lines])
+
+
+def unopenable(fed: Federation, run_dir: pathlib.Path, failed: set[str]) -> str:
+    """Why `fed` can never open round 0 ("" if it can or did): a client of it failed before joining,
+    and its aggregator opens round 0 only once every client has joined (run.json: the state and
+    the clients that joined)."""
+    dead = [c.client_id for c in fed.clients if c.client_id in failed]
+    if not dead:
+        return ""
+    try:
+        saved = json.loads((run_dir / "run.json").read_text())
+    except FileNotFoundError:
+        saved = {}  # nobody has joined yet
+    if saved.get("state", "waiting_for_clients") != "waiting_for_clients":
+        return ""
+    missing = [cid for cid in dead if cid not in saved.get("clients", {})]
+    return (f"{', '.join(missing)} failed before joining, and {fed.name} opens round 0 only once every "
+            "client has joined") if missing else ""
 
 
 def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
+    """Runs the federation until every client agent has exited, then writes and returns its results
+    (collect()). A client that fails is reported and recorded, and the others go on; on Ctrl-C (or
+    any other exception) the results so far are written before the exception goes on up."""
     results_dir = pathlib.Path(cfg.results)
     state = results_dir / "state"
     logs = results_dir / "logs"
@@ -259,7 +428,12 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     feds = plan(cfg)
     members = [(f, c) for f in feds for c in f.clients]
     client_envs = {c.client_id: c.envs for _, c in members}
+    metrics_paths = [state / f.name / f.run_id / "metrics.jsonl" for f in feds]
     procs: list[Proc] = []
+    clients: dict[Client, Proc] = {}
+    failed: list[Failure] = []
+    halted: set[str] = set()  # clients the launcher stopped (their federation could not go on)
+    stops: list[str] = []  # why the launcher ended (part of) the run early
     started = time.monotonic()
 
     def say(msg: str) -> None:
@@ -269,17 +443,24 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         procs.append(Proc(name, argv, logs))
         return procs[-1]
 
+    def reports() -> list[dict[str, Any]]:
+        return [r for path in metrics_paths for r in read_metrics(path)]
+
     try:
         env_servers = {
             c: start(f"env_server-{c.label}", [
                 "services.env_server", "--address", "127.0.0.1:0", "--envs", ",".join(c.envs), "--metrics-port", "-1",
                 "--seed", str(cfg.seed), "--wordle-vocab-size", str(cfg.wordle_vocab_size)])
             for _, c in members}
+        # Round 0 waits for every client to join; a round closes once every client still heard from
+        # has uploaded, so without one that died; the deadline alone cuts a healthy round short.
         aggregators = {
             f.name: start(f.name, [
                 "services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
                 "--state-dir", str(state / f.name), "--run-id", f.run_id, "--num-rounds", str(cfg.rounds),
-                "--min-clients", str(len(f.clients)), "--round-deadline-s", str(cfg.round_deadline_s),
+                "--start-clients", str(len(f.clients)), "--min-clients", "1",
+                "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+                "--round-deadline-s", str(cfg.round_deadline_s), "--wait-after-min-s", str(cfg.round_deadline_s),
                 "--strategy", cfg.strategy, "--seed", str(cfg.seed)])
             for f in feds}
         env_ports = {c: p.port() for c, p in env_servers.items()}
@@ -288,7 +469,7 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
         # The clients share this machine's cores; each gets its share (at least one thread).
         threads = max(1, available_cores() // len(members))
-        clients = [start(f"client_agent-{c.label}", [
+        clients = {c: start(f"client_agent-{c.label}", [
             "services.client_agent", "--client-id", c.client_id, "--env", ",".join(c.envs),
             "--env-server", f"127.0.0.1:{env_ports[c]}", "--aggregator", f"127.0.0.1:{agg_ports[f.name]}",
             "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(state / "clients"),
@@ -296,36 +477,56 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             "--explore-tasks", str(cfg.explore_tasks), "--eval-tasks", str(cfg.eval_tasks),
             "--keep", cfg.keep, "--history", cfg.history, "--lora-r", str(cfg.lora_r),
             "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
-            "--seed", str(cfg.seed), "--torch-threads", str(threads)]) for f, c in members]
+            "--seed", str(cfg.seed), "--torch-threads", str(threads)]) for f, c in members}
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
-        metrics_paths = [state / f.name / f.run_id / "metrics.jsonl" for f in feds]
-
-        def reports() -> list[dict[str, Any]]:
-            return [r for path in metrics_paths for r in read_metrics(path)]
 
         shown = -1
         while True:
-            seen = reports()
-            if len(seen) != shown:
+            known = {f.client_id for f in failed} | halted
+            dead = [(c, p) for c, p in clients.items() if c.client_id not in known and p.popen.poll() not in (None, 0)]
+            seen = reports()  # read after the polls: it holds every report a dead client had acknowledged
+            new = [describe_failure(c, p, seen) for c, p in dead]
+            failed += new
+            for f in new:
+                alive = [c.client_id for c, p in clients.items() if p.popen.poll() is None]
+                say(f"\n{failure_text(f)}\n" + (f"the run goes on with {', '.join(alive)}" if alive
+                                                 else "no client is left"))
+            for fed in feds:
+                why = unopenable(fed, state / fed.name / fed.run_id, {f.client_id for f in failed})
+                live = [c for c in fed.clients if clients[c].popen.poll() is None]
+                if why and live:
+                    say(f"\nstopping {', '.join(c.client_id for c in live)}: {why}")
+                    for c in live:
+                        clients[c].stop()
+                        halted.add(c.client_id)
+                    stops.append(why)
+            if len(seen) != shown or new:
                 shown = len(seen)
                 say(f"\n[{time.monotonic() - started:6.1f}s] held-out success per environment and round\n"
-                    + success_table(env_rows(seen, client_envs), cfg.env_list(), cfg.rounds))
-            failed = [c for c in clients if c.popen.poll() not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"{failed[0].name} exited with {failed[0].popen.returncode}; "
-                                   f"see {failed[0].log_path}")
-            if all(c.popen.poll() == 0 for c in clients):
+                    + success_table(env_rows(seen, client_envs), cfg.env_list(), cfg.rounds)
+                    + "".join(f"\n{f.client_id} failed ({f.reason}); it {reported(f)}" for f in failed))
+            if all(p.popen.poll() is not None for p in clients.values()):
                 break
             time.sleep(1.0)
-        results = collect(reports(), client_envs, cfg, time.monotonic() - started)
-        (results_dir / "results.json").write_text(json.dumps(results, indent=2))
-        plot(results, results_dir / "success.png")
-        mean = results["mean_test_success"]
-        if mean:
-            say(f"\nmean held-out success: {100 * mean[0]:.1f}% before round 1 -> {100 * mean[-1]:.1f}% after round "
-                f"{len(mean) - 1}")
-        say(f"done in {results['wall_s']:.0f}s; wrote {results_dir / 'results.json'} and {results_dir / 'success.png'}")
-        return results
+    except BaseException as exc:
+        stops.append("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         for p in reversed(procs):
             p.stop()
+        results = collect(reports(), client_envs, cfg, time.monotonic() - started, failed, "; ".join(stops))
+        (results_dir / "results.json").write_text(json.dumps(results, indent=2))
+        plot(results, results_dir / "success.png")
+        mean = results["mean_test_success"]
+        if len(mean) > 1:
+            say(f"\nmean held-out success: {100 * mean[0]:.1f}% before round 1 -> {100 * mean[-1]:.1f}% after round "
+                f"{len(mean) - 1}")
+        elif mean:
+            say(f"\nmean held-out success before round 1: {100 * mean[0]:.1f}%")
+        if mean and len(mean) <= cfg.rounds:
+            say(f"no mean after round {len(mean) - 1}: an environment did not report it")
+        if not results["complete"]:
+            say(f"\nthe run did not finish: {shortfall(results)}")
+        say(f"done in {results['wall_s']:.0f}s; wrote "
+            f"{results_dir / 'results.json'} and {results_dir / 'success.png'}")
+    return results

@@ -47,6 +47,34 @@ def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def children_of(parent: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `parent`, from /proc."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                out.append(int(pid))
+    return out
+
+
+def child_running(parent: int, *args: str) -> int | None:
+    """The pid of a live child of `parent` whose command line holds `args` in a row, if any."""
+    for pid in children_of(parent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(argv[i:i + len(args)] == list(args) for i in range(len(argv))):
+            return pid
+    return None
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports (all bound at once, so no two are the same)."""
     socks = []

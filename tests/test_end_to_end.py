@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from support import children_of
+
 
 @pytest.mark.slow
 def test_local_federation_runs_every_round(tmp_path):
@@ -39,23 +41,6 @@ def test_local_federation_runs_every_round(tmp_path):
         assert (d / "adapter_model.safetensors").exists() and (d / "adapter_config.json").exists()
 
 
-def children_of(parent: int) -> list[int]:
-    """Live (not zombie) processes whose parent is `parent`, from /proc."""
-    import os
-
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent and fields[0] != "Z":
-                out.append(int(pid))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_every_process(tmp_path, signum):
@@ -74,5 +59,9 @@ def test_ctrl_c_stops_every_process(tmp_path, signum):
     proc.send_signal(signum)
     assert proc.wait(timeout=60) == 130
     assert "interrupted" in proc.stderr.read()
+    # What was reported so far is written, marked as not finished.
+    data = json.loads((results / "results.json").read_text())
+    assert data["complete"] is False and data["stopped"] == "interrupted" and data["failed_clients"] == []
+    assert (results / "success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid

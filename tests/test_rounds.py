@@ -137,6 +137,33 @@ def test_the_deadline_closes_a_round_with_a_quorum_and_not_without(tmp_path):
     assert fed.status().round == 1  # quorum, and the deadline has passed
 
 
+def test_start_clients_opens_round_0_for_everyone_then_min_clients_lets_rounds_close_without_the_dead(tmp_path):
+    """What `fedse run` asks for: round 0 waits for every client to join, a later round closes
+    without a client that stopped beating once one client has uploaded."""
+    clock = Clock()
+    fed = federation(tmp_path, clock, start_clients=3, min_clients=1, wait_after_min_s=10 ** 6,
+                     round_deadline_s=10 ** 6)
+    join(fed, "a", "b")
+    assert fed.status().state is State.WAITING_FOR_CLIENTS  # min_clients alone would have opened it
+    join(fed, "c")
+    assert fed.status().state is State.OPEN
+    upload(fed, "a", 1.0)
+    upload(fed, "b", 1.0)
+    assert fed.status().round == 0  # c is alive: wait for it
+    upload(fed, "c", 1.0)
+    assert fed.status().round == 1
+    clock.now += 5
+    fed.seen("a", 1, "training")
+    fed.seen("b", 1, "training")  # c dies here: it beats no more
+    upload(fed, "a", 1.0)
+    upload(fed, "b", 1.0)
+    assert fed.status().round == 1  # c was heard from 5 s ago (timeout 10 s)
+    clock.now += 6
+    fed.tick()
+    settle(fed)
+    assert fed.status().round == 2
+
+
 def test_a_restarted_federation_resumes_the_round_with_its_uploads(tmp_path):
     clock = Clock()
     fed = federation(tmp_path, clock, min_clients=2)

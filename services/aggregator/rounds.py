@@ -3,7 +3,8 @@
 Pure Python and thread-safe; the servicer translates protobuf to calls here and maps the
 exceptions below to gRPC status codes.
 
-A round t starts from the global adapter phi_t and closes, with at least one upload, when
+Round 0 opens once `start_clients` (0: `min_clients`) clients have joined. A round t starts from
+the global adapter phi_t and closes, with at least one upload, when
   - every joined client has uploaded, or
   - at least `min_clients` have, and every client still alive (heard from within the heartbeat
     timeout) has uploaded, or
@@ -98,6 +99,7 @@ class RunSettings:
     heartbeat_timeout_s: float = 30.0
     heartbeat_interval_s: float = 5.0
     params: StrategyParams = StrategyParams()
+    start_clients: int = 0  # clients that open round 0 (0 = min_clients)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that decide a run's result: a restart must not change them."""
@@ -371,7 +373,8 @@ class Federation:
             self._live.setdefault(client_id, _Liveness()).last_seen = self.clock()
             if known != self._clients[client_id]:
                 log.info("client joined", extra=log_fields(client=client_id, env=env, joined=len(self._clients)))
-            if self._state is State.WAITING_FOR_CLIENTS and len(self._clients) >= self.settings.min_clients:
+            if self._state is State.WAITING_FOR_CLIENTS and \
+                    len(self._clients) >= (self.settings.start_clients or self.settings.min_clients):
                 self._open_locked(0)
             else:
                 self._persist_locked()

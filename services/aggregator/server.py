@@ -26,7 +26,10 @@ class AggregatorConfig(Security):
     run_id: str = field("fedse-run", "name of the run; files go under <state-dir>/<run-id>/")
     state_dir: str = field("state/aggregator", "directory for global adapters, uploads and metrics")
     num_rounds: int = field(5, "number of federated rounds T")
-    min_clients: int = field(1, "clients needed to open round 0, and uploads needed to close a round early")
+    min_clients: int = field(1, "clients needed to open round 0 (unless --start-clients), and uploads needed to close "
+                                 "a round early")
+    start_clients: int = field(0, "clients needed to open round 0 (0 = min-clients); set above min-clients, round 0 "
+                                  "waits for every client while later rounds can close without one that died")
     round_deadline_s: float = field(3600.0, "seconds after which a round closes if at least min-clients uploaded "
                                             "(extended while an upload is making progress)")
     wait_after_min_s: float = field(900.0, "once min-clients have uploaded, close the round this many seconds "
@@ -53,6 +56,8 @@ class AggregatorConfig(Security):
             raise ConfigError(f"--num-rounds must be at least 1, got {self.num_rounds}")
         if self.min_clients < 1:
             raise ConfigError(f"--min-clients must be at least 1, got {self.min_clients}")
+        if self.start_clients < 0:
+            raise ConfigError(f"--start-clients must be 0 (= --min-clients) or more, got {self.start_clients}")
         if self.round_deadline_s <= 0:
             raise ConfigError(f"--round-deadline-s must be positive, got {self.round_deadline_s}")
         if self.strategy not in STRATEGIES:
@@ -70,6 +75,7 @@ class AggregatorConfig(Security):
     def settings(self) -> RunSettings:
         return RunSettings(
             run_id=self.run_id, num_rounds=self.num_rounds, min_clients=self.min_clients,
+            start_clients=self.start_clients,
             round_deadline_s=self.round_deadline_s, strategy=self.strategy,
             max_adapter_bytes=int(self.max_adapter_mb * 1024 * 1024), seed=self.seed,
             wait_after_min_s=self.wait_after_min_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
