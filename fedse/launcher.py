@@ -76,6 +76,10 @@ class RunConfig:
     lora_alpha: int = field(16, "LoRA alpha")
     eval_tasks: int = field(20, "held-out test tasks per evaluation (0 = all)")
     lr: float = field(3e-3, "client AdamW learning rate")
+    policy: str = field("score", "how clients act: 'score' (rank admissible actions by likelihood) or 'generate' "
+                                 "(write the action, matched to an admissible one)")
+    precision: str = field("auto", "clients' model precision: 'auto' (bf16 autocast for a real model on a CPU with "
+                                   "native bfloat16), 'fp32' or 'bf16'")
     epochs: int = field(2, "epochs over the buffer per round")
     wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
     seed: int = field(0, "seed of everything")
@@ -91,6 +95,10 @@ class RunConfig:
             raise ConfigError(f"--explore-tasks must not be negative, got {self.explore_tasks}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.policy not in ("score", "generate"):
+            raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         check_base_model(self.base_model)  # here, not in each client process after the others have started
 
     def env_list(self) -> list[str]:
@@ -328,7 +336,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_xlabel("round (0 = base model, before any training)")
     ax.set_ylabel("held-out success (%)")
     ax.set_ylim(-2, 102)
-    ax.set_title(f"Fed-SE, {results['base_model']}, {results['topology']}, {len(results['envs'])} environments, "
+    ax.set_title(f"Fed-SE, {pathlib.Path(results['base_model']).name}, {results['topology']}, {len(results['envs'])} environments, "
                  f"{results['strategy']}")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -477,6 +485,7 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             "--explore-tasks", str(cfg.explore_tasks), "--eval-tasks", str(cfg.eval_tasks),
             "--keep", cfg.keep, "--history", cfg.history, "--lora-r", str(cfg.lora_r),
             "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
+            "--policy", cfg.policy, "--precision", cfg.precision,
             "--seed", str(cfg.seed), "--torch-threads", str(threads)]) for f, c in members}
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
 

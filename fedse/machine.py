@@ -1,7 +1,10 @@
-"""What this machine offers a process: its CPU cores and whether the CPU computes bfloat16 natively."""
+"""What this machine offers a process: its CPU cores, whether the CPU computes bfloat16 natively, and
+giving freed memory back to the system."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
 import pathlib
@@ -32,3 +35,16 @@ def cpu_has_native_bf16() -> bool:
         return False
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def release_free_memory() -> None:
+    """Asks glibc to return freed heap memory to the system (malloc_trim). After a phase that
+    allocated many tensors of many sizes (KV caches, training activations), freed memory otherwise
+    stays in the process and counts against its memory limit; elsewhere this does nothing."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -140,3 +140,12 @@ def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert all(torch.allclose(whole[n], one_by_one[n], rtol=1e-4, atol=1e-7) for n in whole)
     assert all(float(g.abs().max()) > 0 for g in whole.values())
+
+
+def test_optimizer_steps_hold_batch_size_turns_however_they_are_packed():
+    from services.client_agent.trainer import turn_batches
+
+    assert turn_batches([1] * 10, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # one turn a sequence
+    steps = turn_batches([3, 5, 1, 12, 2, 2, 4], 8)
+    assert steps == [[0, 1], [2], [3], [4, 5, 6]]  # 8, 1 (12 would overflow), 12 alone, 8
+    assert [i for step in steps for i in step] == list(range(7))

@@ -161,10 +161,11 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
     assert scorer.cache.hits == 3  # every prompt after the first started from the previous one's cache
+    assert len(scorer.cache) == 1  # ... and its cache replaced the one it extends
     assert scorer.cache.reused >= sum(len(p) for p in prompts[:-1]) - 3
     scorer.forget()
     assert scorer.cache.bytes == 0
-    # The cache never holds more than its budget.
-    small = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", cache_bytes=3_000_000)
-    small.score(prompts, cands)
-    assert 0 < small.cache.bytes <= 3_000_000 and len(small.cache) < len(prompts)
+    # The cache never holds more than its budget (six prompts that do not extend each other).
+    small = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", cache_bytes=4_000_000)
+    small.score(_maze_prompts(6), [MAZE_ACTIONS] * 6)
+    assert 0 < small.cache.bytes <= 4_000_000 and 1 <= len(small.cache) < 6

@@ -21,7 +21,7 @@ from fedse.experiment import ExperimentConfig
 from fedse.launcher import RunConfig
 from services.aggregator.store import Store
 from services.client_agent.model import adapter_config_json, add_lora, get_adapter_state, load_base
-from services.client_agent.policy import format_prompt
+from services.client_agent.prompts import format_prompt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOLLM2 = pretrained.BASES["smollm2"]

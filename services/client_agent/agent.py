@@ -41,7 +41,7 @@ import grpc
 import torch
 
 from fedse import adapter as ad
-from fedse.machine import available_cores
+from fedse.machine import available_cores, release_free_memory
 from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
@@ -210,9 +210,11 @@ class ClientAgent:
         self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens)
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
                                    fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20)
+        self.concurrency = config.concurrency or (4 if self.scorer.method == "reuse" else 16)
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
-                                                 prompt_format=type(self.fmt).__name__))
+                                                 prompt_format=type(self.fmt).__name__,
+                                                 scoring=self.scorer.method, concurrency=self.concurrency))
         self.buffer = Buffer(self.dir / BUFFER_NAME)
         self.history: list[dict[str, float]] = []
         self.run_id = ""
@@ -238,9 +240,10 @@ class ClientAgent:
             EPISODES.labels(phase, "success" if t.success else "failure").inc()
         self.scorer.forget()  # the weights may have changed since the cached prompts were run
         try:
-            return run_episodes(env, task_ids, policy, self.cfg.concurrency, round_, phase, on_episode=count)
+            return run_episodes(env, task_ids, policy, self.concurrency, round_, phase, on_episode=count)
         finally:
             self.scorer.forget()  # its memory is the trainer's now
+            release_free_memory()
 
     def env_tasks(self, env: EnvClient) -> EnvTasks:
         """The environment's training tasks and the test tasks evaluated (the first --eval-tasks)."""
@@ -250,9 +253,11 @@ class ClientAgent:
 
     def evaluate(self, tasks: list[EnvTasks], round_: int) -> dict[str, float]:
         """Greedy success of the loaded adapter on each environment's test tasks (`test_success/<env>`
-        over `test_tasks/<env>` tasks) and over all of them (`test_success`)."""
+        over `test_tasks/<env>` tasks) and over all of them (`test_success`); with --policy generate, also
+        the share of steps whose text named no admissible action (`eval_fallback_rate`)."""
         metrics: dict[str, float] = {}
         successes = episodes = 0
+        generated, fallbacks = self.scorer.generated, self.scorer.fallbacks
         for task in tasks:
             trajs = self.episodes(task.env, task.test_ids, self.model_policy(True, torch.Generator().manual_seed(0)),
                                   round_, "eval")
@@ -262,6 +267,8 @@ class ClientAgent:
             TEST_SUCCESS.labels(task.name).set(metrics[f"test_success/{task.name}"])
             successes, episodes = successes + ok, episodes + len(trajs)
         metrics["test_success"] = successes / max(1, episodes)
+        if self.scorer.generated > generated:  # --policy generate: how often the text named no admissible action
+            metrics["eval_fallback_rate"] = (self.scorer.fallbacks - fallbacks) / (self.scorer.generated - generated)
         return metrics
 
     # ---- state on disk -----------------------------------------------------------------------
@@ -484,7 +491,7 @@ class ClientAgent:
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
         trajectories = training_set(self.buffer.trajectories, cfg.history, round_)
-        examples = training_examples(trajectories, self.fmt, TokenCache(self.tokenizer), self.max_prompt_tokens)
+        examples = training_examples(trajectories, self.fmt, TokenCache(self.tokenizer, size=256), self.max_prompt_tokens)
         turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]
@@ -494,6 +501,7 @@ class ClientAgent:
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
                                 checkpointing=not is_tiny(self.model), precision=self.precision)
         self.loaded_round = None
+        release_free_memory()
         t2 = time.perf_counter()
         LOSS.set(result["loss"])
         TRAIN_SECONDS.inc(t2 - t1)

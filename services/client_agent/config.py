@@ -40,13 +40,13 @@ class ClientConfig(Security):
     batch_size: int = field(8, "training sequences per optimizer step (a sequence is one turn in the plain format, "
                                "the turns of an episode that share one prompt window in the chat format)")
     train_batch_tokens: int = field(0, "most tokens (rows x padded width) per training micro-batch; gradients "
-                                       "accumulate over the micro-batches of a step (0 = 2048 on CPU, 32768 on GPU)")
+                                       "accumulate over the micro-batches of a step (0 = 1024 on CPU, 32768 on GPU)")
     max_history: int = field(-1, "earlier turns shown in each prompt (-1 = real models: the whole episode while it "
                                  "fits the prompt window; the tiny model: 1)")
     precision: str = field("auto", "'fp32', 'bf16' (bfloat16 autocast for model passes; LoRA weights, optimizer and "
                                    "scores stay fp32) or 'auto' (bf16 for a real model on a CPU with native bfloat16 "
                                    "(AMX / AVX512-BF16), else fp32; on CUDA real models load in bf16)")
-    score_cache_mb: int = field(768, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
+    score_cache_mb: int = field(256, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
     expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0)")
     explore_tasks: int = field(32, "training tasks attempted per round in each environment (0 = no exploration: "
                                    "train on the expert demonstrations only, as FedIT, Local and Centralized do)")
@@ -56,7 +56,9 @@ class ClientConfig(Security):
                                        "trajectories, the paper) or 'round' (ablation 'no history': the expert "
                                        "demonstrations D_0 plus round t's kept trajectories only)")
     eval_tasks: int = field(0, "held-out test tasks evaluated per round (0 = all)")
-    concurrency: int = field(16, "episodes run at once (one batched model call per step)")
+    concurrency: int = field(0, "episodes run at once (0 = 16 where a step's prompts are scored in one batched call: "
+                                "the tiny model, GPUs; 4 for a real model on CPU, which scores one prompt at a time "
+                                "from its cached previous turn, so that those caches stay in --score-cache-mb)")
     temperature: float = field(1.0, "sampling temperature during exploration")
     policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text")
     seed: int = field(0, "seed for the base model (tiny), LoRA init, task sampling and training")
@@ -75,11 +77,11 @@ class ClientConfig(Security):
     def __post_init__(self) -> None:
         super().__post_init__()
         positive = {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "epochs": self.epochs,
-                    "batch_size": self.batch_size, "concurrency": self.concurrency}
+                    "batch_size": self.batch_size}
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        for name in ("expert_demos", "explore_tasks", "eval_tasks", "torch_threads", "train_batch_tokens",
+        for name in ("expert_demos", "explore_tasks", "eval_tasks", "torch_threads", "train_batch_tokens", "concurrency",
                      "score_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")

@@ -107,10 +107,20 @@ class PrefixCache:
         return best, entry[1]
 
     def store(self, ids: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Caches the KV of `ids`; entries that are a prefix of ids go (the new one holds them)."""
         size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        key = np.asarray(ids, dtype=np.int64)
+        kept = []
+        for entry in self._entries:
+            old = entry[0]
+            if len(old) <= len(key) and np.array_equal(old, key[:len(old)]):
+                self.bytes -= entry[2]
+            else:
+                kept.append(entry)
+        self._entries = kept
         if size > self.max_bytes:
             return
-        self._entries.append((np.asarray(ids, dtype=np.int64), kv, size))
+        self._entries.append((key, kv, size))
         self.bytes += size
         while self.bytes > self.max_bytes:
             self.bytes -= self._entries.pop(0)[2]
@@ -122,7 +132,7 @@ class ActionScorer:
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
                  method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
-                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 768 << 20):
+                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 256 << 20):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -139,15 +149,19 @@ class ActionScorer:
         # "reuse" (real models): one prompt at a time, starting from the KV cache of the longest
         # cached prompt it begins with (PrefixCache: the previous turn, the shared instruction),
         # then its candidates packed in rows on that prompt's cache.
-        # "auto": "reuse" for real models; for the tiny model packed up to `packed_max_candidates`
-        # candidates, else cached (batched across prompts: its forward passes are cheap, calls are not).
-        self.method = ("reuse" if not is_tiny(model) else "auto") if method == "auto" else method
+        # "auto": "reuse" for real models on CPU, where arithmetic is dear; elsewhere (the tiny model,
+        # GPUs: passes are cheap, calls are not) batched across prompts: packed up to
+        # `packed_max_candidates` candidates, else cached.
+        self.method = ("reuse" if self.device.type == "cpu" and not is_tiny(model) else "auto") \
+            if method == "auto" else method
         self.packed_max_candidates = packed_max_candidates
         self.group_size = max(1, group_size)
         self.fmt = fmt or PlainFormat()
         self.precision = precision
         self.cache = PrefixCache(cache_bytes)
-        self.tokenize = TokenCache(tokenizer)
+        self.generated = self.fallbacks = 0  # generation mode: actions generated, and those scoring chose
+        self.tokenize = TokenCache(tokenizer)  # candidates' texts: short, and they repeat
+        self.tokenize_prompt = TokenCache(tokenizer, size=256)  # prompts: long, each seen a few times
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
 
@@ -183,7 +197,7 @@ class ActionScorer:
         return out  # type: ignore[return-value]
 
     def _prepare(self, prompt: str, cands: Sequence[str]) -> dict:
-        p = self.tokenize.prompt(prompt, self.max_prompt_tokens)
+        p = self.tokenize_prompt.prompt(prompt, self.max_prompt_tokens)
         targets = [self.tokenize(self.fmt.target(c)) for c in cands]
         # Tokens all candidates share are scored once as part of the prompt; keep >= 1 token per suffix.
         shared = min(len(t) for t in targets) - 1
@@ -452,7 +466,7 @@ class ActionScorer:
             eos += [t for t in self.tokenize(end) if t not in eos]
         encoded = []
         for p in prompts:
-            encoded.append(self.tokenize.prompt(p, self.max_prompt_tokens))
+            encoded.append(self.tokenize_prompt.prompt(p, self.max_prompt_tokens))
         L = max(len(e) for e in encoded)
         ids = torch.full((len(encoded), L), self.pad_id, dtype=torch.long)
         att = torch.zeros((len(encoded), L), dtype=torch.long)
@@ -484,6 +498,8 @@ class ActionScorer:
                 actions[i] = candidates[i][k]
         self.last_generated = texts
         self.last_fallbacks = len(missing)
+        self.generated += len(texts)
+        self.fallbacks += len(missing)
         return actions  # type: ignore[return-value]
 
 

@@ -153,7 +153,7 @@ class ChatFormat:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_history = max_history
         self.system = system
-        self.tokenize = TokenCache(tokenizer, size=4096)
+        self.tokenize = TokenCache(tokenizer, size=256)
         self.end_of_turn = self._end_of_turn()
         self._starts: OrderedDict[tuple, int] = OrderedDict()
 

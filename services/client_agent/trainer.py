@@ -6,10 +6,10 @@ of an episode, each action in it a target. Plain (prompt, action) pairs are enco
 format (`format_target`). AdamW over the LoRA parameters only, cosine schedule with a short
 warmup, gradient clipping at 1.0, a fresh optimizer per call (one call = one round's local
 training, as in the paper), sequences shuffled each epoch by a generator seeded from `seed`: the
-same inputs give the same adapter.
+same inputs give the same adapter. An optimizer step covers about `batch_size` agent turns
+(turn_batches), whether they come one per sequence or a window of an episode each.
 
-Memory is bounded by design, whatever the prompts' length: an optimizer step covers `batch_size`
-sequences, run in micro-batches of at most `max_batch_tokens` tokens (rows x padded width; a longer
+Memory is bounded by design, whatever the prompts' length: a step's sequences run in micro-batches of at most `max_batch_tokens` tokens (rows x padded width; a longer
 sequence runs alone) whose gradients accumulate, so the step is the one a whole batch would take
 (the loss is the mean over the batch's target tokens). `checkpointing` recomputes each layer's
 activations in the backward pass instead of keeping them (real models; the tiny model needs no
@@ -25,7 +25,6 @@ MODEL_NOTES.md). For real LLMs pass the paper's value (PAPER_LR) or what their n
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Callable, Sequence
 
@@ -36,9 +35,10 @@ from .prompts import Encoded, TokenCache, default_max_prompt_tokens, encode_exam
 
 TINY_LR = 3e-3
 PAPER_LR = 5e-5
-# Tokens per micro-batch on CPU (rows x padded width): with checkpointing a real model keeps about
-# its hidden size x layers x 4 bytes per token (SmolLM2-135M: 70 kB) plus one layer's activations.
-DEFAULT_TRAIN_BATCH_TOKENS = 2048
+# Tokens per micro-batch on CPU (rows x padded width). Measured with SmolLM2-135M, checkpointing and
+# bf16 autocast: about 330 kB per token of budget at the peak (1,024: 1.6 GB for the whole process,
+# 2,048: 1.9 GB, 4,096: 2.6 GB; without checkpointing 2,048 takes 3.9 GB), and no slower at 1,024.
+DEFAULT_TRAIN_BATCH_TOKENS = 1024
 
 
 def autocast(precision: str, device: torch.device):
@@ -61,6 +61,24 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
             run, wider = [], n
         run.append(i)
         longest = wider
+    if run:
+        out.append(run)
+    return out
+
+
+def turn_batches(turns: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Splits the indices 0..n-1, in order, into optimizer steps of about batch_size agent turns: a
+    step takes sequences until it holds batch_size turns (one that alone holds more is a step of its
+    own). With one turn per sequence (the plain format) every step holds batch_size sequences."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    held = 0
+    for i, n in enumerate(turns):
+        if run and held + n > batch_size:
+            out.append(run)
+            run, held = [], 0
+        run.append(i)
+        held += n
     if run:
         out.append(run)
     return out
@@ -120,7 +138,8 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                max_batch_tokens: int | None = None, checkpointing: bool = False, precision: str = "fp32",
                progress: Callable[[dict], None] | None = None) -> dict:
     """Fine-tunes the LoRA parameters of `peft_model` in place on training sequences (or plain
-    (prompt, action) pairs). batch_size counts sequences per optimizer step.
+    (prompt, action) pairs). batch_size counts agent turns per optimizer step (turn_batches), so a
+    step sees as much of the agent's text whether turns come one per sequence or an episode each.
 
     Returns {"loss": mean target-token loss over the last epoch, "first_loss": over the first epoch,
     "steps", "examples" (sequences), "turns" (agent turns in them), "tokens" (target tokens per
@@ -147,11 +166,12 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
         encoded = encode_pairs(tokenizer, examples, max_prompt_tokens or default_max_prompt_tokens(peft_model))
     budget = max_batch_tokens or (DEFAULT_TRAIN_BATCH_TOKENS if device.type == "cpu" else 32768)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    steps_per_epoch = math.ceil(len(encoded) / batch_size)
-    total = steps_per_epoch * epochs
+    gen = torch.Generator().manual_seed(int(seed))
+    orders = [torch.randperm(len(encoded), generator=gen).tolist() for _ in range(epochs)]
+    plans = [turn_batches([encoded[i].turns for i in order], batch_size) for order in orders]
+    total = sum(len(plan) for plan in plans)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(warmup_ratio * total)), total)
-    gen = torch.Generator().manual_seed(int(seed))
     n_target = sum(e.targets for e in encoded)
     inner = peft_model.get_base_model()
     was_training = peft_model.training
@@ -160,11 +180,10 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
     peft_model.train()
     step, epoch_losses = 0, []
     try:
-        for epoch in range(epochs):
-            order = torch.randperm(len(encoded), generator=gen).tolist()
+        for epoch, (order, plan) in enumerate(zip(orders, plans)):
             loss_sum = 0.0
-            for start in range(0, len(order), batch_size):
-                batch = [encoded[i] for i in order[start:start + batch_size]]
+            for run in plan:
+                batch = [encoded[order[i]] for i in run]
                 n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
                 batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision)

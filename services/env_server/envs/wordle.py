@@ -23,7 +23,6 @@ import functools
 import random
 from typing import Sequence
 
-import wordfreq
 
 from .base import Environment, Episode, StepResult, UnknownTask, check_split
 
@@ -51,6 +50,8 @@ def vocabulary(size: int = DEFAULT_VOCAB_SIZE) -> tuple[str, ...]:
         raise ValueError(f"wordle vocabulary size must be in {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE}, got {size}")
     n = 20 * size
     while True:
+        import wordfreq  # here: an env server without Wordle does not need the word lists
+
         ranked = wordfreq.top_n_list("en", n)
         words = [w for w in ranked if len(w) == WORD_LENGTH and w.isascii() and w.isalpha() and w.islower()]
         if len(words) >= size:
