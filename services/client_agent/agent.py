@@ -491,7 +491,7 @@ class ClientAgent:
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
         trajectories = training_set(self.buffer.trajectories, cfg.history, round_)
-        examples = training_examples(trajectories, self.fmt, TokenCache(self.tokenizer, size=256), self.max_prompt_tokens)
+        examples = training_examples(trajectories, self.fmt, TokenCache(self.tokenizer), self.max_prompt_tokens)
         turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]

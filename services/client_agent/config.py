@@ -46,7 +46,7 @@ class ClientConfig(Security):
     precision: str = field("auto", "'fp32', 'bf16' (bfloat16 autocast for model passes; LoRA weights, optimizer and "
                                    "scores stay fp32) or 'auto' (bf16 for a real model on a CPU with native bfloat16 "
                                    "(AMX / AVX512-BF16), else fp32; on CUDA real models load in bf16)")
-    score_cache_mb: int = field(256, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
+    score_cache_mb: int = field(512, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
     expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0)")
     explore_tasks: int = field(32, "training tasks attempted per round in each environment (0 = no exploration: "
                                    "train on the expert demonstrations only, as FedIT, Local and Centralized do)")

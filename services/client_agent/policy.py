@@ -132,7 +132,7 @@ class ActionScorer:
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
                  method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
-                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 256 << 20):
+                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 512 << 20):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -160,8 +160,7 @@ class ActionScorer:
         self.precision = precision
         self.cache = PrefixCache(cache_bytes)
         self.generated = self.fallbacks = 0  # generation mode: actions generated, and those scoring chose
-        self.tokenize = TokenCache(tokenizer)  # candidates' texts: short, and they repeat
-        self.tokenize_prompt = TokenCache(tokenizer, size=256)  # prompts: long, each seen a few times
+        self.tokenize = TokenCache(tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
 
@@ -197,7 +196,7 @@ class ActionScorer:
         return out  # type: ignore[return-value]
 
     def _prepare(self, prompt: str, cands: Sequence[str]) -> dict:
-        p = self.tokenize_prompt.prompt(prompt, self.max_prompt_tokens)
+        p = self.tokenize.prompt(prompt, self.max_prompt_tokens)
         targets = [self.tokenize(self.fmt.target(c)) for c in cands]
         # Tokens all candidates share are scored once as part of the prompt; keep >= 1 token per suffix.
         shared = min(len(t) for t in targets) - 1
@@ -379,7 +378,9 @@ class ActionScorer:
             run = decoder(input_ids=torch.tensor([ids[start:]], device=dev),
                           position_ids=torch.arange(start, len(ids), device=dev).unsqueeze(0),
                           past_key_values=past, use_cache=True)
-            layers = [(layer.keys, layer.values) for layer in run.past_key_values.layers]
+            # Keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but
+            # attention reads them in bf16, so bf16 keys halve the cache and change no score.
+            layers = [(layer.keys.to(layer.values.dtype), layer.values) for layer in run.past_key_values.layers]
             self.cache.store(ids, layers)
             hidden = run.last_hidden_state[0]  # positions start .. len(ids) - 1
             n = len(ids)
@@ -466,7 +467,7 @@ class ActionScorer:
             eos += [t for t in self.tokenize(end) if t not in eos]
         encoded = []
         for p in prompts:
-            encoded.append(self.tokenize_prompt.prompt(p, self.max_prompt_tokens))
+            encoded.append(self.tokenize.prompt(p, self.max_prompt_tokens))
         L = max(len(e) for e in encoded)
         ids = torch.full((len(encoded), L), self.pad_id, dtype=torch.long)
         att = torch.zeros((len(encoded), L), dtype=torch.long)

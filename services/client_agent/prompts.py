@@ -88,12 +88,14 @@ def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observatio
 
 class TokenCache:
     """Tokenizes without adding special tokens (those written in the text, such as a chat
-    template's, are kept) and remembers recent texts (candidate targets and prompts repeat)."""
+    template's, are kept) and remembers recent texts (candidate targets and prompts repeat), up to
+    `max_chars` characters of them, least recently used dropped first."""
 
-    def __init__(self, tokenizer, size: int = 20000):
+    def __init__(self, tokenizer, max_chars: int = 4_000_000):
         self.tokenizer = tokenizer
-        self.size = size
+        self.max_chars = max_chars
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._chars = 0
         # Tokenizers that normally start a text with BOS (Llama-2 style) get it before each prompt.
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos = [bos] if bos is not None and getattr(tokenizer, "add_bos_token", False) else []
@@ -110,8 +112,9 @@ class TokenCache:
         if ids is None:
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             self._cache[text] = ids
-            if len(self._cache) > self.size:
-                self._cache.popitem(last=False)
+            self._chars += len(text)
+            while self._chars > self.max_chars and len(self._cache) > 1:
+                self._chars -= len(self._cache.popitem(last=False)[0])
         else:
             self._cache.move_to_end(text)
         return ids
@@ -153,7 +156,7 @@ class ChatFormat:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_history = max_history
         self.system = system
-        self.tokenize = TokenCache(tokenizer, size=256)
+        self.tokenize = TokenCache(tokenizer)
         self.end_of_turn = self._end_of_turn()
         self._starts: OrderedDict[tuple, int] = OrderedDict()
 
