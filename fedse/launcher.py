@@ -336,8 +336,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_xlabel("round (0 = base model, before any training)")
     ax.set_ylabel("held-out success (%)")
     ax.set_ylim(-2, 102)
-    ax.set_title(f"Fed-SE, {pathlib.Path(results['base_model']).name}, {results['topology']}, {len(results['envs'])} environments, "
-                 f"{results['strategy']}")
+    ax.set_title(f"Fed-SE, {pathlib.Path(results['base_model']).name}, {results['topology']}, "
+                 f"{len(results['envs'])} environments, {results['strategy']}")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()

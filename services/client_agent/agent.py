@@ -207,9 +207,13 @@ class ClientAgent:
         self.device = next(self.model.parameters()).device
         self.precision = mdl.pick_precision(config.precision, self.model, self.device)
         self.max_prompt_tokens = default_max_prompt_tokens(self.model)
-        self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens)
+        # One tokenizer cache for the prompt format's window checks, the scorer and training: the
+        # prompt a window check tokenized is the one the scorer then scores.
+        self.tokenize = TokenCache(self.tokenizer)
+        self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens, self.tokenize)
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
-                                   fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20)
+                                   fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20,
+                                   tokenize=self.tokenize)
         self.concurrency = config.concurrency or (4 if self.scorer.method == "reuse" else 16)
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
@@ -491,7 +495,7 @@ class ClientAgent:
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
         trajectories = training_set(self.buffer.trajectories, cfg.history, round_)
-        examples = training_examples(trajectories, self.fmt, TokenCache(self.tokenizer), self.max_prompt_tokens)
+        examples = training_examples(trajectories, self.fmt, self.tokenize, self.max_prompt_tokens)
         turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]

@@ -37,8 +37,8 @@ class ClientConfig(Security):
     target_modules: str = field("all-linear", "LoRA target modules: 'all-linear' or comma-separated names")
     lr: float = field(3e-3, "AdamW learning rate (cosine schedule); the paper's 5e-5 suits 7B models")
     epochs: int = field(2, "epochs over the whole buffer per round")
-    batch_size: int = field(8, "training sequences per optimizer step (a sequence is one turn in the plain format, "
-                               "the turns of an episode that share one prompt window in the chat format)")
+    batch_size: int = field(8, "agent turns per optimizer step, whether a training sequence holds one turn (the plain "
+                               "format) or the turns of an episode that share one prompt window (the chat format)")
     train_batch_tokens: int = field(0, "most tokens (rows x padded width) per training micro-batch; gradients "
                                        "accumulate over the micro-batches of a step (0 = 1024 on CPU, 32768 on GPU)")
     max_history: int = field(-1, "earlier turns shown in each prompt (-1 = real models: the whole episode while it "
@@ -81,8 +81,8 @@ class ClientConfig(Security):
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        for name in ("expert_demos", "explore_tasks", "eval_tasks", "torch_threads", "train_batch_tokens", "concurrency",
-                     "score_cache_mb"):
+        for name in ("expert_demos", "explore_tasks", "eval_tasks", "torch_threads", "train_batch_tokens",
+                     "concurrency", "score_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if not self.lr > 0:

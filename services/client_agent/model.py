@@ -7,6 +7,7 @@ aggregator under the names `peft.get_peft_model_state_dict` gives them
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from typing import Iterable
@@ -17,6 +18,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from fedse.machine import cpu_has_native_bf16
 from fedse.pretrained import check_base_model
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
+
+from .prompts import is_tiny
 
 
 class AdapterMismatch(ValueError):
@@ -30,13 +33,18 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def autocast(precision: str, device: torch.device):
+    """bfloat16 autocast for precision "bf16" (what pick_precision chose), else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def pick_precision(precision: str, model, device: torch.device) -> str:
     """"fp32" or "bf16" (autocast) for "auto": bf16 for a real model on a CPU with native bfloat16;
     fp32 for the tiny model (too small to gain) and on CUDA (real models load in bf16 there)."""
     if precision != "auto":
         return precision
-    from .prompts import is_tiny
-
     return "bf16" if device.type == "cpu" and not is_tiny(model) and cpu_has_native_bf16() else "fp32"
 
 

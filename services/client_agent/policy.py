@@ -34,8 +34,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .prompts import PlainFormat, PromptFormat, TokenCache, _inner, default_max_prompt_tokens, is_tiny
-from .trainer import autocast
+from .model import autocast
+from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, inner_model, is_tiny
 
 _ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
 
@@ -132,7 +132,8 @@ class ActionScorer:
     def __init__(self, model, tokenizer, device: str | torch.device | None = None,
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
                  method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
-                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 512 << 20):
+                 fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 512 << 20,
+                 tokenize: TokenCache | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -160,7 +161,7 @@ class ActionScorer:
         self.precision = precision
         self.cache = PrefixCache(cache_bytes)
         self.generated = self.fallbacks = 0  # generation mode: actions generated, and those scoring chose
-        self.tokenize = TokenCache(tokenizer)
+        self.tokenize = tokenize or TokenCache(tokenizer)  # shared with the prompt format and training
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
 
@@ -263,7 +264,7 @@ class ActionScorer:
         param_dtype = next(self.model.parameters()).dtype
         mask = torch.zeros((B, 1, T, T), dtype=param_dtype)
         mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(param_dtype).min)
-        lm = _inner(self.model)
+        lm = inner_model(self.model)
         hidden = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                                   use_cache=False).last_hidden_state
         h = hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
@@ -273,7 +274,7 @@ class ActionScorer:
         """The prompts once (keeping their KV cache), then the candidates' later tokens in rows of up to
         `group_size` candidates of one prompt, each row on top of a copy of its prompt's cache."""
         dev = self.device
-        lm = _inner(self.model)
+        lm = inner_model(self.model)
         decoder = lm.get_decoder()
         P = max(len(it["prompt"]) for it in items)
         B = len(items)
@@ -290,15 +291,9 @@ class ActionScorer:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         # Shared-prefix tokens and every suffix's first token are predicted from the prompt pass.
         rows, src, tgt, cand = [], [], [], []
-        pairs = []  # (prompt row, candidate index, suffix)
         for b, it in enumerate(items):
-            n, k_sh = len(it["prompt"]), it["shared"]
-            for k in range(k_sh):
-                rows.append(b); src.append(P - k_sh + k - 1); tgt.append(it["prompt"][n - k_sh + k]); cand.append(-1)
-            for j, suf in enumerate(it["suffixes"]):
-                rows.append(b); src.append(P - 1); tgt.append(suf[0]); cand.append(j)
-                if len(suf) > 1:
-                    pairs.append((b, j, suf))
+            self._first_tokens(it, b, P - 1, rows, src, tgt, cand)
+        pairs = [(b, j, suf) for b, it in enumerate(items) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1]
         h = prompt_hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
         self._collect(items, out, where, lm, h, rows, tgt, cand)
         if not pairs:
@@ -330,20 +325,13 @@ class ActionScorer:
             s_pos = torch.zeros((R, W), dtype=torch.long)
             allowed = torch.zeros((R, W, P + W), dtype=torch.bool)
             allowed[:, :, :P] = att.index_select(0, sel).bool().unsqueeze(1)
-            causal = torch.ones((W, W), dtype=torch.bool).tril()
             rows, src, tgt, cand, owner = [], [], [], [], []
             for r, grp in enumerate(part):
                 b = grp[0][0]
-                n = len(items[b]["prompt"])
-                cursor = 0
-                for _, j, suf in grp:
-                    m = len(suf) - 1
-                    s_ids[r, cursor:cursor + m] = torch.tensor(suf[:-1], dtype=torch.long)
-                    s_pos[r, cursor:cursor + m] = torch.arange(n, n + m)
-                    allowed[r, cursor:cursor + m, P + cursor:P + cursor + m] = causal[:m, :m]
-                    for k in range(1, len(suf)):
-                        rows.append(r); src.append(cursor + k - 1); tgt.append(suf[k]); cand.append(j); owner.append(b)
-                    cursor += m
+                scored, cursor = self._pack_row([(j, suf) for _, j, suf in grp], len(items[b]["prompt"]),
+                                                s_ids[r], s_pos[r], allowed[r, :, P:])
+                for col, token, j in scored:
+                    rows.append(r); src.append(col); tgt.append(token); cand.append(j); owner.append(b)
                 pad = torch.arange(cursor, W)
                 allowed[r, pad, P + pad] = True  # padding attends to itself only (finite, never read)
             mask = torch.zeros((R, 1, W, P + W), dtype=param_dtype)
@@ -363,10 +351,10 @@ class ActionScorer:
         from transformers import DynamicCache
 
         dev = self.device
-        lm = _inner(self.model)
+        lm = inner_model(self.model)
         decoder = lm.get_decoder()
         for b, it in enumerate(items):
-            ids, n_prompt, k_sh = it["prompt"], it["n_prompt"], it["shared"]
+            ids, n_prompt = it["prompt"], it["n_prompt"]
             # Reuse at most up to the token before the prompt's end: its hidden state predicts the
             # first scored token.
             start, kv = self.cache.lookup(ids, n_prompt - 1)
@@ -385,10 +373,7 @@ class ActionScorer:
             hidden = run.last_hidden_state[0]  # positions start .. len(ids) - 1
             n = len(ids)
             rows, src, tgt, cand = [], [], [], []
-            for k in range(k_sh):
-                rows.append(b); src.append(n - k_sh + k - 1 - start); tgt.append(ids[n - k_sh + k]); cand.append(-1)
-            for j, suf in enumerate(it["suffixes"]):
-                rows.append(b); src.append(n - 1 - start); tgt.append(suf[0]); cand.append(j)
+            self._first_tokens(it, b, n - 1 - start, rows, src, tgt, cand)
             self._collect(items, out, where, lm, hidden[torch.tensor(src, device=dev)], rows, tgt, cand)
             later = [(j, suf) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1]
             row_cap = max(16, self.max_batch_tokens // 4)
@@ -401,21 +386,44 @@ class ActionScorer:
                 s_pos = torch.empty((1, width), dtype=torch.long)
                 allowed = torch.zeros((1, 1, width, n + width), dtype=torch.bool)
                 allowed[..., :n] = True
-                rows, src, tgt, cand = [], [], [], []
-                cursor = 0
-                for j, suf in part:
-                    m = len(suf) - 1
-                    s_ids[0, cursor:cursor + m] = torch.tensor(suf[:-1], dtype=torch.long)
-                    s_pos[0, cursor:cursor + m] = torch.arange(n, n + m)
-                    allowed[0, 0, cursor:cursor + m, n + cursor:n + cursor + m] = \
-                        torch.ones((m, m), dtype=torch.bool).tril()
-                    for k in range(1, len(suf)):
-                        rows.append(b); src.append(cursor + k - 1); tgt.append(suf[k]); cand.append(j)
-                    cursor += m
+                scored, _ = self._pack_row(part, n, s_ids[0], s_pos[0], allowed[0, 0, :, n:])
+                src = [col for col, _, _ in scored]
+                tgt = [token for _, token, _ in scored]
+                cand = [j for _, _, j in scored]
+                rows = [b] * len(scored)
                 past = DynamicCache(ddp_cache_data=layers)
                 h = decoder(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev), position_ids=s_pos.to(dev),
                             past_key_values=past, use_cache=True).last_hidden_state[0]
                 self._collect(items, out, where, lm, h[torch.tensor(src, device=dev)], rows, tgt, cand)
+
+    @staticmethod
+    def _first_tokens(it: dict, b: int, last: int, rows: list, src: list, tgt: list, cand: list) -> None:
+        """Adds the targets a prompt's own pass predicts: the tokens all candidates share (the last
+        it["shared"] tokens of the prompt) and every candidate's first token; `last` is where the
+        prompt's last token sits in the pass's hidden states."""
+        ids, k_sh = it["prompt"], it["shared"]
+        for k in range(k_sh):
+            rows.append(b); src.append(last - k_sh + k); tgt.append(ids[len(ids) - k_sh + k]); cand.append(-1)
+        for j, suf in enumerate(it["suffixes"]):
+            rows.append(b); src.append(last); tgt.append(suf[0]); cand.append(j)
+
+    @staticmethod
+    def _pack_row(part: list[tuple[int, list[int]]], n: int, ids_row: torch.Tensor, pos_row: torch.Tensor,
+                  among: torch.Tensor) -> tuple[list[tuple[int, int, int]], int]:
+        """Lays the later tokens of candidates (j, suffix) side by side from column 0 of one row that
+        follows an n-token prompt: their ids, positions n, n + 1, ... for each, and in `among` (the
+        row's mask block over its own columns) each candidate seeing only its own earlier tokens.
+        Returns (column whose hidden state predicts it, target token, j) per scored token, and the
+        columns used."""
+        scored, cursor = [], 0
+        for j, suf in part:
+            m = len(suf) - 1
+            ids_row[cursor:cursor + m] = torch.tensor(suf[:-1], dtype=torch.long)
+            pos_row[cursor:cursor + m] = torch.arange(n, n + m)
+            among[cursor:cursor + m, cursor:cursor + m] = torch.ones((m, m), dtype=torch.bool).tril()
+            scored += [(cursor + k - 1, suf[k], j) for k in range(1, len(suf))]
+            cursor += m
+        return scored, cursor
 
     @staticmethod
     def _collect(items, out, where, lm, h, rows, tgt, cand) -> None:
@@ -459,7 +467,7 @@ class ActionScorer:
         """Greedy continuations of the prompts, cut after the first "Action: ..." line; a row stops at
         the end of that line, at the format's end of turn (a chat model's end-of-message token) or
         after max_new_tokens."""
-        lm = _inner(self.model)
+        lm = inner_model(self.model)
         eos = lm.config.eos_token_id
         eos = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
         end = getattr(self.fmt, "end_of_turn", "")

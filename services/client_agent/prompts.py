@@ -34,7 +34,7 @@ SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each
                  "in that situation.")
 
 
-def _inner(model):
+def inner_model(model):
     """The causal LM under a PeftModel (its layers carry the active LoRA), else the model itself."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -44,7 +44,7 @@ def is_tiny(model) -> bool:
     """True for the embedded tiny model (built in code, or exported as a directory)."""
     from fedse.tinymodel import TINY_MODEL_NAME
 
-    config = getattr(_inner(model), "config", None)
+    config = getattr(inner_model(model), "config", None)
     return config is not None and (getattr(config, "name_or_path", None) == TINY_MODEL_NAME
                                    or bool(getattr(config, "fedse_tiny", False)))
 
@@ -55,7 +55,7 @@ def default_max_prompt_tokens(model) -> int:
     when not told otherwise, so training sees what acting sees."""
     if is_tiny(model):
         return TINY_MAX_PROMPT_TOKENS
-    config = getattr(_inner(model), "config", None)
+    config = getattr(inner_model(model), "config", None)
     limit = getattr(config, "max_position_embeddings", None) if config is not None else None
     return min(DEFAULT_MAX_PROMPT_TOKENS, limit - 64) if limit and limit > 128 else DEFAULT_MAX_PROMPT_TOKENS
 
@@ -149,14 +149,15 @@ class ChatFormat:
     """The tokenizer's chat template (see the module docstring). max_history < 0: every earlier turn
     of the episode while the prompt fits in max_prompt_tokens; k >= 0: the last k turns."""
 
-    def __init__(self, tokenizer, max_prompt_tokens: int, max_history: int = -1, system: str = SYSTEM_PROMPT):
+    def __init__(self, tokenizer, max_prompt_tokens: int, max_history: int = -1, system: str = SYSTEM_PROMPT,
+                 tokenize: TokenCache | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("ChatFormat needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_history = max_history
         self.system = system
-        self.tokenize = TokenCache(tokenizer)
+        self.tokenize = tokenize or TokenCache(tokenizer)
         self.end_of_turn = self._end_of_turn()
         self._starts: OrderedDict[tuple, int] = OrderedDict()
 
@@ -210,11 +211,14 @@ class ChatFormat:
         return f"Action: {action}{self.end_of_turn}"
 
 
-def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int | None = None) -> PromptFormat:
+def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int | None = None,
+                tokenize: TokenCache | None = None) -> PromptFormat:
     """ChatFormat for a model whose tokenizer has a chat template, else PlainFormat. max_history < 0
-    means the format's default: the whole episode in the window (chat), 1 turn (plain)."""
+    means the format's default: the whole episode in the window (chat), 1 turn (plain). `tokenize`:
+    a TokenCache to share with the scorer and training (a prompt is then tokenized once)."""
     if not is_tiny(model) and getattr(tokenizer, "chat_template", None):
-        return ChatFormat(tokenizer, max_prompt_tokens or default_max_prompt_tokens(model), max_history)
+        return ChatFormat(tokenizer, max_prompt_tokens or default_max_prompt_tokens(model), max_history,
+                          tokenize=tokenize)
     return PlainFormat(1 if max_history < 0 else max_history)
 
 
@@ -236,13 +240,14 @@ class Encoded:
 
 
 def encode_trajectory(fmt: PromptFormat, tokenize: TokenCache, instruction: str, turns: Sequence[tuple[str, str]],
-                      max_prompt_tokens: int | None, merge: bool | None = None) -> list[Encoded]:
+                      max_prompt_tokens: int | None) -> list[Encoded]:
     """The training sequences of one trajectory, one turn each as the agent saw it (its prompt,
     truncated on the left to max_prompt_tokens exactly as acting truncates it, then its text).
     Where a turn's prompt begins with the previous turn's prompt and text, token for token (the
     chat format within one window), the turn is added to that sequence instead: the same tokens the
-    agent saw, computed once. merge=None merges for every format but PlainFormat."""
-    merge = not isinstance(fmt, PlainFormat) if merge is None else merge
+    agent saw, computed once. In the plain format every turn stays a sequence of its own, as the
+    tiny model was trained and measured."""
+    merge = not isinstance(fmt, PlainFormat)
     out: list[Encoded] = []
     ids: list[int] = []
     spans: list[tuple[int, int]] = []

@@ -9,8 +9,9 @@ training, as in the paper), sequences shuffled each epoch by a generator seeded 
 same inputs give the same adapter. An optimizer step covers about `batch_size` agent turns
 (turn_batches), whether they come one per sequence or a window of an episode each.
 
-Memory is bounded by design, whatever the prompts' length: a step's sequences run in micro-batches of at most `max_batch_tokens` tokens (rows x padded width; a longer
-sequence runs alone) whose gradients accumulate, so the step is the one a whole batch would take
+Memory is bounded by design, whatever the prompts' length: a step's sequences run in micro-batches
+of at most `max_batch_tokens` tokens (rows x padded width; a longer sequence runs alone) whose
+gradients accumulate, so the step is the one a whole batch would take
 (the loss is the mean over the batch's target tokens). `checkpointing` recomputes each layer's
 activations in the backward pass instead of keeping them (real models; the tiny model needs no
 help). `precision` "bf16" runs the forward and backward under bfloat16 autocast (the LoRA weights
@@ -24,13 +25,13 @@ MODEL_NOTES.md). For real LLMs pass the paper's value (PAPER_LR) or what their n
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable, Sequence
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from .model import autocast
 from .prompts import Encoded, TokenCache, default_max_prompt_tokens, encode_example, format_target
 
 TINY_LR = 3e-3
@@ -39,13 +40,6 @@ PAPER_LR = 5e-5
 # bf16 autocast: about 330 kB per token of budget at the peak (1,024: 1.6 GB for the whole process,
 # 2,048: 1.9 GB, 4,096: 2.6 GB; without checkpointing 2,048 takes 3.9 GB), and no slower at 1,024.
 DEFAULT_TRAIN_BATCH_TOKENS = 1024
-
-
-def autocast(precision: str, device: torch.device):
-    """bfloat16 autocast for precision "bf16", else nothing."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
