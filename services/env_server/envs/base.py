@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import random
+from typing import Generic, Iterator, Sequence, TypeVar
 
 
 class UnknownTask(KeyError):
@@ -62,3 +64,35 @@ SPLITS = ("train", "test")
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+
+
+T = TypeVar("T")
+
+
+class NumberedTasks(Generic[T]):
+    """Task ids numbered from 0: first the test split, then the training split, each id standing for
+    one value (a maze start, a hidden word, a crafting goal, a shopping goal)."""
+
+    def __init__(self, env: str, test: Sequence[T], train: Sequence[T]):
+        self.env = env
+        self.num_test = len(test)
+        self._values: list[T] = [*test, *train]
+
+    def ids(self, split: str) -> list[int]:
+        check_split(split)
+        return list(range(self.num_test)) if split == "test" else list(range(self.num_test, len(self._values)))
+
+    def __getitem__(self, task_id: int) -> T:
+        if not (isinstance(task_id, int) and 0 <= task_id < len(self._values)):
+            raise UnknownTask(f"{self.env} has no task {task_id}: ids are 0..{len(self._values) - 1}")
+        return self._values[task_id]
+
+
+def shuffled_cycle(values: Sequence[T], rng: random.Random) -> Iterator[T]:
+    """The values over and over, each pass in a new seeded order: a training split that draws every
+    value about equally often. Lazy, so draws that interleave with other uses of `rng` stay put."""
+    while True:
+        order = list(values)
+        rng.shuffle(order)
+        while order:
+            yield order.pop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import random
 
-from .base import Environment, Episode, StepResult, UnknownTask, check_split
+from .base import Environment, Episode, NumberedTasks, StepResult
 
 WALL, OPEN = 1, 0
 
@@ -124,15 +124,11 @@ class MazeEnv(Environment):
 
     def __init__(self, seed: int = 0):
         rng = random.Random(seed)
-        self._start_of: dict[int, tuple[int, int]] = {i: STARTS[i] for i in range(NUM_TEST)}
-        for i in range(NUM_TRAIN):
-            self._start_of[NUM_TEST + i] = STARTS[rng.randrange(len(STARTS))]
+        train = [STARTS[rng.randrange(len(STARTS))] for _ in range(NUM_TRAIN)]
+        self._starts = NumberedTasks(self.name, STARTS[:NUM_TEST], train)
 
     def tasks(self, split: str) -> list[int]:
-        check_split(split)
-        return list(range(NUM_TEST)) if split == "test" else list(range(NUM_TEST, NUM_TEST + NUM_TRAIN))
+        return self._starts.ids(split)
 
     def reset(self, task_id: int) -> MazeEpisode:
-        if task_id not in self._start_of:
-            raise UnknownTask(f"maze has no task {task_id}: ids are 0..{NUM_TEST + NUM_TRAIN - 1}")
-        return MazeEpisode(self._start_of[task_id])
+        return MazeEpisode(self._starts[task_id])

@@ -55,7 +55,7 @@ import random
 import re
 from typing import Iterable, Mapping, Sequence
 
-from .base import Environment, Episode, StepResult, UnknownTask, check_split
+from .base import Environment, Episode, NumberedTasks, StepResult, shuffled_cycle
 
 GAME_VERSION = "1.16"
 NUM_TRAIN, NUM_TEST = 374, 100
@@ -662,23 +662,14 @@ class TextCraftEnv(Environment):
         test_goals = [g for d, items in sorted(by_depth.items()) for g in rng.sample(items, counts[d])]
         rng.shuffle(test_goals)
         held_out = set(test_goals)
-        train_goals = [g for g in pool if g not in held_out]
-        self._goal_of: dict[int, str] = {i: g for i, g in enumerate(test_goals)}
-        order: list[str] = []
-        for i in range(NUM_TRAIN):
-            if not order:
-                order = list(train_goals)
-                rng.shuffle(order)
-            self._goal_of[NUM_TEST + i] = order.pop()
+        train_goals = shuffled_cycle([g for g in pool if g not in held_out], rng)
+        self._goals = NumberedTasks(self.name, test_goals, [next(train_goals) for _ in range(NUM_TRAIN)])
 
     def tasks(self, split: str) -> list[int]:
-        check_split(split)
-        return list(range(NUM_TEST)) if split == "test" else list(range(NUM_TEST, NUM_TEST + NUM_TRAIN))
+        return self._goals.ids(split)
 
     def goal(self, task_id: int) -> str:
-        if task_id not in self._goal_of:
-            raise UnknownTask(f"textcraft has no task {task_id}: ids are 0..{NUM_TEST + NUM_TRAIN - 1}")
-        return self._goal_of[task_id]
+        return self._goals[task_id]
 
     def task(self, task_id: int) -> Task:
         goal = self.goal(task_id)

@@ -40,7 +40,7 @@ import sqlite3
 import threading
 from typing import Iterable, Sequence
 
-from .base import Environment, Episode, StepResult, UnknownTask, check_split
+from .base import Environment, Episode, NumberedTasks, StepResult, shuffled_cycle
 from .webshop_catalog import (
     EXACT_MATCH_OPTIONS,
     PRODUCT_TYPES,
@@ -463,15 +463,10 @@ class WebShopEnv(Environment):
         rng.shuffle(order)
         test_targets, train_targets = order[:NUM_TEST], order[NUM_TEST:]
         seen: set[str] = set()
-        self._goal_of: dict[int, Goal] = {}
-        for i, j in enumerate(test_targets):
-            self._goal_of[i] = self._new_goal(rng, self.products[j], seen)
-        pool: list[int] = []
-        for i in range(NUM_TRAIN):
-            if not pool:
-                pool = list(train_targets)
-                rng.shuffle(pool)
-            self._goal_of[NUM_TEST + i] = self._new_goal(rng, self.products[pool.pop()], seen)
+        test = [self._new_goal(rng, self.products[j], seen) for j in test_targets]
+        train_targets = shuffled_cycle(train_targets, rng)  # drawn lazily, between the goals' own draws
+        train = [self._new_goal(rng, self.products[next(train_targets)], seen) for _ in range(NUM_TRAIN)]
+        self._goals = NumberedTasks(self.name, test, train)
 
     @staticmethod
     def _new_goal(rng: random.Random, product: Product, seen: set[str], tries: int = 50) -> Goal:
@@ -484,13 +479,10 @@ class WebShopEnv(Environment):
         return goal
 
     def tasks(self, split: str) -> list[int]:
-        check_split(split)
-        return list(range(NUM_TEST)) if split == "test" else list(range(NUM_TEST, NUM_TEST + NUM_TRAIN))
+        return self._goals.ids(split)
 
     def goal(self, task_id: int) -> Goal:
-        if task_id not in self._goal_of:
-            raise UnknownTask(f"webshop has no task {task_id}: ids are 0..{NUM_TEST + NUM_TRAIN - 1}")
-        return self._goal_of[task_id]
+        return self._goals[task_id]
 
     def reset(self, task_id: int) -> WebShopEpisode:
         return WebShopEpisode(self, self.goal(task_id))

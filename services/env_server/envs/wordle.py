@@ -24,7 +24,7 @@ import random
 from typing import Sequence
 
 
-from .base import Environment, Episode, StepResult, UnknownTask, check_split
+from .base import Environment, Episode, NumberedTasks, StepResult, shuffled_cycle
 
 WORD_LENGTH = 5
 MAX_GUESSES = 6
@@ -242,23 +242,14 @@ class WordleEnv(Environment):
         rng = random.Random(seed)
         test_words = rng.sample(self.vocab, NUM_TEST)
         held_out = set(test_words)
-        train_words = [w for w in self.vocab if w not in held_out]
-        self._target_of: dict[int, str] = {i: w for i, w in enumerate(test_words)}
-        order: list[str] = []
-        for i in range(NUM_TRAIN):
-            if not order:
-                order = list(train_words)
-                rng.shuffle(order)
-            self._target_of[NUM_TEST + i] = order.pop()
+        train_words = shuffled_cycle([w for w in self.vocab if w not in held_out], rng)
+        self._targets = NumberedTasks(self.name, test_words, [next(train_words) for _ in range(NUM_TRAIN)])
 
     def tasks(self, split: str) -> list[int]:
-        check_split(split)
-        return list(range(NUM_TEST)) if split == "test" else list(range(NUM_TEST, NUM_TEST + NUM_TRAIN))
+        return self._targets.ids(split)
 
     def target(self, task_id: int) -> str:
-        if task_id not in self._target_of:
-            raise UnknownTask(f"wordle has no task {task_id}: ids are 0..{NUM_TEST + NUM_TRAIN - 1}")
-        return self._target_of[task_id]
+        return self._targets[task_id]
 
     def reset(self, task_id: int) -> WordleEpisode:
         return WordleEpisode(self.target(task_id), self._vocab_set, self._actions, self._instruction, self.expert)
