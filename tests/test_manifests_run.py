@@ -331,11 +331,11 @@ def test_default_manifests_run_a_federation_round(tmp_path):
 def test_mtls_manifests_run_a_federation_round(tmp_path):
     """The mtls component: every link mutual TLS with the certificates its Certificates describe
     (stand-ins issued by a test CA), probes on the plain health ports. Two of the five pairs (maze,
-    wordle), so the aggregator is also told --min-clients=2 (round 0 opens once they have joined):
+    wordle), so the aggregator is also told --start-clients=2 (round 0 opens once they have joined):
     what is checked is the wiring (mounted Secrets, TLS flags, allowed client ids, health ports),
     which the other three pairs share."""
     docs = kustomize(write_scenario(tmp_path / "kustomization", ["mtls"]))
-    extra = {"services.aggregator": ["--min-clients=2"]}
+    extra = {"services.aggregator": ["--start-clients=2"]}
     cluster, servers, clients = run_federation(docs, tmp_path / "run", envs={"maze", "wordle"}, extra=extra)
     for pod in servers:  # TLS on the service port, plain health on another
         assert pod.env["FEDSE_TLS_CERT"].endswith("tls.crt") and pod.env["FEDSE_HEALTH_ADDRESS"].startswith("127.0.0.1:")
