@@ -17,7 +17,7 @@ from fedse.v1 import env_pb2_grpc as epb_grpc
 from services.env_server.envs import KNOWN_ENVS
 from services.env_server.server import EnvServerConfig, create_server
 
-# DESIGN.md's train / test task counts (the paper's, from AgentGym).
+# The train / test task counts of the paper's environments (from AgentGym).
 SPLIT_SIZES = {"maze": (215, 25), "wordle": (955, 25), "babyai": (810, 90), "textcraft": (374, 100),
                "webshop": (3930, 200)}
 SAYS_INVALID = re.compile(r"invalid|could not|cannot|not a valid|not admissible|not recognized|nothing happens", re.IGNORECASE)

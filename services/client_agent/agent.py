@@ -1,9 +1,9 @@
 """The Fed-SE client loop: download phi_t, evaluate it, explore, keep successes, train, upload.
 
-Round t (DESIGN.md): load the global adapter phi_t; evaluate it greedily on held-out test tasks
-(only scalars leave the client); explore training tasks at temperature 1.0; keep the successful
-trajectories; add them to the cumulative buffer D_t = D_{t-1} ∪ D_succ (D_0 = expert demos);
-fine-tune the LoRA on the whole buffer; upload phi_{t,k}. After the last round the final global
+Round t (the README's "One round"): load the global adapter phi_t; evaluate it greedily on
+held-out test tasks (only scalars leave the client); explore training tasks at temperature 1.0;
+keep the successful trajectories; add them to the cumulative buffer D_t = D_{t-1} ∪ D_succ (D_0 =
+expert demos); fine-tune the LoRA on the whole buffer; upload phi_{t,k}. After the last round the final global
 adapter is evaluated too, so the metrics cover phi_0 (the untrained base) to phi_T.
 
 The methods the paper compares change only parts of this loop (buffer.py defines the selections):
