@@ -22,7 +22,6 @@ from services.env_server.envs.textcraft import (
     goal_pool,
     make_task,
     plan,
-    solve,
 )
 from services.env_server.sessions import Outcome, SessionManager
 
@@ -232,6 +231,17 @@ def test_expert_plan_for_a_known_goal(book):
     ]
     assert plan(book, "dark_oak_sign", {"stick": 1, "dark_oak_planks": 6}) == [
         "craft 3 dark oak sign using 6 dark oak planks, 1 stick"]
+
+
+def solve(episode: TextCraftEpisode, limit: int = MAX_TURNS) -> list[str]:
+    """Plays the expert until the episode ends or `limit` actions; returns the actions taken."""
+    taken: list[str] = []
+    for _ in range(limit):
+        action = episode.expert_action()
+        taken.append(action)
+        if episode.step(action).done:
+            break
+    return taken
 
 
 def test_expert_finishes_from_a_messy_state(book):

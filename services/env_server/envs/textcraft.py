@@ -678,14 +678,3 @@ class TextCraftEnv(Environment):
     def reset(self, task_id: int) -> TextCraftEpisode:
         return TextCraftEpisode(self.book, self.task(task_id))
 
-
-def solve(episode: TextCraftEpisode, limit: int = MAX_TURNS) -> list[str]:
-    """Plays the expert until the episode ends or `limit` actions; returns the actions taken."""
-    taken: list[str] = []
-    for _ in range(limit):
-        action = episode.expert_action()
-        taken.append(action)
-        if episode.step(action).done:
-            break
-    return taken
-
