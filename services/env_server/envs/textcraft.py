@@ -677,4 +677,3 @@ class TextCraftEnv(Environment):
 
     def reset(self, task_id: int) -> TextCraftEpisode:
         return TextCraftEpisode(self.book, self.task(task_id))
-
