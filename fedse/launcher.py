@@ -40,6 +40,7 @@ from typing import IO, Any, Sequence
 
 from fedse.config import ConfigError, field
 from fedse.machine import available_cores
+from fedse.progress import EVERY_S as PROGRESS_EVERY_S, describe, last_progress
 from fedse.pretrained import check_base_model
 
 SERVICE_START_S = 120.0
@@ -423,6 +424,19 @@ def unopenable(fed: Federation, run_dir: pathlib.Path, failed: set[str]) -> str:
             "client has joined") if missing else ""
 
 
+def progress_lines(clients: dict[Client, Proc], seen: dict[str, str]) -> list[str]:
+    """What each running client agent is doing, from the last progress line of its log, for those
+    whose line changed since `seen` (updated)."""
+    lines = []
+    for c, p in clients.items():
+        entry = last_progress(p.log_path) if p.popen.poll() is None else None
+        text = describe(entry) if entry else ""
+        if text and seen.get(c.client_id) != text:
+            seen[c.client_id] = text
+            lines.append(f"{c.client_id}: {text}")
+    return lines
+
+
 def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     """Runs the federation until every client agent has exited, then writes and returns its results
     (collect()). A client that fails is reported and recorded, and the others go on; on Ctrl-C (or
@@ -490,6 +504,8 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
 
         shown = -1
+        said_at = time.monotonic()
+        progress_seen: dict[str, str] = {}
         while True:
             known = {f.client_id for f in failed} | halted
             dead = [(c, p) for c, p in clients.items() if c.client_id not in known and p.popen.poll() not in (None, 0)]
@@ -514,6 +530,12 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
                 say(f"\n[{time.monotonic() - started:6.1f}s] held-out success per environment and round\n"
                     + success_table(env_rows(seen, client_envs), cfg.env_list(), cfg.rounds)
                     + "".join(f"\n{f.client_id} failed ({f.reason}); it {reported(f)}" for f in failed))
+                said_at = time.monotonic()
+            elif time.monotonic() - said_at >= PROGRESS_EVERY_S:
+                said_at = time.monotonic()
+                lines = progress_lines(clients, progress_seen)
+                if lines:
+                    say(f"[{time.monotonic() - started:6.1f}s] " + "\n          ".join(lines))
             if all(p.popen.poll() is not None for p in clients.values()):
                 break
             time.sleep(1.0)

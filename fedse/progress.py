@@ -1,0 +1,101 @@
+"""How far a long phase is, as log lines that people and `fedse run` read.
+
+A client agent's round with a real model takes minutes per phase (evaluating, exploring, training).
+`PhaseProgress` logs a "progress" line when a phase starts, at most every `every_s` seconds while it
+runs, and when it ends:
+
+    {"msg": "progress", "phase": "training", "round": 1, "done": 12, "total": 40, "unit": "steps",
+     "elapsed_s": 61.2, "left_s": 142.8, ...}
+
+`fedse run` reads the last such line of each client's log (`last_progress`) and shows it
+(`describe`) while no new round result arrives: `round 1 training: 12/40 steps, 1m01s, ~2m23s left`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from fedse.serving import log_fields
+
+PROGRESS_MSG = "progress"
+EVERY_S = 30.0
+TAIL_BYTES = 64 * 1024  # how much of a log's end `last_progress` reads
+
+
+class PhaseProgress:
+    """Counts the units of work of one phase (episodes, optimizer steps) and logs progress lines."""
+
+    def __init__(self, log: logging.Logger, phase: str, total: int, unit: str, every_s: float = EVERY_S,
+                 clock: Callable[[], float] = time.monotonic, **fields: Any):
+        self.log, self.phase, self.total, self.unit = log, phase, total, unit
+        self.every_s, self.clock, self.fields = every_s, clock, fields
+        self.done = 0
+        self.started = self.last = clock()
+        self._emit()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = self.clock()
+        if self.done >= self.total or now - self.last >= self.every_s:
+            self.last = now
+            self._emit()
+
+    def _emit(self) -> None:
+        elapsed = self.clock() - self.started
+        left = elapsed * (self.total - self.done) / self.done if 0 < self.done < self.total else None
+        self.log.info(PROGRESS_MSG, extra=log_fields(
+            phase=self.phase, **self.fields, done=self.done, total=self.total, unit=self.unit,
+            elapsed_s=round(elapsed, 1), **({"left_s": round(left, 1)} if left is not None else {})))
+
+
+def last_progress(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The last progress line of a JSON log (its end only is read), None if it has none."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            start = max(0, fh.tell() - TAIL_BYTES)
+            fh.seek(start)
+            lines = fh.read().decode(errors="replace").splitlines()[1 if start else 0:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if f'"{PROGRESS_MSG}"' not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("msg") == PROGRESS_MSG:
+            return entry
+    return None
+
+
+def duration(seconds: float) -> str:
+    """12s, 2m03s, 1h05m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """A progress line in words: "round 1 training: 12/40 steps, 1m01s, ~2m23s left"."""
+    where = f"round {entry['round']} " if isinstance(entry.get("round"), int) and entry["round"] >= 0 else ""
+    env = f" {entry['env']}" if entry.get("env") else ""
+    text = (f"{where}{entry.get('phase', '?')}{env}: {entry.get('done', 0)}/{entry.get('total', '?')} "
+            f"{entry.get('unit', '')}, {duration(float(entry.get('elapsed_s', 0)))}")
+    if entry.get("left_s") is not None:
+        text += f", ~{duration(float(entry['left_s']))} left"
+    return text
+
+
+def age_s(entry: dict[str, Any], now: float | None = None) -> float:
+    """Seconds since the line was written (its "ts")."""
+    return (time.time() if now is None else now) - float(entry.get("ts", 0.0))
+
