@@ -22,7 +22,13 @@ import numpy
 import torch
 from safetensors.torch import load as st_load
 
-CHUNK_BYTES = 4 * 1024 * 1024
+# gRPC's default limit on a message received, in every implementation: a client or server that keeps
+# its defaults refuses anything larger.
+GRPC_DEFAULT_MESSAGE_BYTES = 4 * 1024 * 1024
+# Data bytes in one adapter chunk, both directions (RunConfig.max_chunk_bytes): with its protobuf framing
+# (5 bytes for AdapterChunk.data) a chunk stays well under gRPC's default limit, so a client that keeps
+# every gRPC default downloads adapters of any size, and a server that does receives them.
+CHUNK_BYTES = GRPC_DEFAULT_MESSAGE_BYTES - 64 * 1024
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 

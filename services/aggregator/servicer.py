@@ -198,7 +198,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                     if chunk.WhichOneof("kind") != "data":
                         raise ValueError("only data chunks may follow the header")
                     if len(chunk.data) > self.chunk_bytes:
-                        raise ValueError(f"chunk of {len(chunk.data)} bytes exceeds {self.chunk_bytes}: split it")
+                        raise ValueError(f"data chunk of {len(chunk.data)} bytes exceeds this aggregator's limit of "
+                                         f"{self.chunk_bytes} bytes (RunConfig.max_chunk_bytes): send chunks of at "
+                                         "most that size")
                     BYTES_RECEIVED.inc(len(chunk.data))
                     held = self.fed.receive(header, generation, held, chunk.data)
                 if held < header.size:
