@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import struct
 import tempfile
 from typing import Iterator, Mapping
@@ -33,6 +34,12 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
 Adapter = dict[str, torch.Tensor]
+
+# What a safetensors header may be before it is parsed. A header is a flat JSON object of tensor
+# entries ({"name": {"dtype", "shape": [...], "data_offsets": [...]}, "__metadata__": {...}}: 3
+# levels deep, about 150 bytes per tensor), so a LoRA adapter's is a few KB to a few hundred KB.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_HEADER_DEPTH = 8
 
 
 class AdapterError(ValueError):
@@ -237,6 +244,9 @@ class UploadCheck:
         if len(self._head) < 8:
             return 8
         (n,) = struct.unpack("<Q", self._head[:8])
+        if n > MAX_HEADER_BYTES:
+            raise AdapterError(f"not a valid adapter: its safetensors header claims {n} bytes, more than the "
+                               f"limit of {MAX_HEADER_BYTES} (a LoRA adapter's header is a few KB)")
         if 8 + n > self.size:
             raise AdapterError(f"not a valid safetensors file (its header claims {n} bytes of the "
                                f"{self.size} declared)")
@@ -409,15 +419,40 @@ _SAFETENSORS_DTYPES = {
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
+# A JSON string, or an unterminated one up to the end; possessive, so no input makes it backtrack.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\[\s\S])*+"?')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth_within(text: bytes, limit: int) -> bool:
+    """Whether the arrays and objects of JSON `text` nest at most `limit` deep (unbalanced brackets
+    count as too deep). Linear passes at C speed, no recursion: the strings are blanked, everything
+    but brackets dropped, then innermost pairs removed once per level."""
+    skeleton = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not skeleton:
+            return True
+        skeleton = skeleton.replace(b"[]", b"").replace(b"{}", b"")
+    return not skeleton
+
+
 def parse_header(text: bytes, source: str) -> dict[str, dict]:
     """The tensor entries of a safetensors JSON header, {name: {"dtype", "shape", "data_offsets"}}
-    with integer shapes and offsets and a dtype fedse reads; AdapterError naming `source` if not."""
+    with integer shapes and offsets and a dtype fedse reads; AdapterError naming `source` if not.
+    The header's size and nesting are bounded before it is parsed."""
+    if len(text) > MAX_HEADER_BYTES:
+        raise AdapterError(f"{source} is not a valid adapter: its safetensors header is {len(text)} bytes, more "
+                           f"than the limit of {MAX_HEADER_BYTES}")
+    if not json_depth_within(text, MAX_HEADER_DEPTH):
+        raise AdapterError(f"{source} is not a valid safetensors file: its header nests deeper than "
+                           f"{MAX_HEADER_DEPTH} levels (or its brackets do not balance); a safetensors header is "
+                           "a flat object of tensor entries")
     try:
         header = json.loads(text)
         entries = {name: {"dtype": str(v["dtype"]), "shape": [int(d) for d in v["shape"]],
                           "data_offsets": [int(v["data_offsets"][0]), int(v["data_offsets"][1])]}
                    for name, v in header.items() if name != "__metadata__"}
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         raise AdapterError(f"{source} is not a valid safetensors file (bad header)") from None
     for name, e in entries.items():
         if e["dtype"] not in _SAFETENSORS_DTYPES:

@@ -1,6 +1,7 @@
 """The aggregator over real gRPC on port 0: rounds, averaging, PEFT export, bad uploads refused."""
 
 import json
+import struct
 
 import grpc
 import pytest
@@ -133,6 +134,12 @@ def test_bad_uploads_are_refused_and_the_round_completes(aggregator, peft_model)
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256="not-a-hash"), [good], "hex")
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(transport_dtype="int4"), [good], "transport dtype")
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(size=10 ** 12), [good], "exceeds the limit")
+    deep = struct.pack("<Q", 200_000) + b"[" * 200_000  # JSON nested 200,000 deep
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256=ad.sha256_hex(deep), size=len(deep)), [deep],
+            "nests deeper than")
+    huge = struct.pack("<Q", ad.MAX_HEADER_BYTES + 1)
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256=ad.sha256_hex(huge), size=ad.MAX_HEADER_BYTES + 9),
+            [huge], "more than the limit")
 
     # A stream that ends early is incomplete; what arrived is kept and the upload resumes from it.
     half = len(good) // 2
