@@ -206,3 +206,31 @@ def test_join_with_a_different_adapter_schema_is_refused(aggregator, peft_model)
         FederationClient(target, "../evil").join("maze", TINY_MODEL_NAME, ad.Schema.of(state, config_json))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     c1.close(), c2.close()
+
+
+def test_weighted_rounds_refuse_negative_counts_and_fall_back_to_the_mean_at_zero_weight(tmp_path, peft_model):
+    """--strategy weighted: an upload of all 1.0 with 5 successes and one of all 0.0 with -3 gave a global
+    adapter of 2.5, outside every upload. Negative counts are refused; a round whose weights sum to 0 (no
+    client had a success) takes the unweighted mean, as documented."""
+    _pm, state, config_json = peft_model
+    with aggregator_in_process(tmp_path, strategy="weighted", round_deadline_s=60.0) as (_agg, port, _run_dir):
+        c1, c2 = join_two(f"127.0.0.1:{port}", state, config_json)
+        ones = ad.encode({k: torch.ones_like(v) for k, v in state.items()})
+        zeros = ad.encode({k: torch.zeros_like(v) for k, v in state.items()})
+        c1.upload(0, ones, num_examples=5, num_successes=5)
+        for examples, successes in ((1, -3), (-1, 0)):
+            with pytest.raises(grpc.RpcError) as err:
+                c2.upload(0, zeros, num_examples=examples, num_successes=successes)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cannot be negative" in err.value.details()
+        assert list(c1.status().uploaded) == ["org-a"]  # the refused upload left the round as it was
+        c2.upload(0, zeros, num_examples=1, num_successes=0)
+        c1.wait_until(lambda s: s.round >= 1, timeout_s=10)
+        # Weights 5 and 0: the successful client's adapter.
+        assert all(torch.equal(v, torch.ones_like(v)) for v in ad.decode(c1.download(1).data).values())
+        c1.upload(1, ones, num_examples=5, num_successes=0)
+        c2.upload(1, zeros, num_examples=5, num_successes=0)
+        c1.wait_until(lambda s: s.round >= 2, timeout_s=10)
+        # Weights 0 and 0: the unweighted mean.
+        assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in ad.decode(c1.download(2).data).values())
+        c1.close(), c2.close()

@@ -391,6 +391,9 @@ class Federation:
             raise ValueError(f"sha256 {h.sha256!r} is not 64 lowercase hex digits")
         if h.size <= 0:
             raise ValueError(f"the header declares {h.size} bytes: give the adapter's size")
+        if h.num_examples < 0 or h.num_successes < 0:
+            raise ValueError(f"the header counts {h.num_examples} examples and {h.num_successes} successes: counts "
+                             "cannot be negative (send 0 when there are none)")
         if h.size > self.settings.max_adapter_bytes:
             raise ad.AdapterError(f"adapter of {h.size} bytes exceeds the limit of "
                                   f"{self.settings.max_adapter_bytes} bytes")
