@@ -23,6 +23,8 @@ import numpy
 import torch
 from safetensors.torch import load as st_load
 
+from fedse.inputs import MAX_NAME_CHARS, shown
+
 # gRPC's default limit on a message received, in every implementation: a client or server that keeps
 # its defaults refuses anything larger.
 GRPC_DEFAULT_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -40,6 +42,10 @@ Adapter = dict[str, torch.Tensor]
 # levels deep, about 150 bytes per tensor), so a LoRA adapter's is a few KB to a few hundred KB.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_HEADER_DEPTH = 8
+# What an adapter schema (Join) may be.
+MAX_SCHEMA_TENSORS = 100_000
+MAX_SCHEMA_DIMS = 8
+MAX_CONFIG_BYTES = 64 * 1024
 
 
 class AdapterError(ValueError):
@@ -79,6 +85,46 @@ class Schema:
     def from_dict(d: Mapping) -> "Schema":
         return Schema(tuple(TensorSpec(n, tuple(int(x) for x in shape), dt) for n, shape, dt in d["tensors"]),
                       d["adapter_config_json"])
+
+    def check(self, max_bytes: int) -> None:
+        """Raises AdapterError saying what to fix unless this is a schema an adapter can have: at least
+        one tensor, unique names of at most MAX_NAME_CHARS characters, at most MAX_SCHEMA_DIMS
+        non-negative dimensions, a dtype fedse reads, at most `max_bytes` in all, and an
+        adapter_config.json (a JSON object) of at most MAX_CONFIG_BYTES."""
+        if not self.tensors:
+            raise AdapterError("the adapter schema lists no tensors: send the LoRA adapter's tensor specs")
+        if len(self.tensors) > MAX_SCHEMA_TENSORS:
+            raise AdapterError(f"the adapter schema lists {len(self.tensors)} tensors, more than the limit of "
+                               f"{MAX_SCHEMA_TENSORS}")
+        seen: set[str] = set()
+        total = 0
+        for spec in self.tensors:
+            if not spec.name or len(spec.name) > MAX_NAME_CHARS or spec.name == "__metadata__":
+                raise AdapterError(f"tensor name {shown(spec.name)} is not valid: give a name of 1 to "
+                                   f"{MAX_NAME_CHARS} characters, as PEFT names the adapter's tensors")
+            if spec.name in seen:
+                raise AdapterError(f"tensor {shown(spec.name, 96)} is listed twice in the adapter schema")
+            seen.add(spec.name)
+            if len(spec.shape) > MAX_SCHEMA_DIMS or any(d < 0 for d in spec.shape):
+                raise AdapterError(f"tensor {shown(spec.name, 96)} has shape {shown(list(spec.shape))}: give at most "
+                                   f"{MAX_SCHEMA_DIMS} dimensions, none negative")
+            if spec.dtype not in _TORCH_DTYPES:
+                raise AdapterError(f"tensor {shown(spec.name, 96)} has dtype {shown(spec.dtype)}: use one of "
+                                   f"{', '.join(_TORCH_DTYPES)}")
+            total += math.prod(spec.shape) * _TORCH_DTYPES[spec.dtype].itemsize
+            if total > max_bytes:
+                raise AdapterError(f"the adapter schema's tensors hold more than the limit of {max_bytes} bytes")
+        if len(self.adapter_config_json) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"adapter_config_json is {len(self.adapter_config_json)} characters, more than the "
+                               f"limit of {MAX_CONFIG_BYTES}: send the adapter's adapter_config.json")
+        try:
+            if not json_depth_within(self.adapter_config_json.encode(), MAX_HEADER_DEPTH):
+                raise ValueError("nested too deep")
+            if not isinstance(json.loads(self.adapter_config_json), dict):
+                raise ValueError("not an object")
+        except (ValueError, RecursionError) as exc:
+            raise AdapterError(f"adapter_config_json is not a JSON object ({exc}): send the adapter's "
+                               "adapter_config.json") from None
 
     def check_compatible(self, other: "Schema") -> None:
         """Raises AdapterError naming the first difference in tensors (the config text may differ)."""
@@ -155,16 +201,17 @@ def check_tensors(schema: Schema, tensors: Mapping[str, object]) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise AdapterError(
-            f"adapter keys differ from the run's schema: {len(missing)} missing (first: {missing[:2]}), "
-            f"{len(unexpected)} unexpected (first: {unexpected[:2]}); train with the run's LoRA settings")
+            f"adapter keys differ from the run's schema: {len(missing)} missing (first: "
+            f"{', '.join(shown(n, 96) for n in missing[:2])}), {len(unexpected)} unexpected (first: "
+            f"{', '.join(shown(n, 96) for n in unexpected[:2])}); train with the run's LoRA settings")
     for name, spec in expected.items():
         t = tensors[name]
         shape = tuple(int(d) for d in t.shape)
         dtype = t.dtype if isinstance(t, TensorSpec) else str(t.dtype).removeprefix("torch.")
         if shape != spec.shape:
-            raise AdapterError(f"tensor {name} has shape {list(shape)}, the run expects {list(spec.shape)}")
+            raise AdapterError(f"tensor {name} has shape {shown(list(shape))}, the run expects {list(spec.shape)}")
         if dtype != spec.dtype:
-            raise AdapterError(f"tensor {name} has dtype {dtype}, the run expects {spec.dtype}")
+            raise AdapterError(f"tensor {name} has dtype {shown(dtype)}, the run expects {spec.dtype}")
 
 
 TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}
@@ -173,7 +220,7 @@ TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}
 def transport_dtype(name: str) -> torch.dtype | None:
     """The torch dtype of a transport dtype name ("" = each tensor's own dtype)."""
     if name not in TRANSPORT_DTYPES:
-        raise AdapterError(f"transport dtype {name!r} is unknown: use '' (the schema's dtypes) or 'bfloat16'")
+        raise AdapterError(f"transport dtype {shown(name)} is unknown: use '' (the schema's dtypes) or 'bfloat16'")
     return TRANSPORT_DTYPES[name]
 
 
@@ -259,8 +306,8 @@ class UploadCheck:
         if self._wire is not None:
             wrong = next((s for s in specs.values() if s.dtype != self._wire), None)
             if wrong is not None:
-                raise AdapterError(f"tensor {wrong.name} has dtype {wrong.dtype}, but the header's transport "
-                                   f"dtype is {self.transport}")
+                raise AdapterError(f"tensor {shown(wrong.name, 96)} has dtype {wrong.dtype}, but the header's "
+                                   f"transport dtype is {self.transport}")
         expected = self.schema.by_name()
 
         def as_torch(spec: TensorSpec) -> TensorSpec:
@@ -417,6 +464,8 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+# The schema's spelling: torch's names ("float32").
+_TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in _SAFETENSORS_DTYPES.values()}
 
 
 # A JSON string, or an unterminated one up to the end; possessive, so no input makes it backtrack.
@@ -456,7 +505,8 @@ def parse_header(text: bytes, source: str) -> dict[str, dict]:
         raise AdapterError(f"{source} is not a valid safetensors file (bad header)") from None
     for name, e in entries.items():
         if e["dtype"] not in _SAFETENSORS_DTYPES:
-            raise AdapterError(f"tensor {name} in {source} has dtype {e['dtype']!r}, which fedse does not read")
+            raise AdapterError(f"tensor {shown(name, 96)} in {source} has dtype {shown(e['dtype'])}, which fedse "
+                               "does not read")
     return entries
 
 

@@ -210,3 +210,23 @@ def test_upload_check_takes_bf16_on_the_wire_only_when_the_header_says_so():
     d = ad.encode(inf)
     with pytest.raises(ad.AdapterError, match="NaN or infinite"):
         ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20, "bfloat16")
+
+
+@pytest.mark.parametrize("tensors, config, message", [
+    ((), "{}", "lists no tensors"),
+    ((ad.TensorSpec("", (2,), "float32"),), "{}", "name .* is not valid"),
+    ((ad.TensorSpec("t" * 2000, (2,), "float32"),), "{}", r"\(2000 characters\) is not valid"),
+    ((ad.TensorSpec("a", (2,), "float32"), ad.TensorSpec("a", (2,), "float32")), "{}", "listed twice"),
+    ((ad.TensorSpec("a", (2, -1), "float32"),), "{}", "none negative"),
+    ((ad.TensorSpec("a", (1,) * 9, "float32"),), "{}", "at most 8 dimensions"),
+    ((ad.TensorSpec("a", (2,), "banana"),), "{}", "dtype 'banana': use one of"),
+    ((ad.TensorSpec("a", (1 << 40,), "float32"),), "{}", "more than the limit"),
+    ((ad.TensorSpec("a", (2,), "float32"),), "not json", "not a JSON object"),
+    ((ad.TensorSpec("a", (2,), "float32"),), "[1]", "not a JSON object"),
+    ((ad.TensorSpec("a", (2,), "float32"),), "[" * 10_000, "not a JSON object"),
+    ((ad.TensorSpec("a", (2,), "float32"),), '{"a": "' + "x" * 70_000 + '"}', "more than the limit of 65536"),
+])
+def test_schema_check_refuses_what_no_adapter_has(tensors, config, message):
+    with pytest.raises(ad.AdapterError, match=message):
+        ad.Schema(tensors, config).check(1 << 20)
+    ad.Schema((ad.TensorSpec("a", (2, 3), "float32"),), '{"r": 2}').check(1 << 20)

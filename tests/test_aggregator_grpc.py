@@ -10,7 +10,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 
 from fedse import adapter as ad
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from fedse import serde
+from fedse.inputs import MAX_STATUS_CHARS
 from fedse.v1 import federation_pb2 as fpb
+from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process
 from services.client_agent.federation import FederationClient
 
@@ -234,3 +237,64 @@ def test_weighted_rounds_refuse_negative_counts_and_fall_back_to_the_mean_at_zer
         # Weights 0 and 0: the unweighted mean.
         assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in ad.decode(c1.download(2).data).values())
         c1.close(), c2.close()
+
+
+def test_megabyte_ids_get_a_short_refusal_that_a_client_with_default_limits_reads(aggregator, peft_model):
+    """Every id a call carries (client, env, base model, tensor names, run, nonce, sha256, transport dtype,
+    phase) is bounded up front: a 1 MB one is INVALID_ARGUMENT with a message well under gRPC's 8 KB
+    metadata default, never RESOURCE_EXHAUSTED "Stream removed"; the aggregator goes on serving."""
+    _agg, target, _ = aggregator
+    _pm, state, config_json = peft_model
+    huge = "x" * 1_000_000
+    schema = ad.Schema.of(state, config_json)
+    c1, c2 = join_two(target, state, config_json)
+    nonce = c1.status().round_nonce
+    good = ad.encode(state)
+
+    def join(**kw):
+        req = fpb.JoinRequest(client_id="org-c", env="maze", base_model=TINY_MODEL_NAME,
+                              schema=serde.schema_to_proto(schema))
+        for k, v in kw.items():
+            setattr(req, k, v)
+        return lambda stub: stub.Join(req, timeout=30)
+
+    def upload(**kw):
+        header = fpb.AdapterHeader(**{"client_id": "org-a", "round": 0, "round_nonce": nonce,
+                                      "sha256": ad.sha256_hex(good), "size": len(good), **kw})
+        return lambda stub: stub.UploadAdapter(iter([fpb.AdapterChunk(header=header), fpb.AdapterChunk(data=good)]),
+                                               timeout=30)
+
+    named = fpb.AdapterSchema(adapter_config_json=config_json,
+                              tensors=[fpb.TensorSpec(name=huge, shape=[2], dtype="float32")])
+    calls = {
+        "Join client_id": join(client_id=huge), "Join env": join(env=huge), "Join base_model": join(base_model=huge),
+        "Join tensor name": lambda stub: stub.Join(fpb.JoinRequest(client_id="org-c", env="maze",
+                                                                   base_model=TINY_MODEL_NAME, schema=named)),
+        "GetRoundStatus": lambda stub: stub.GetRoundStatus(fpb.RoundStatusRequest(client_id=huge)),
+        "WatchRound": lambda stub: next(stub.WatchRound(fpb.RoundStatusRequest(client_id=huge), timeout=30)),
+        "Heartbeat client_id": lambda stub: stub.Heartbeat(fpb.HeartbeatRequest(client_id=huge, phase="waiting")),
+        "Heartbeat phase": lambda stub: stub.Heartbeat(fpb.HeartbeatRequest(client_id="org-a", phase=huge)),
+        "ReportMetrics": lambda stub: stub.ReportMetrics(fpb.MetricsReport(client_id=huge, round=0)),
+        "GetUploadState client_id": lambda stub: stub.GetUploadState(fpb.UploadStateRequest(client_id=huge)),
+        "GetUploadState sha256": lambda stub: stub.GetUploadState(fpb.UploadStateRequest(client_id="org-a",
+                                                                                        sha256=huge)),
+        "DownloadAdapter sha256": lambda stub: next(stub.DownloadAdapter(fpb.DownloadRequest(round=0, sha256=huge))),
+        "DownloadAdapter transport": lambda stub: next(stub.DownloadAdapter(
+            fpb.DownloadRequest(round=0, transport_dtype=huge))),
+        "Upload client_id": upload(client_id=huge), "Upload run_id": upload(run_id=huge),
+        "Upload round_nonce": upload(round_nonce=huge), "Upload sha256": upload(sha256=huge),
+        "Upload transport": upload(transport_dtype=huge),
+    }
+    with grpc.insecure_channel(target) as channel:  # every gRPC default
+        stub = fpb_grpc.FederationServiceStub(channel)
+        for what, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call(stub)
+            code, details = err.value.code(), err.value.details()
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details[:200])
+            assert "1000000 characters" in details and len(details) <= MAX_STATUS_CHARS, (what, details[:300])
+            assert "x" * 100 not in details, what
+        # Nothing was let in: the round goes on with its two clients.
+        st = stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=30)
+        assert list(st.joined) == ["org-a", "org-b"] and list(st.uploaded) == [] and st.round == 0
+    c1.close(), c2.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 
+from fedse.inputs import shown
+
 
 class UnknownTask(KeyError):
     """A task id that is not in any split of the environment."""
@@ -61,4 +63,4 @@ SPLITS = ("train", "test")
 
 def check_split(split: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+        raise ValueError(f"unknown split {shown(split)}: use one of {', '.join(SPLITS)}")
