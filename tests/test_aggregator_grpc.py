@@ -298,3 +298,30 @@ def test_megabyte_ids_get_a_short_refusal_that_a_client_with_default_limits_read
         st = stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=30)
         assert list(st.joined) == ["org-a", "org-b"] and list(st.uploaded) == [] and st.round == 0
     c1.close(), c2.close()
+
+
+def test_report_metrics_refuses_non_finite_values_and_rounds_outside_the_run(aggregator, peft_model):
+    """NaN and a round far past the run (123456 of 2) used to land in metrics.jsonl and the operator view."""
+    _agg, target, run_dir = aggregator
+    _pm, state, config_json = peft_model
+    c1, c2 = join_two(target, state, config_json)
+    bad = {
+        "NaN": (0, {"test_success": float("nan")}), "+inf": (0, {"train_loss": float("inf")}),
+        "-inf": (0, {"train_loss": float("-inf")}), "round far past the run": (123456, {"test_success": 0.5}),
+        "round after the final one": (3, {"test_success": 0.5}), "negative round": (-1, {"test_success": 0.5}),
+        "1 MB metric name": (0, {"m" * 1_000_000: 1.0}), "too many metrics": (0, {f"m{i}": 1.0 for i in range(300)}),
+    }
+    for what, (round_, metrics) in bad.items():
+        with pytest.raises(grpc.RpcError) as err:
+            c1.stub.ReportMetrics(fpb.MetricsReport(client_id="org-a", round=round_, metrics=metrics), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value.details())
+    # Round 1 of 2 is in the run but has not opened yet.
+    with pytest.raises(grpc.RpcError) as err:
+        c1.stub.ReportMetrics(fpb.MetricsReport(client_id="org-a", round=1, metrics={"x": 1.0}), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has not opened" in err.value.details()
+    c1.report(0, {"test_success": 0.5})
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["client_id"], r["round"], r["metrics"]) for r in lines] == [("org-a", 0, {"test_success": 0.5})]
+    view = {c.client_id: c for c in c1.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10).clients}
+    assert (view["org-a"].metrics_round, dict(view["org-a"].metrics)) == (0, {"test_success": 0.5})
+    c1.close(), c2.close()

@@ -148,7 +148,10 @@ class FederationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportMetrics(self, request, context):
-        """Scalar metrics of a client for a round (held-out success, buffer size, ...).
+        """Scalar metrics of a client for a round (held-out success, buffer size, ...): finite values, at
+        most 256 of them, for a round 0..num_rounds that has opened (num_rounds: the final adapter's
+        evaluation); anything else is refused (INVALID_ARGUMENT; FAILED_PRECONDITION for a round not
+        yet opened).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import hashlib
 import logging
+import math
 import re
 import secrets
 import threading
@@ -30,7 +31,7 @@ import time
 from typing import Any, Callable
 
 from fedse import adapter as ad
-from fedse.inputs import shown
+from fedse.inputs import bounded, shown
 from fedse.serving import log_fields
 
 from . import metrics
@@ -42,6 +43,7 @@ log = logging.getLogger("aggregator.rounds")
 CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 STATE_VERSION = 1
+MAX_METRICS = 256  # named values in one metrics report
 
 
 class FederationError(Exception):
@@ -564,9 +566,24 @@ class Federation:
                              "to the run and round it was made for; take the nonce from the current RoundStatus")
 
     def report_metrics(self, client_id: str, round_: int, values: dict[str, float]) -> None:
+        """Records a client's metrics of a round: finite values of at most MAX_METRICS named metrics,
+        for a round of the run that has opened (0..num_rounds; num_rounds is the final adapter's)."""
+        if len(values) > MAX_METRICS:
+            raise ValueError(f"{len(values)} metrics in one report, more than the limit of {MAX_METRICS}")
+        for name, value in values.items():
+            bounded("metric name", name)
+            if not math.isfinite(value):
+                raise ValueError(f"metric {shown(name)} is {value}: report finite values only (leave out a metric "
+                                 "that has no value)")
+        if not 0 <= round_ <= self.settings.num_rounds:
+            raise ValueError(f"metrics for round {round_}: this run's rounds are 0..{self.settings.num_rounds} "
+                             f"(round {self.settings.num_rounds} evaluates the final adapter)")
         with self._cond:
             if client_id not in self._clients:
                 raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
+            if round_ > self._round:
+                raise StaleRound(f"metrics for round {round_}, which has not opened (round {self._round} is the "
+                                 "latest): report a round's metrics once it is open")
             self._seen_locked(client_id)
             self.store.append_metrics(client_id, round_, values)
             prev = self._metrics.get(client_id)
