@@ -110,7 +110,7 @@ class Schema:
                                    f"{MAX_SCHEMA_DIMS} dimensions, none negative")
             if spec.dtype not in _TORCH_DTYPES:
                 raise AdapterError(f"tensor {shown(spec.name, 96)} has dtype {shown(spec.dtype)}: use one of "
-                                   f"{', '.join(_TORCH_DTYPES)}")
+                                   f"{', '.join(f'{t} ({_SAFETENSORS_NAMES[d]})' for t, d in _TORCH_DTYPES.items())}")
             total += math.prod(spec.shape) * _TORCH_DTYPES[spec.dtype].itemsize
             if total > max_bytes:
                 raise AdapterError(f"the adapter schema's tensors hold more than the limit of {max_bytes} bytes")
@@ -466,6 +466,13 @@ _SAFETENSORS_DTYPES = {
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 # The schema's spelling: torch's names ("float32").
 _TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in _SAFETENSORS_DTYPES.values()}
+
+
+def schema_dtype(name: str) -> str:
+    """The schema's spelling (torch's: "float32") of a dtype given in it or in safetensors' ("F32");
+    any other name as it is (Schema.check refuses it)."""
+    dtype = _SAFETENSORS_DTYPES.get(name)
+    return str(dtype).removeprefix("torch.") if dtype is not None else name
 
 
 # A JSON string, or an unterminated one up to the end; possessive, so no input makes it backtrack.

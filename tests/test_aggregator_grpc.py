@@ -325,3 +325,31 @@ def test_report_metrics_refuses_non_finite_values_and_rounds_outside_the_run(agg
     view = {c.client_id: c for c in c1.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10).clients}
     assert (view["org-a"].metrics_round, dict(view["org-a"].metrics)) == (0, {"test_success": 0.5})
     c1.close(), c2.close()
+
+
+def test_join_takes_tensor_dtypes_in_torch_or_safetensors_spelling(aggregator, peft_model):
+    """A client written from proto/ alone may name dtypes as safetensors does ("F32"); it used to be
+    refused ("the run expects float32")."""
+    _agg, target, _ = aggregator
+    _pm, state, config_json = peft_model
+    schema = serde.schema_to_proto(ad.Schema.of(state, config_json))
+    assert {t.dtype for t in schema.tensors} == {"float32"}
+
+    def spelled(dtype: str) -> fpb.AdapterSchema:
+        return fpb.AdapterSchema(adapter_config_json=config_json, tensors=[
+            fpb.TensorSpec(name=t.name, shape=t.shape, dtype=dtype) for t in schema.tensors])
+
+    with grpc.insecure_channel(target) as channel:
+        stub = fpb_grpc.FederationServiceStub(channel)
+        stub.Join(fpb.JoinRequest(client_id="org-a", env="maze", base_model=TINY_MODEL_NAME, schema=spelled("F32")))
+        c2 = FederationClient(target, "org-b")
+        c2.join("maze", TINY_MODEL_NAME, ad.Schema.of(state, config_json))  # torch's spelling: the same schema
+        fresh = ad.decode(c2.download(0).data)
+        assert {str(v.dtype) for v in fresh.values()} == {"torch.float32"}
+        for dtype, code, says in (("fp32", grpc.StatusCode.INVALID_ARGUMENT, "float32 (F32), "),
+                                  ("BF16", grpc.StatusCode.FAILED_PRECONDITION, "the run expects float32")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Join(fpb.JoinRequest(client_id="org-c", env="maze", base_model=TINY_MODEL_NAME,
+                                          schema=spelled(dtype)))
+            assert err.value.code() == code and says in err.value.details(), err.value.details()
+        c2.close()
