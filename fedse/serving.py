@@ -28,13 +28,16 @@ RPC_HANDLED = prometheus_client.Counter(
 
 # Servers: messages up to 8 MiB, so that an upload chunk over the stated limit (RunConfig.max_chunk_bytes,
 # under 4 MiB) is answered by the aggregator's INVALID_ARGUMENT naming the limit rather than by gRPC's size
-# check. Clients keep gRPC's defaults (4 MiB received): every message fedse sends fits them, so fedse's own
-# clients see what a client in any language with stock settings sees.
+# check. Clients keep gRPC's default message limits (4 MiB received): every message fedse sends fits them,
+# so fedse's own clients see what a client in any language with stock settings sees.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients: a channel whose server went away tries to reconnect at least every 5 s (gRPC's backoff grows
+# to 120 s), so calls retried while a server restarts find it soon after it is back.
+CLIENT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 class JsonFormatter(logging.Formatter):
@@ -265,15 +268,15 @@ def start_metrics(port: int, address: str = "0.0.0.0") -> int:
 
 
 def insecure_channel(target: str) -> grpc.Channel:
-    """A plain channel with gRPC's default settings (4 MiB messages received)."""
-    return grpc.insecure_channel(target)
+    """A plain channel with gRPC's default message limits (4 MiB received) and CLIENT_OPTIONS."""
+    return grpc.insecure_channel(target, options=CLIENT_OPTIONS)
 
 
 def secure_channel(target: str, credentials: grpc.ChannelCredentials, target_name_override: str = "") -> grpc.Channel:
     """A TLS channel (credentials from fedse.security.channel_credentials); target_name_override is the
     name to expect in the server's certificate when it differs from the host in target. gRPC's default
-    message limits, as insecure_channel."""
-    options = []
+    message limits and CLIENT_OPTIONS, as insecure_channel."""
+    options = list(CLIENT_OPTIONS)
     if target_name_override:
         options.append(("grpc.ssl_target_name_override", target_name_override))
     return grpc.secure_channel(target, credentials, options=options)
