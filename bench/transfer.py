@@ -6,13 +6,14 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
   raw TCP floor  sendall / recv_into a bytearray, to and from a subprocess; timed until the
                  receiver's one-byte acknowledgement (upload) or the last byte (download).
   gRPC floor     a bare grpcio server in a subprocess (generic handlers, raw bytes messages, no
-                 protobuf): stream-unary upload and unary-stream download in 4 MB chunks, with
-                 fedse.serving.GRPC_OPTIONS on both sides (8 MB message limit).
+                 protobuf): stream-unary upload and unary-stream download in chunks of
+                 fedse.adapter.CHUNK_BYTES (4 MiB - 64 KiB), with fedse.serving.GRPC_OPTIONS on
+                 both sides (8 MB message limit).
   fedse          FederationClient.upload / .download against a real aggregator process
                  (`python -m services.aggregator`), in fp32 and with transport_dtype bfloat16
                  (half the bytes on the wire). An upload is timed from the call to its ack: the
                  client hashes the bytes and asks the round status first; the aggregator checks
-                 each 4 MB chunk as it arrives (sha256, then the safetensors header against the
+                 each chunk as it arrives (sha256, then the safetensors header against the
                  run's schema, then every value finite) and writes it, fsyncs the file when the
                  stream ends and renames it as accepted (in either dtype), all before the ack.
                  Every repeat is a different client of the same open round (the round needs more
@@ -305,7 +306,7 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
     schema = ad.Schema.of(adapter, CONFIG_JSON)
     store = Store(work / "breakdown", "bench")
     payloads = {"": data, "bfloat16": encode_transport(adapter, "bfloat16")}
-    order = ["client: sha256", "client: 4 MB chunks as AdapterChunk (copies)", "protobuf serialize + parse",
+    order = ["client: sha256", "client: chunks as AdapterChunk (copies)", "protobuf serialize + parse",
              "aggregator: write chunks, no fsync (for scale)", "aggregator: write chunks, fsync at the end (Store)",
              "aggregator: check as chunks arrive (sha256, header, finite)",
              "  of which: sha256"]
@@ -319,7 +320,7 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
         sha = ad.sha256_hex(payload)
         view = memoryview(payload)
         step("client: sha256", dtype, lambda: ad.sha256_hex(payload))
-        step("client: 4 MB chunks as AdapterChunk (copies)", dtype, lambda: [
+        step("client: chunks as AdapterChunk (copies)", dtype, lambda: [
             fpb.AdapterChunk(data=bytes(view[s:s + CHUNK])) for s in range(0, len(payload), CHUNK)])
         msgs = [fpb.AdapterChunk(data=bytes(view[s:s + CHUNK])) for s in range(0, len(payload), CHUNK)]
         step("protobuf serialize + parse", dtype, lambda: [fpb.AdapterChunk.FromString(m.SerializeToString())
@@ -422,7 +423,7 @@ def main() -> None:
     params = sum(t.numel() for t in adapter.values())
     print(f"# adapter: {layers} of {MAX_LAYERS} Llama-2-7B layers x {len(MODULES)} modules, r={RANK}: "
           f"{len(adapter)} tensors, {params:,} parameters; safetensors {len(data) / 1e6:.2f} MB fp32, "
-          f"{len(data_bf16) / 1e6:.2f} MB bf16 (MB = 10^6 bytes); {CHUNK >> 20} MB chunks; loopback; "
+          f"{len(data_bf16) / 1e6:.2f} MB bf16 (MB = 10^6 bytes); {CHUNK / 2**20:.2f} MiB chunks; loopback; "
           f"{os.cpu_count()} CPUs", flush=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="fedse-transferbench-", dir=args.workdir))
     helpers: list[Helper] = []
@@ -454,7 +455,7 @@ def main() -> None:
             print(f"{path_name:<14} {direction:<9} {name:<8} {sizes[name] / 1e6:>7.1f} {med:>8.3f} "
                   f"{sizes[name] / 1e6 / med:>7.0f} {med / g:>12.2f} {med / t:>11.2f}  "
                   + " ".join(f"{x:.3f}" for x in times), flush=True)
-        print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, 4 MB chunks "
+        print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, chunks under 4 MiB "
               "checked (sha256, header, finite values) and written by the aggregator as they arrive, fsynced at the "
               "end, then committed as accepted (the received file renamed); a fresh client each run")
         print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import struct
 import tempfile
 from typing import Iterator, Mapping
@@ -22,11 +23,29 @@ import numpy
 import torch
 from safetensors.torch import load as st_load
 
-CHUNK_BYTES = 4 * 1024 * 1024
+from fedse.inputs import MAX_NAME_CHARS, shown
+
+# gRPC's default limit on a message received, in every implementation: a client or server that keeps
+# its defaults refuses anything larger.
+GRPC_DEFAULT_MESSAGE_BYTES = 4 * 1024 * 1024
+# Data bytes in one adapter chunk, both directions (RunConfig.max_chunk_bytes): with its protobuf framing
+# (5 bytes for AdapterChunk.data) a chunk stays well under gRPC's default limit, so a client that keeps
+# every gRPC default downloads adapters of any size, and a server that does receives them.
+CHUNK_BYTES = GRPC_DEFAULT_MESSAGE_BYTES - 64 * 1024
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
 Adapter = dict[str, torch.Tensor]
+
+# What a safetensors header may be before it is parsed. A header is a flat JSON object of tensor
+# entries ({"name": {"dtype", "shape": [...], "data_offsets": [...]}, "__metadata__": {...}}: 3
+# levels deep, about 150 bytes per tensor), so a LoRA adapter's is a few KB to a few hundred KB.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_HEADER_DEPTH = 8
+# What an adapter schema (Join) may be.
+MAX_SCHEMA_TENSORS = 100_000
+MAX_SCHEMA_DIMS = 8
+MAX_CONFIG_BYTES = 64 * 1024
 
 
 class AdapterError(ValueError):
@@ -66,6 +85,46 @@ class Schema:
     def from_dict(d: Mapping) -> "Schema":
         return Schema(tuple(TensorSpec(n, tuple(int(x) for x in shape), dt) for n, shape, dt in d["tensors"]),
                       d["adapter_config_json"])
+
+    def check(self, max_bytes: int) -> None:
+        """Raises AdapterError saying what to fix unless this is a schema an adapter can have: at least
+        one tensor, unique names of at most MAX_NAME_CHARS characters, at most MAX_SCHEMA_DIMS
+        non-negative dimensions, a dtype fedse reads, at most `max_bytes` in all, and an
+        adapter_config.json (a JSON object) of at most MAX_CONFIG_BYTES."""
+        if not self.tensors:
+            raise AdapterError("the adapter schema lists no tensors: send the LoRA adapter's tensor specs")
+        if len(self.tensors) > MAX_SCHEMA_TENSORS:
+            raise AdapterError(f"the adapter schema lists {len(self.tensors)} tensors, more than the limit of "
+                               f"{MAX_SCHEMA_TENSORS}")
+        seen: set[str] = set()
+        total = 0
+        for spec in self.tensors:
+            if not spec.name or len(spec.name) > MAX_NAME_CHARS or spec.name == "__metadata__":
+                raise AdapterError(f"tensor name {shown(spec.name)} is not valid: give a name of 1 to "
+                                   f"{MAX_NAME_CHARS} characters, as PEFT names the adapter's tensors")
+            if spec.name in seen:
+                raise AdapterError(f"tensor {shown(spec.name, 96)} is listed twice in the adapter schema")
+            seen.add(spec.name)
+            if len(spec.shape) > MAX_SCHEMA_DIMS or any(d < 0 for d in spec.shape):
+                raise AdapterError(f"tensor {shown(spec.name, 96)} has shape {shown(list(spec.shape))}: give at most "
+                                   f"{MAX_SCHEMA_DIMS} dimensions, none negative")
+            if spec.dtype not in _TORCH_DTYPES:
+                raise AdapterError(f"tensor {shown(spec.name, 96)} has dtype {shown(spec.dtype)}: use one of "
+                                   f"{', '.join(f'{t} ({_SAFETENSORS_NAMES[d]})' for t, d in _TORCH_DTYPES.items())}")
+            total += math.prod(spec.shape) * _TORCH_DTYPES[spec.dtype].itemsize
+            if total > max_bytes:
+                raise AdapterError(f"the adapter schema's tensors hold more than the limit of {max_bytes} bytes")
+        if len(self.adapter_config_json) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"adapter_config_json is {len(self.adapter_config_json)} characters, more than the "
+                               f"limit of {MAX_CONFIG_BYTES}: send the adapter's adapter_config.json")
+        try:
+            if not json_depth_within(self.adapter_config_json.encode(), MAX_HEADER_DEPTH):
+                raise ValueError("nested too deep")
+            if not isinstance(json.loads(self.adapter_config_json), dict):
+                raise ValueError("not an object")
+        except (ValueError, RecursionError) as exc:
+            raise AdapterError(f"adapter_config_json is not a JSON object ({exc}): send the adapter's "
+                               "adapter_config.json") from None
 
     def check_compatible(self, other: "Schema") -> None:
         """Raises AdapterError naming the first difference in tensors (the config text may differ)."""
@@ -142,16 +201,17 @@ def check_tensors(schema: Schema, tensors: Mapping[str, object]) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise AdapterError(
-            f"adapter keys differ from the run's schema: {len(missing)} missing (first: {missing[:2]}), "
-            f"{len(unexpected)} unexpected (first: {unexpected[:2]}); train with the run's LoRA settings")
+            f"adapter keys differ from the run's schema: {len(missing)} missing (first: "
+            f"{', '.join(shown(n, 96) for n in missing[:2])}), {len(unexpected)} unexpected (first: "
+            f"{', '.join(shown(n, 96) for n in unexpected[:2])}); train with the run's LoRA settings")
     for name, spec in expected.items():
         t = tensors[name]
         shape = tuple(int(d) for d in t.shape)
         dtype = t.dtype if isinstance(t, TensorSpec) else str(t.dtype).removeprefix("torch.")
         if shape != spec.shape:
-            raise AdapterError(f"tensor {name} has shape {list(shape)}, the run expects {list(spec.shape)}")
+            raise AdapterError(f"tensor {name} has shape {shown(list(shape))}, the run expects {list(spec.shape)}")
         if dtype != spec.dtype:
-            raise AdapterError(f"tensor {name} has dtype {dtype}, the run expects {spec.dtype}")
+            raise AdapterError(f"tensor {name} has dtype {shown(dtype)}, the run expects {spec.dtype}")
 
 
 TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}
@@ -160,7 +220,7 @@ TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}
 def transport_dtype(name: str) -> torch.dtype | None:
     """The torch dtype of a transport dtype name ("" = each tensor's own dtype)."""
     if name not in TRANSPORT_DTYPES:
-        raise AdapterError(f"transport dtype {name!r} is unknown: use '' (the schema's dtypes) or 'bfloat16'")
+        raise AdapterError(f"transport dtype {shown(name)} is unknown: use '' (the schema's dtypes) or 'bfloat16'")
     return TRANSPORT_DTYPES[name]
 
 
@@ -231,6 +291,9 @@ class UploadCheck:
         if len(self._head) < 8:
             return 8
         (n,) = struct.unpack("<Q", self._head[:8])
+        if n > MAX_HEADER_BYTES:
+            raise AdapterError(f"not a valid adapter: its safetensors header claims {n} bytes, more than the "
+                               f"limit of {MAX_HEADER_BYTES} (a LoRA adapter's header is a few KB)")
         if 8 + n > self.size:
             raise AdapterError(f"not a valid safetensors file (its header claims {n} bytes of the "
                                f"{self.size} declared)")
@@ -243,8 +306,8 @@ class UploadCheck:
         if self._wire is not None:
             wrong = next((s for s in specs.values() if s.dtype != self._wire), None)
             if wrong is not None:
-                raise AdapterError(f"tensor {wrong.name} has dtype {wrong.dtype}, but the header's transport "
-                                   f"dtype is {self.transport}")
+                raise AdapterError(f"tensor {shown(wrong.name, 96)} has dtype {wrong.dtype}, but the header's "
+                                   f"transport dtype is {self.transport}")
         expected = self.schema.by_name()
 
         def as_torch(spec: TensorSpec) -> TensorSpec:
@@ -401,21 +464,56 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+# The schema's spelling: torch's names ("float32").
+_TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in _SAFETENSORS_DTYPES.values()}
+
+
+def schema_dtype(name: str) -> str:
+    """The schema's spelling (torch's: "float32") of a dtype given in it or in safetensors' ("F32");
+    any other name as it is (Schema.check refuses it)."""
+    dtype = _SAFETENSORS_DTYPES.get(name)
+    return str(dtype).removeprefix("torch.") if dtype is not None else name
+
+
+# A JSON string, or an unterminated one up to the end; possessive, so no input makes it backtrack.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\[\s\S])*+"?')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth_within(text: bytes, limit: int) -> bool:
+    """Whether the arrays and objects of JSON `text` nest at most `limit` deep (unbalanced brackets
+    count as too deep). Linear passes at C speed, no recursion: the strings are blanked, everything
+    but brackets dropped, then innermost pairs removed once per level."""
+    skeleton = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not skeleton:
+            return True
+        skeleton = skeleton.replace(b"[]", b"").replace(b"{}", b"")
+    return not skeleton
 
 
 def parse_header(text: bytes, source: str) -> dict[str, dict]:
     """The tensor entries of a safetensors JSON header, {name: {"dtype", "shape", "data_offsets"}}
-    with integer shapes and offsets and a dtype fedse reads; AdapterError naming `source` if not."""
+    with integer shapes and offsets and a dtype fedse reads; AdapterError naming `source` if not.
+    The header's size and nesting are bounded before it is parsed."""
+    if len(text) > MAX_HEADER_BYTES:
+        raise AdapterError(f"{source} is not a valid adapter: its safetensors header is {len(text)} bytes, more "
+                           f"than the limit of {MAX_HEADER_BYTES}")
+    if not json_depth_within(text, MAX_HEADER_DEPTH):
+        raise AdapterError(f"{source} is not a valid safetensors file: its header nests deeper than "
+                           f"{MAX_HEADER_DEPTH} levels (or its brackets do not balance); a safetensors header is "
+                           "a flat object of tensor entries")
     try:
         header = json.loads(text)
         entries = {name: {"dtype": str(v["dtype"]), "shape": [int(d) for d in v["shape"]],
                           "data_offsets": [int(v["data_offsets"][0]), int(v["data_offsets"][1])]}
                    for name, v in header.items() if name != "__metadata__"}
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         raise AdapterError(f"{source} is not a valid safetensors file (bad header)") from None
     for name, e in entries.items():
         if e["dtype"] not in _SAFETENSORS_DTYPES:
-            raise AdapterError(f"tensor {name} in {source} has dtype {e['dtype']!r}, which fedse does not read")
+            raise AdapterError(f"tensor {shown(name, 96)} in {source} has dtype {shown(e['dtype'])}, which fedse "
+                               "does not read")
     return entries
 
 

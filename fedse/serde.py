@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedse.adapter import Schema, TensorSpec
+from fedse.adapter import Schema, TensorSpec, schema_dtype
 from fedse.v1 import federation_pb2 as fpb
 
 
@@ -14,7 +14,8 @@ def schema_to_proto(schema: Schema) -> fpb.AdapterSchema:
 
 
 def schema_from_proto(msg: fpb.AdapterSchema) -> Schema:
+    """The schema a message carries, its dtypes in torch's spelling whichever of the two it used."""
     return Schema(
-        tensors=tuple(TensorSpec(t.name, tuple(int(d) for d in t.shape), t.dtype) for t in msg.tensors),
+        tensors=tuple(TensorSpec(t.name, tuple(int(d) for d in t.shape), schema_dtype(t.dtype)) for t in msg.tensors),
         adapter_config_json=msg.adapter_config_json,
     )

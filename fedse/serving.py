@@ -26,12 +26,18 @@ RPC_HANDLED = prometheus_client.Counter(
     ["grpc_service", "grpc_method", "grpc_code"],
 )
 
-# Large enough for a 4 MB adapter chunk plus its framing.
+# Servers: messages up to 8 MiB, so that an upload chunk over the stated limit (RunConfig.max_chunk_bytes,
+# under 4 MiB) is answered by the aggregator's INVALID_ARGUMENT naming the limit rather than by gRPC's size
+# check. Clients keep gRPC's default message limits (4 MiB received): every message fedse sends fits them,
+# so fedse's own clients see what a client in any language with stock settings sees.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients: a channel whose server went away tries to reconnect at least every 5 s (gRPC's backoff grows
+# to 120 s), so calls retried while a server restarts find it soon after it is back.
+CLIENT_OPTIONS = [("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 class JsonFormatter(logging.Formatter):
@@ -126,12 +132,66 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
 
 
+class _Undecodable:
+    """What a request that does not parse is decoded to, so the method can refuse it itself."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class RequestDecoding(grpc.ServerInterceptor):
+    """Refuses a request that is not a valid protobuf message of the method's type with INVALID_ARGUMENT
+    (gRPC itself answers INTERNAL "Exception deserializing request!", which reads as the server's fault);
+    the metrics interceptor counts it."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        method = handler_call_details.method
+
+        def lenient(data: bytes):
+            try:
+                return decode(data)
+            except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and whatever else parsing raises
+                return _Undecodable(exc)
+
+        def checked(request, context):
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the request to {method} is not a valid protobuf message of its type "
+                              f"({type(request.error).__name__}): encode it from proto/")
+            return request
+
+        def unary(behavior: Callable) -> Callable:
+            return lambda request, context: behavior(checked(request, context), context)
+
+        def stream(behavior: Callable) -> Callable:
+            return lambda requests, context: behavior((checked(r, context) for r in requests), context)
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                unary(handler.unary_unary), lenient, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                unary(handler.unary_stream), lenient, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                stream(handler.stream_unary), lenient, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            stream(handler.stream_stream), lenient, handler.response_serializer)
+
+
 class Service:
     """A gRPC server with the standard health service and Prometheus interceptor.
 
     Health starts NOT_SERVING; call `ready()` once the servicers can answer.
     credentials: serve TLS (see fedse.security.server_credentials) instead of plain gRPC.
     interceptors: run after the metrics interceptor, so calls they refuse are still counted.
+    A request that does not parse as its method's message is refused with INVALID_ARGUMENT.
     health_address: also serve the health service alone, plain, on this address (for Kubernetes'
     native gRPC probes, which cannot speak TLS); `health_port` is its bound port, -1 when unset.
     """
@@ -142,7 +202,7 @@ class Service:
         self.name = name
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-            interceptors=[MetricsInterceptor(), *interceptors],
+            interceptors=[MetricsInterceptor(), RequestDecoding(), *interceptors],
             options=GRPC_OPTIONS,
         )
         self.health = health.HealthServicer()
@@ -208,13 +268,15 @@ def start_metrics(port: int, address: str = "0.0.0.0") -> int:
 
 
 def insecure_channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    """A plain channel with gRPC's default message limits (4 MiB received) and CLIENT_OPTIONS."""
+    return grpc.insecure_channel(target, options=CLIENT_OPTIONS)
 
 
 def secure_channel(target: str, credentials: grpc.ChannelCredentials, target_name_override: str = "") -> grpc.Channel:
     """A TLS channel (credentials from fedse.security.channel_credentials); target_name_override is the
-    name to expect in the server's certificate when it differs from the host in target."""
-    options = list(GRPC_OPTIONS)
+    name to expect in the server's certificate when it differs from the host in target. gRPC's default
+    message limits and CLIENT_OPTIONS, as insecure_channel."""
+    options = list(CLIENT_OPTIONS)
     if target_name_override:
         options.append(("grpc.ssl_target_name_override", target_name_override))
     return grpc.secure_channel(target, credentials, options=options)

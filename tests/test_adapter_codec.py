@@ -1,6 +1,7 @@
 """The adapter codec: safetensors bytes round trip, hashing, chunking, validation, fresh init."""
 
 import json
+import struct
 
 import pytest
 import torch
@@ -173,6 +174,24 @@ def test_upload_check_refuses_a_bad_header_at_its_first_chunk():
         ad.UploadCheck(schema, len(data) + 4, 1 << 20).update(data)
 
 
+def test_upload_check_bounds_the_header_before_parsing_it():
+    schema = ad.Schema.of(sample_adapter(), "{}")
+    deep = b"[" * 200_000  # json.loads would raise RecursionError
+    data = struct.pack("<Q", len(deep)) + deep
+    with pytest.raises(ad.AdapterError, match="nests deeper than 8 levels"):
+        ad.validate(schema, data, ad.sha256_hex(data), len(data), 1 << 20)
+    # Deep nesting hidden in strings is text, not nesting; a closed but deep structure is refused.
+    text = b'{"a[[[[\\\\": "]]]]\\"[[[["}'  # a key ending in a backslash, a value holding a quote
+    assert json.loads(text) and ad.json_depth_within(text, 1)
+    assert not ad.json_depth_within(b'{"a": ' + b"[" * 9 + b"]" * 9 + b"}", 8)
+    # A header longer than the limit is refused at its length prefix, before its bytes are held.
+    check = ad.UploadCheck(schema, 1 << 30, 1 << 30)
+    with pytest.raises(ad.AdapterError, match="header claims .* more than the limit"):
+        check.update(struct.pack("<Q", ad.MAX_HEADER_BYTES + 1))
+    with pytest.raises(ad.AdapterError, match="more than the limit"):
+        ad.parse_header(b" " * (ad.MAX_HEADER_BYTES + 1), "the upload")
+
+
 def test_upload_check_takes_bf16_on_the_wire_only_when_the_header_says_so():
     a = sample_adapter()
     schema = ad.Schema.of(a, "{}")
@@ -191,3 +210,23 @@ def test_upload_check_takes_bf16_on_the_wire_only_when_the_header_says_so():
     d = ad.encode(inf)
     with pytest.raises(ad.AdapterError, match="NaN or infinite"):
         ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20, "bfloat16")
+
+
+@pytest.mark.parametrize("tensors, config, message", [
+    ((), "{}", "lists no tensors"),
+    ((ad.TensorSpec("", (2,), "float32"),), "{}", "name .* is not valid"),
+    ((ad.TensorSpec("t" * 2000, (2,), "float32"),), "{}", r"\(2000 characters\) is not valid"),
+    ((ad.TensorSpec("a", (2,), "float32"), ad.TensorSpec("a", (2,), "float32")), "{}", "listed twice"),
+    ((ad.TensorSpec("a", (2, -1), "float32"),), "{}", "none negative"),
+    ((ad.TensorSpec("a", (1,) * 9, "float32"),), "{}", "at most 8 dimensions"),
+    ((ad.TensorSpec("a", (2,), "banana"),), "{}", "dtype 'banana': use one of"),
+    ((ad.TensorSpec("a", (1 << 40,), "float32"),), "{}", "more than the limit"),
+    ((ad.TensorSpec("a", (2,), "float32"),), "not json", "not a JSON object"),
+    ((ad.TensorSpec("a", (2,), "float32"),), "[1]", "not a JSON object"),
+    ((ad.TensorSpec("a", (2,), "float32"),), "[" * 10_000, "not a JSON object"),
+    ((ad.TensorSpec("a", (2,), "float32"),), '{"a": "' + "x" * 70_000 + '"}', "more than the limit of 65536"),
+])
+def test_schema_check_refuses_what_no_adapter_has(tensors, config, message):
+    with pytest.raises(ad.AdapterError, match=message):
+        ad.Schema(tensors, config).check(1 << 20)
+    ad.Schema((ad.TensorSpec("a", (2, 3), "float32"),), '{"r": 2}').check(1 << 20)

@@ -1,6 +1,7 @@
 """The aggregator over real gRPC on port 0: rounds, averaging, PEFT export, bad uploads refused."""
 
 import json
+import struct
 
 import grpc
 import pytest
@@ -9,7 +10,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 
 from fedse import adapter as ad
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from fedse import serde
+from fedse.inputs import MAX_STATUS_CHARS
 from fedse.v1 import federation_pb2 as fpb
+from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process
 from services.client_agent.federation import FederationClient
 
@@ -133,6 +137,12 @@ def test_bad_uploads_are_refused_and_the_round_completes(aggregator, peft_model)
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256="not-a-hash"), [good], "hex")
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(transport_dtype="int4"), [good], "transport dtype")
     refused(grpc.StatusCode.INVALID_ARGUMENT, header(size=10 ** 12), [good], "exceeds the limit")
+    deep = struct.pack("<Q", 200_000) + b"[" * 200_000  # JSON nested 200,000 deep
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256=ad.sha256_hex(deep), size=len(deep)), [deep],
+            "nests deeper than")
+    huge = struct.pack("<Q", ad.MAX_HEADER_BYTES + 1)
+    refused(grpc.StatusCode.INVALID_ARGUMENT, header(sha256=ad.sha256_hex(huge), size=ad.MAX_HEADER_BYTES + 9),
+            [huge], "more than the limit")
 
     # A stream that ends early is incomplete; what arrived is kept and the upload resumes from it.
     half = len(good) // 2
@@ -199,3 +209,147 @@ def test_join_with_a_different_adapter_schema_is_refused(aggregator, peft_model)
         FederationClient(target, "../evil").join("maze", TINY_MODEL_NAME, ad.Schema.of(state, config_json))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     c1.close(), c2.close()
+
+
+def test_weighted_rounds_refuse_negative_counts_and_fall_back_to_the_mean_at_zero_weight(tmp_path, peft_model):
+    """--strategy weighted: an upload of all 1.0 with 5 successes and one of all 0.0 with -3 gave a global
+    adapter of 2.5, outside every upload. Negative counts are refused; a round whose weights sum to 0 (no
+    client had a success) takes the unweighted mean, as documented."""
+    _pm, state, config_json = peft_model
+    with aggregator_in_process(tmp_path, strategy="weighted", round_deadline_s=60.0) as (_agg, port, _run_dir):
+        c1, c2 = join_two(f"127.0.0.1:{port}", state, config_json)
+        ones = ad.encode({k: torch.ones_like(v) for k, v in state.items()})
+        zeros = ad.encode({k: torch.zeros_like(v) for k, v in state.items()})
+        c1.upload(0, ones, num_examples=5, num_successes=5)
+        for examples, successes in ((1, -3), (-1, 0)):
+            with pytest.raises(grpc.RpcError) as err:
+                c2.upload(0, zeros, num_examples=examples, num_successes=successes)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cannot be negative" in err.value.details()
+        assert list(c1.status().uploaded) == ["org-a"]  # the refused upload left the round as it was
+        c2.upload(0, zeros, num_examples=1, num_successes=0)
+        c1.wait_until(lambda s: s.round >= 1, timeout_s=10)
+        # Weights 5 and 0: the successful client's adapter.
+        assert all(torch.equal(v, torch.ones_like(v)) for v in ad.decode(c1.download(1).data).values())
+        c1.upload(1, ones, num_examples=5, num_successes=0)
+        c2.upload(1, zeros, num_examples=5, num_successes=0)
+        c1.wait_until(lambda s: s.round >= 2, timeout_s=10)
+        # Weights 0 and 0: the unweighted mean.
+        assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in ad.decode(c1.download(2).data).values())
+        c1.close(), c2.close()
+
+
+def test_megabyte_ids_get_a_short_refusal_that_a_client_with_default_limits_reads(aggregator, peft_model):
+    """Every id a call carries (client, env, base model, tensor names, run, nonce, sha256, transport dtype,
+    phase) is bounded up front: a 1 MB one is INVALID_ARGUMENT with a message well under gRPC's 8 KB
+    metadata default, never RESOURCE_EXHAUSTED "Stream removed"; the aggregator goes on serving."""
+    _agg, target, _ = aggregator
+    _pm, state, config_json = peft_model
+    huge = "x" * 1_000_000
+    schema = ad.Schema.of(state, config_json)
+    c1, c2 = join_two(target, state, config_json)
+    nonce = c1.status().round_nonce
+    good = ad.encode(state)
+
+    def join(**kw):
+        req = fpb.JoinRequest(client_id="org-c", env="maze", base_model=TINY_MODEL_NAME,
+                              schema=serde.schema_to_proto(schema))
+        for k, v in kw.items():
+            setattr(req, k, v)
+        return lambda stub: stub.Join(req, timeout=30)
+
+    def upload(**kw):
+        header = fpb.AdapterHeader(**{"client_id": "org-a", "round": 0, "round_nonce": nonce,
+                                      "sha256": ad.sha256_hex(good), "size": len(good), **kw})
+        return lambda stub: stub.UploadAdapter(iter([fpb.AdapterChunk(header=header), fpb.AdapterChunk(data=good)]),
+                                               timeout=30)
+
+    named = fpb.AdapterSchema(adapter_config_json=config_json,
+                              tensors=[fpb.TensorSpec(name=huge, shape=[2], dtype="float32")])
+    calls = {
+        "Join client_id": join(client_id=huge), "Join env": join(env=huge), "Join base_model": join(base_model=huge),
+        "Join tensor name": lambda stub: stub.Join(fpb.JoinRequest(client_id="org-c", env="maze",
+                                                                   base_model=TINY_MODEL_NAME, schema=named)),
+        "GetRoundStatus": lambda stub: stub.GetRoundStatus(fpb.RoundStatusRequest(client_id=huge)),
+        "WatchRound": lambda stub: next(stub.WatchRound(fpb.RoundStatusRequest(client_id=huge), timeout=30)),
+        "Heartbeat client_id": lambda stub: stub.Heartbeat(fpb.HeartbeatRequest(client_id=huge, phase="waiting")),
+        "Heartbeat phase": lambda stub: stub.Heartbeat(fpb.HeartbeatRequest(client_id="org-a", phase=huge)),
+        "ReportMetrics": lambda stub: stub.ReportMetrics(fpb.MetricsReport(client_id=huge, round=0)),
+        "GetUploadState client_id": lambda stub: stub.GetUploadState(fpb.UploadStateRequest(client_id=huge)),
+        "GetUploadState sha256": lambda stub: stub.GetUploadState(fpb.UploadStateRequest(client_id="org-a",
+                                                                                        sha256=huge)),
+        "DownloadAdapter sha256": lambda stub: next(stub.DownloadAdapter(fpb.DownloadRequest(round=0, sha256=huge))),
+        "DownloadAdapter transport": lambda stub: next(stub.DownloadAdapter(
+            fpb.DownloadRequest(round=0, transport_dtype=huge))),
+        "Upload client_id": upload(client_id=huge), "Upload run_id": upload(run_id=huge),
+        "Upload round_nonce": upload(round_nonce=huge), "Upload sha256": upload(sha256=huge),
+        "Upload transport": upload(transport_dtype=huge),
+    }
+    with grpc.insecure_channel(target) as channel:  # every gRPC default
+        stub = fpb_grpc.FederationServiceStub(channel)
+        for what, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call(stub)
+            code, details = err.value.code(), err.value.details()
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details[:200])
+            assert "1000000 characters" in details and len(details) <= MAX_STATUS_CHARS, (what, details[:300])
+            assert "x" * 100 not in details, what
+        # Nothing was let in: the round goes on with its two clients.
+        st = stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=30)
+        assert list(st.joined) == ["org-a", "org-b"] and list(st.uploaded) == [] and st.round == 0
+    c1.close(), c2.close()
+
+
+def test_report_metrics_refuses_non_finite_values_and_rounds_outside_the_run(aggregator, peft_model):
+    """NaN and a round far past the run (123456 of 2) used to land in metrics.jsonl and the operator view."""
+    _agg, target, run_dir = aggregator
+    _pm, state, config_json = peft_model
+    c1, c2 = join_two(target, state, config_json)
+    bad = {
+        "NaN": (0, {"test_success": float("nan")}), "+inf": (0, {"train_loss": float("inf")}),
+        "-inf": (0, {"train_loss": float("-inf")}), "round far past the run": (123456, {"test_success": 0.5}),
+        "round after the final one": (3, {"test_success": 0.5}), "negative round": (-1, {"test_success": 0.5}),
+        "1 MB metric name": (0, {"m" * 1_000_000: 1.0}), "too many metrics": (0, {f"m{i}": 1.0 for i in range(300)}),
+    }
+    for what, (round_, metrics) in bad.items():
+        with pytest.raises(grpc.RpcError) as err:
+            c1.stub.ReportMetrics(fpb.MetricsReport(client_id="org-a", round=round_, metrics=metrics), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value.details())
+    # Round 1 of 2 is in the run but has not opened yet.
+    with pytest.raises(grpc.RpcError) as err:
+        c1.stub.ReportMetrics(fpb.MetricsReport(client_id="org-a", round=1, metrics={"x": 1.0}), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has not opened" in err.value.details()
+    c1.report(0, {"test_success": 0.5})
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["client_id"], r["round"], r["metrics"]) for r in lines] == [("org-a", 0, {"test_success": 0.5})]
+    view = {c.client_id: c for c in c1.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10).clients}
+    assert (view["org-a"].metrics_round, dict(view["org-a"].metrics)) == (0, {"test_success": 0.5})
+    c1.close(), c2.close()
+
+
+def test_join_takes_tensor_dtypes_in_torch_or_safetensors_spelling(aggregator, peft_model):
+    """A client written from proto/ alone may name dtypes as safetensors does ("F32"); it used to be
+    refused ("the run expects float32")."""
+    _agg, target, _ = aggregator
+    _pm, state, config_json = peft_model
+    schema = serde.schema_to_proto(ad.Schema.of(state, config_json))
+    assert {t.dtype for t in schema.tensors} == {"float32"}
+
+    def spelled(dtype: str) -> fpb.AdapterSchema:
+        return fpb.AdapterSchema(adapter_config_json=config_json, tensors=[
+            fpb.TensorSpec(name=t.name, shape=t.shape, dtype=dtype) for t in schema.tensors])
+
+    with grpc.insecure_channel(target) as channel:
+        stub = fpb_grpc.FederationServiceStub(channel)
+        stub.Join(fpb.JoinRequest(client_id="org-a", env="maze", base_model=TINY_MODEL_NAME, schema=spelled("F32")))
+        c2 = FederationClient(target, "org-b")
+        c2.join("maze", TINY_MODEL_NAME, ad.Schema.of(state, config_json))  # torch's spelling: the same schema
+        fresh = ad.decode(c2.download(0).data)
+        assert {str(v.dtype) for v in fresh.values()} == {"torch.float32"}
+        for dtype, code, says in (("fp32", grpc.StatusCode.INVALID_ARGUMENT, "float32 (F32), "),
+                                  ("BF16", grpc.StatusCode.FAILED_PRECONDITION, "the run expects float32")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Join(fpb.JoinRequest(client_id="org-c", env="maze", base_model=TINY_MODEL_NAME,
+                                          schema=spelled(dtype)))
+            assert err.value.code() == code and says in err.value.details(), err.value.details()
+        c2.close()

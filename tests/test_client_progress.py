@@ -5,6 +5,7 @@ that breaks streams on purpose)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -235,6 +236,25 @@ def test_heartbeat_survives_failures_and_sends_phase_changes_at_once():
     hb.stop()
     assert not hb._thread.is_alive()
     assert fed.calls[-1] == (4, "done")
+
+
+def test_heartbeat_sends_the_last_phase_even_when_stop_comes_during_a_beat():
+    """set("done") then stop() while a beat was on the wire used to end the thread without sending "done"."""
+    release, sent = threading.Event(), []
+
+    class SlowBeats:
+        def heartbeat(self, round_, phase, timeout_s):
+            sent.append(phase)
+            if len(sent) == 1:
+                release.wait(5)
+            return fpb.HeartbeatAck()
+
+    hb = Heartbeat(SlowBeats(), interval_s=60.0, phase="training").start()
+    wait_for(lambda: sent == ["training"])
+    hb.set("done")
+    threading.Timer(0.2, release.set).start()
+    hb.stop()
+    assert sent == ["training", "done"]
 
 
 # ---- against a fake aggregator speaking the resumable protocol (tests/support.py) ---------------------

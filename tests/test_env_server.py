@@ -247,6 +247,35 @@ def test_not_found_for_unknown_session_env_and_task(stub):
     assert code == grpc.StatusCode.NOT_FOUND and "ids are 0..239" in details
 
 
+def test_megabyte_ids_get_a_short_refusal_that_a_client_with_default_limits_reads(served):
+    """An id of 1 MB used to come back in the status message: the reply's metadata then exceeded the
+    client's 8 KB default and it saw RESOURCE_EXHAUSTED "Stream removed". Ids are bounded up front and
+    messages show a short prefix."""
+    huge = "x" * 1_000_000
+    with grpc.insecure_channel(f"127.0.0.1:{served[0].port}") as channel:  # every gRPC default
+        stock = env_pb2_grpc.EnvServiceStub(channel)
+        calls = {
+            "ListTasks env": lambda: stock.ListTasks(env_pb2.ListTasksRequest(env=huge, split="train")),
+            "ListTasks split": lambda: stock.ListTasks(env_pb2.ListTasksRequest(env="maze", split=huge)),
+            "Reset env": lambda: stock.Reset(env_pb2.ResetRequest(env=huge, task_id=0)),
+            "Step session": lambda: stock.Step(env_pb2.StepRequest(session_id=huge, action="move up")),
+            "Close session": lambda: stock.Close(env_pb2.CloseRequest(session_id=huge)),
+            "ExpertAction session": lambda: stock.ExpertAction(env_pb2.ExpertActionRequest(session_id=huge)),
+        }
+        for what, call in calls.items():
+            code, details = _code(call)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details[:200])
+            assert "more than the limit of 256" in details and len(details) < 400, (what, details)
+        # Under the bound but unknown: NOT_FOUND, quoting only a prefix.
+        code, details = _code(lambda: stock.Step(env_pb2.StepRequest(session_id="y" * 200, action="move up")))
+        assert code == grpc.StatusCode.NOT_FOUND and "(200 characters)" in details and "y" * 60 not in details
+        # A request that is not a protobuf message of the method's type is the caller's error too.
+        raw = channel.unary_unary("/fedse.v1.EnvService/Step", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+        code, details = _code(lambda: raw(b"\x0a\x02\xff\xfe", timeout=10))  # session_id: not UTF-8
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in details
+
+
 def test_invalid_argument_for_bad_split_and_malformed_actions(stub):
     code, details = _code(lambda: stub.ListTasks(env_pb2.ListTasksRequest(env="maze", split="dev")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "use one of train, test" in details

@@ -1,8 +1,10 @@
 """A federation that survives real life, with real processes: the aggregator SIGKILLed mid-round
-and restarted, a client SIGKILLed mid-round and restarted, and the operator's status command.
+and restarted, a client SIGKILLed mid-round and restarted, the env server SIGKILLed mid-exploration
+and restarted, and the operator's status command.
 
 Two maze clients that differ in how many tasks they explore (so one uploads well before the
-other) run three rounds of the tiny model against one env server and the aggregator.
+other) run three rounds of the tiny model against one env server and the aggregator; the env
+server's restart is tried on a smaller federation (one client, one round).
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from fedse.launcher import Proc
+from fedse.serving import insecure_channel
+from fedse.v1 import federation_pb2 as fpb
+from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -27,23 +33,28 @@ CLIENTS = {"org-a": 2, "org-b": 10}  # client id -> explore tasks per round
 
 
 class Federation:
-    """One env server, the aggregator and two client agents as processes, on loopback."""
+    """One env server, the aggregator and client agents (id -> explore tasks per round) as processes,
+    on loopback."""
 
-    def __init__(self, root: pathlib.Path, **aggregator_flags: str):
+    def __init__(self, root: pathlib.Path, clients: dict[str, int] = CLIENTS, rounds: int = ROUNDS,
+                 client_flags: tuple[str, ...] = (), **aggregator_flags: str):
         self.root = root
+        self.explore = clients
+        self.rounds = rounds
+        self.client_flags = list(client_flags)
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: list[Proc] = []
-        self.env = self._start("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs", "maze",
-                                              "--metrics-port", "-1"])
+        self.env = self.start_env_server("0")
         self.agg_flags = ["--metrics-port", "-1", "--state-dir", str(root / "aggregator"), "--run-id", "r",
-                          "--num-rounds", str(ROUNDS), "--min-clients", "2", "--round-deadline-s", "600"]
+                          "--num-rounds", str(rounds), "--min-clients", str(len(clients)),
+                          "--round-deadline-s", "600"]
         for k, v in aggregator_flags.items():
             self.agg_flags += [f"--{k.replace('_', '-')}", v]
         self.agg = self._start("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", *self.agg_flags])
         self.agg_port = self.agg.port()
         self.env_port = self.env.port()
-        self.clients = {cid: self.start_client(cid) for cid in CLIENTS}
+        self.clients = {cid: self.start_client(cid) for cid in clients}
 
     def _start(self, name: str, argv: list[str]) -> Proc:
         n = sum(p.name.startswith(name) for p in self.procs)
@@ -51,12 +62,21 @@ class Federation:
         self.procs.append(p)
         return p
 
+    def start_env_server(self, port: str) -> Proc:
+        return self._start("env_server", ["services.env_server", "--address", f"127.0.0.1:{port}", "--envs", "maze",
+                                          "--metrics-port", "-1"])
+
+    def restart_env_server(self) -> None:
+        self.env = self.start_env_server(str(self.env_port))
+        self.env.port()
+
     def start_client(self, cid: str) -> Proc:
         return self._start(cid, [
             "services.client_agent", "--client-id", cid, "--env", "maze", "--env-server", f"127.0.0.1:{self.env_port}",
             "--aggregator", f"127.0.0.1:{self.agg_port}", "--address", "127.0.0.1:0", "--metrics-port", "-1",
-            "--state-dir", str(self.root / "clients"), "--expert-demos", "6", "--explore-tasks", str(CLIENTS[cid]),
-            "--eval-tasks", "3", "--epochs", "1", "--torch-threads", "1", "--heartbeat-interval-s", "0.5"])
+            "--state-dir", str(self.root / "clients"), "--expert-demos", "6", "--explore-tasks", str(self.explore[cid]),
+            "--eval-tasks", "3", "--epochs", "1", "--torch-threads", "1", "--heartbeat-interval-s", "0.5",
+            *self.client_flags])
 
     def restart_aggregator(self) -> None:
         self.agg = self._start("aggregator", ["services.aggregator", "--address", f"127.0.0.1:{self.agg_port}",
@@ -76,7 +96,7 @@ class Federation:
                  timeout, list(self.clients.values()))
 
     def final_adapter(self) -> bytes:
-        return (self.run_dir / "global" / f"round_{ROUNDS:04d}" / "adapter_model.safetensors").read_bytes()
+        return (self.run_dir / "global" / f"round_{self.rounds:04d}" / "adapter_model.safetensors").read_bytes()
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -159,5 +179,65 @@ def test_client_killed_mid_round_the_round_closes_at_quorum_and_it_rejoins(tmp_p
         b_rounds = sorted(r["round"] for r in reports if r["client_id"] == "org-b")
         assert ROUNDS in b_rounds and b_rounds.count(0) == 1  # finished rounds were not redone
         assert (fed.run_dir / "global" / f"round_{ROUNDS:04d}").exists()
+    finally:
+        fed.stop()
+
+
+# One client exploring 24 tasks one at a time, so that its exploration lasts long enough to be cut, and
+# training on every explored trajectory (--keep all), so that the adapter depends on each of them.
+ENV_RESTART_CLIENTS = {"org-a": 24}
+ENV_RESTART_FLAGS = ("--concurrency", "1", "--keep", "all")
+
+
+def round_metrics(fed: Federation, round_: int) -> dict[str, float]:
+    reports = [json.loads(line) for line in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in reports if r["round"] == round_)["metrics"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_one_round(tmp_path_factory) -> tuple[bytes, dict[str, float]]:
+    """The final adapter and round 0's metrics of the one-client, one-round federation."""
+    fed = Federation(tmp_path_factory.mktemp("plain-one-round"), ENV_RESTART_CLIENTS, 1, ENV_RESTART_FLAGS)
+    try:
+        fed.wait_clients()
+        return fed.final_adapter(), round_metrics(fed, 0)
+    finally:
+        fed.stop()
+
+
+def test_env_server_killed_mid_exploration_and_restarted_the_agent_finishes_with_the_same_adapter(
+        tmp_path, uninterrupted_one_round):
+    """The agent used to exit 1 (UNAVAILABLE from Step: env calls were not retried). Now its calls wait
+    for the server with backoff, the exploration whose sessions the restarted server lost starts again
+    (no partial trajectory kept), and the run ends with the uninterrupted run's adapter, byte for byte."""
+    fed = Federation(tmp_path, ENV_RESTART_CLIENTS, 1, ENV_RESTART_FLAGS)
+    try:
+        with insecure_channel(f"127.0.0.1:{fed.agg_port}") as channel:
+            stub = fpb_grpc.FederationServiceStub(channel)
+
+            def exploring() -> bool:
+                try:
+                    clients = stub.GetRunStatus(fpb.RunStatusRequest(), timeout=5).clients
+                except grpc.RpcError:
+                    return False
+                return any(c.phase == "exploring" for c in clients)
+
+            wait_for("org-a to explore", exploring, procs=[fed.clients["org-a"]])
+        os.kill(fed.env.popen.pid, signal.SIGKILL)
+        fed.env.popen.wait()
+        time.sleep(3.0)
+        fed.restart_env_server()
+        fed.wait_clients(timeout=120)
+        plain_adapter, plain = uninterrupted_one_round
+        assert fed.final_adapter() == plain_adapter
+        entries = log_entries(fed.clients["org-a"])
+        retried = [e for e in entries if e.get("msg") == "env server unavailable, retrying"]
+        restarted = [e for e in entries if e.get("msg") == "env server lost our sessions; the episodes start again"]
+        assert retried and {e["call"] for e in retried} <= {"Reset", "Step", "Close"}
+        assert [e["phase"] for e in restarted] == ["explore"], restarted
+        # Each task was kept once, as explored after the restart: nothing of the lost attempt was kept.
+        got = round_metrics(fed, 0)
+        assert {k: got[k] for k in ("kept", "buffer", "explore_success", "examples", "test_success")} == \
+            {k: plain[k] for k in ("kept", "buffer", "explore_success", "examples", "test_success")}
     finally:
         fed.stop()

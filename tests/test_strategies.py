@@ -80,6 +80,15 @@ def test_weighted_average_keeps_dtype_and_refuses_nonsense():
         weighted_average([], [])
     with pytest.raises(ValueError):
         weighted_average([{A: torch.ones(1)}], [0.0])
+    with pytest.raises(ValueError, match="non-negative"):  # 5 and -3 sum to 2 but would give 2.5 from 1 and 0
+        weighted_average([{A: torch.ones(1)}, {A: torch.zeros(1)}], [5.0, -3.0])
+
+
+def test_weighted_refuses_negative_success_counts():
+    u1 = update("c1", [[1.0]], [[1.0]], successes=5)
+    u2 = update("c2", [[0.0]], [[0.0]], successes=-3)
+    with pytest.raises(ValueError, match="must not be negative"):
+        weighted_by_successes([u1, u2])
 
 
 def test_strategies_lists_the_command_line_names_with_descriptions():

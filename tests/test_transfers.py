@@ -1,7 +1,8 @@
 """Transfers that resume, against the real aggregator over real gRPC: a TCP proxy between the client
 and the aggregator cuts the connection halfway through an upload and then a download; the client
 resumes from the bytes held, and the aggregator stores the upload once. bf16 transport halves the
-bytes; uploads are kept as sent and the global adapter stays in the schema's dtype."""
+bytes; uploads are kept as sent and the global adapter stays in the schema's dtype. A client that keeps
+every gRPC default (4 MiB received) moves adapters larger than that both ways."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ import socket
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
 from fedse import adapter as ad
+from fedse import serde
+from fedse.v1 import federation_pb2 as fpb
+from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process
 from services.client_agent.federation import FederationClient, encode_transport
 
 MB = 1024 * 1024
 A, B = "x.lora_A.weight", "x.lora_B.weight"
-WIDTH = 163_840  # 2 tensors of 8 x 163,840 fp32: 10.5 MB, three 4 MB chunks
+WIDTH = 163_840  # 2 tensors of 8 x 163,840 fp32: 10.5 MB, three chunks
 
 
 class CuttingProxy:
@@ -105,9 +110,9 @@ def joined_pair(port: int, proxy_port: int) -> tuple[FederationClient, Federatio
 def test_an_upload_cut_halfway_resumes_and_is_stored_once(aggregator):
     agg, port, run_dir = aggregator
     partial = run_dir / "uploads" / "round_0000" / "org-a.part"
-    # Cut once the aggregator has kept at least one whole 4 MB chunk.
+    # Cut once the aggregator has kept at least one whole chunk.
     proxy = CuttingProxy(port, cut_after=6 * MB, direction="up",
-                         ready=lambda: partial.exists() and partial.stat().st_size >= 4 * MB)
+                         ready=lambda: partial.exists() and partial.stat().st_size >= ad.CHUNK_BYTES)
     cut, other = joined_pair(port, proxy.port)
     try:
         data = ad.encode(big_adapter(1))
@@ -166,3 +171,44 @@ def test_bf16_transport_halves_the_bytes_and_phi_stays_fp32(aggregator):
         assert torch.equal(full.adapter()[A], expected)
     finally:
         a.close(), b.close()
+
+
+def test_a_client_with_grpc_default_limits_downloads_and_uploads_adapters_over_4_mib(aggregator):
+    """A stock channel (no options: gRPC's default 4 MiB receive limit), as a client written from
+    proto/ alone has: the 10.5 MB global adapter comes down and an upload goes up in the chunks
+    the aggregator states in RunConfig.max_chunk_bytes; a larger chunk is refused with a clear status."""
+    agg, port, run_dir = aggregator
+    schema = ad.Schema.of(big_adapter(0), '{"r": 8}')
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = fpb_grpc.FederationServiceStub(channel)
+        joined = stub.Join(fpb.JoinRequest(client_id="org-a", env="maze", base_model="tiny",
+                                           schema=serde.schema_to_proto(schema)), timeout=30)
+        limit = joined.config.max_chunk_bytes
+        assert 0 < limit and fpb.AdapterChunk(data=bytes(limit)).ByteSize() <= 4 * MB
+        other = FederationClient(f"127.0.0.1:{port}", "org-b")
+        other.join("maze", "tiny", schema)
+        try:
+            chunks = list(stub.DownloadAdapter(fpb.DownloadRequest(round=0), timeout=60))
+            data = b"".join(c.data for c in chunks[1:])
+            assert len(data) > 4 * MB and data == (run_dir / "global" / "round_0000" / ad.WEIGHTS_NAME).read_bytes()
+            assert ad.sha256_hex(data) == chunks[0].header.sha256
+
+            nonce = stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=30).round_nonce
+            mine = ad.encode(big_adapter(6))
+            header = fpb.AdapterHeader(client_id="org-a", round=0, round_nonce=nonce, sha256=ad.sha256_hex(mine),
+                                       size=len(mine), num_examples=1, num_successes=1)
+
+            def stream(size: int):
+                yield fpb.AdapterChunk(header=header)
+                for start in range(0, len(mine), size):
+                    yield fpb.AdapterChunk(data=mine[start:start + size])
+
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.UploadAdapter(stream(limit + 1), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"limit of {limit} bytes" in refused.value.details()
+            ack = stub.UploadAdapter(stream(limit), timeout=60)
+            assert (ack.sha256, ack.size) == (ad.sha256_hex(mine), len(mine))
+            assert (run_dir / "uploads" / "round_0000" / "org-a.safetensors").read_bytes() == mine
+        finally:
+            other.close()

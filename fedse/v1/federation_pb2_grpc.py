@@ -112,16 +112,19 @@ class FederationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadAdapter(self, request, context):
-        """The global adapter of a round: a header chunk, then data chunks of at most 4 MB, from
-        `offset` on. A broken download resumes with offset = bytes already held and sha256 = the
-        header's sha256 (refused with FAILED_PRECONDITION if the adapter changed).
+        """The global adapter of a round: a header chunk, then data chunks of at most
+        RunConfig.max_chunk_bytes, from `offset` on. Every message fits gRPC's default 4 MiB receive
+        limit, so a client needs no raised limits for an adapter of any size. A broken download
+        resumes with offset = bytes already held and sha256 = the header's sha256 (refused with
+        FAILED_PRECONDITION if the adapter changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UploadAdapter(self, request_iterator, context):
-        """A client's adapter for the open round: a header chunk, then data chunks of at most 4 MB.
+        """A client's adapter for the open round: a header chunk, then data chunks of at most
+        RunConfig.max_chunk_bytes (a larger chunk is refused with INVALID_ARGUMENT).
         Every chunk received is kept; a stream that breaks off resumes from the offset that
         GetUploadState reports (send a header with that offset, then the rest). A retry of an
         accepted upload (same run, round, client and sha256) is acknowledged again, stored once.
@@ -145,7 +148,10 @@ class FederationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportMetrics(self, request, context):
-        """Scalar metrics of a client for a round (held-out success, buffer size, ...).
+        """Scalar metrics of a client for a round (held-out success, buffer size, ...): finite values, at
+        most 256 of them, for a round 0..num_rounds that has opened (num_rounds: the final adapter's
+        evaluation); anything else is refused (INVALID_ARGUMENT; FAILED_PRECONDITION for a round not
+        yet opened).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

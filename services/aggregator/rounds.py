@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import hashlib
 import logging
+import math
 import re
 import secrets
 import threading
@@ -30,6 +31,7 @@ import time
 from typing import Any, Callable
 
 from fedse import adapter as ad
+from fedse.inputs import bounded, shown
 from fedse.serving import log_fields
 
 from . import metrics
@@ -41,6 +43,7 @@ log = logging.getLogger("aggregator.rounds")
 CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 STATE_VERSION = 1
+MAX_METRICS = 256  # named values in one metrics report
 
 
 class FederationError(Exception):
@@ -339,7 +342,7 @@ class Federation:
         with self._cond:
             if client_id not in self._clients:
                 if phase is not None:
-                    raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
+                    raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
                 return
             live = self._live.setdefault(client_id, _Liveness())
             live.last_seen = self.clock()
@@ -349,10 +352,9 @@ class Federation:
 
     def join(self, client_id: str, env: str, base_model: str, schema: ad.Schema) -> Status:
         if not CLIENT_ID.match(client_id):
-            raise ValueError(f"client_id {client_id!r} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
+            raise ValueError(f"client_id {shown(client_id)} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
                              "starting with a letter or digit")
-        if not schema.tensors:
-            raise ValueError("the adapter schema lists no tensors: send the LoRA adapter's tensor specs")
+        schema.check(self.settings.max_adapter_bytes)
         with self._cond:
             if self._schema is None:
                 self._schema = schema
@@ -363,7 +365,7 @@ class Federation:
             else:
                 if base_model != self._base_model:
                     raise SchemaMismatch(f"this run federates base model {self._base_model!r}, "
-                                         f"client {client_id} has {base_model!r}")
+                                         f"client {client_id} has {shown(base_model)}")
                 try:
                     self._schema.check_compatible(schema)
                 except ad.AdapterError as exc:
@@ -388,9 +390,12 @@ class Federation:
         An accepted upload with the same sha256 is acknowledged again (idempotent); a partial one
         continues from any offset up to the bytes held; offset 0 always starts over."""
         if not SHA256.match(h.sha256):
-            raise ValueError(f"sha256 {h.sha256!r} is not 64 lowercase hex digits")
+            raise ValueError(f"sha256 {shown(h.sha256)} is not 64 lowercase hex digits")
         if h.size <= 0:
             raise ValueError(f"the header declares {h.size} bytes: give the adapter's size")
+        if h.num_examples < 0 or h.num_successes < 0:
+            raise ValueError(f"the header counts {h.num_examples} examples and {h.num_successes} successes: counts "
+                             "cannot be negative (send 0 when there are none)")
         if h.size > self.settings.max_adapter_bytes:
             raise ad.AdapterError(f"adapter of {h.size} bytes exceeds the limit of "
                                   f"{self.settings.max_adapter_bytes} bytes")
@@ -493,7 +498,7 @@ class Federation:
         self._settle_stream(client_id)
         with self._cond:
             if client_id not in self._clients:
-                raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
+                raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
             self._seen_locked(client_id)
             if self._accepted_earlier_locked(client_id, round_, sha256):
                 record = self.store.accepted_uploads(round_)[client_id]
@@ -546,7 +551,7 @@ class Federation:
 
     def _check_round_locked(self, client_id: str, round_: int, nonce: str) -> None:
         if client_id not in self._clients:
-            raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
+            raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
         if self._state is State.FINISHED:
             raise RunFinished(f"run {self.settings.run_id} finished after {self.settings.num_rounds} rounds")
         if self._state is State.WAITING_FOR_CLIENTS:
@@ -561,9 +566,24 @@ class Federation:
                              "to the run and round it was made for; take the nonce from the current RoundStatus")
 
     def report_metrics(self, client_id: str, round_: int, values: dict[str, float]) -> None:
+        """Records a client's metrics of a round: finite values of at most MAX_METRICS named metrics,
+        for a round of the run that has opened (0..num_rounds; num_rounds is the final adapter's)."""
+        if len(values) > MAX_METRICS:
+            raise ValueError(f"{len(values)} metrics in one report, more than the limit of {MAX_METRICS}")
+        for name, value in values.items():
+            bounded("metric name", name)
+            if not math.isfinite(value):
+                raise ValueError(f"metric {shown(name)} is {value}: report finite values only (leave out a metric "
+                                 "that has no value)")
+        if not 0 <= round_ <= self.settings.num_rounds:
+            raise ValueError(f"metrics for round {round_}: this run's rounds are 0..{self.settings.num_rounds} "
+                             f"(round {self.settings.num_rounds} evaluates the final adapter)")
         with self._cond:
             if client_id not in self._clients:
-                raise NotJoined(f"client {client_id!r} has not joined this run: call Join first")
+                raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
+            if round_ > self._round:
+                raise StaleRound(f"metrics for round {round_}, which has not opened (round {self._round} is the "
+                                 "latest): report a round's metrics once it is open")
             self._seen_locked(client_id)
             self.store.append_metrics(client_id, round_, values)
             prev = self._metrics.get(client_id)

@@ -10,6 +10,7 @@ import grpc
 
 from fedse import adapter as ad
 from fedse import serde
+from fedse.inputs import MAX_NAME_CHARS, bounded, shown, status_message
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
@@ -60,7 +61,7 @@ def _abort(context: grpc.ServicerContext, exc: Exception, counted: bool = False)
         if isinstance(exc, kind):
             if counted:
                 UPLOADS.labels(reason).inc()
-            context.abort(code, str(exc))
+            context.abort(code, status_message(str(exc)))
     raise exc
 
 
@@ -98,10 +99,11 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
 
     def _client(self, context: grpc.ServicerContext, claimed: str) -> str:
         """The calling client's id: the claimed one, which must match an authenticated identity."""
+        bounded("client_id", claimed)
         who = self.identity(context)
         if who is not None and claimed != who:
-            raise IdentityMismatch(f"this connection is authenticated as {who!r} but the call names client "
-                                   f"{claimed!r}: a client may only act as itself")
+            raise IdentityMismatch(f"this connection is authenticated as {shown(who)} but the call names client "
+                                   f"{shown(claimed)}: a client may only act as itself")
         if claimed:
             self.fed.seen(claimed)
         return claimed
@@ -116,7 +118,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def Join(self, request, context):
         try:
             self._client(context, request.client_id)
-            st = self.fed.join(request.client_id, request.env, request.base_model,
+            st = self.fed.join(request.client_id, bounded("env", request.env),
+                               bounded("base_model", request.base_model, MAX_NAME_CHARS),
                                serde.schema_from_proto(request.schema))
         except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
             _abort(context, exc)
@@ -146,7 +149,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
 
     def DownloadAdapter(self, request, context) -> Iterator[fpb.AdapterChunk]:
         try:
-            round_, data, sha, config_json = self.fed.global_adapter(request.round, request.transport_dtype)
+            bounded("sha256", request.sha256)
+            round_, data, sha, config_json = self.fed.global_adapter(
+                request.round, bounded("transport_dtype", request.transport_dtype))
             if request.sha256 and request.sha256 != sha:
                 raise rounds.ResumeMismatch(f"the global adapter of round {round_} is {sha[:12]}..., not the "
                                             f"{request.sha256[:12]}... being resumed: download it from offset 0")
@@ -185,8 +190,10 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise ValueError("an upload starts with a header chunk (client_id, round, round_nonce, sha256, size)")
             h = first.header
+            for name in ("run_id", "round_nonce", "sha256", "transport_dtype"):
+                bounded(name, getattr(h, name))
             if h.run_id and h.run_id != self.fed.settings.run_id:
-                raise rounds.StaleRound(f"the upload is for run {h.run_id!r}; this aggregator runs "
+                raise rounds.StaleRound(f"the upload is for run {shown(h.run_id)}; this aggregator runs "
                                         f"{self.fed.settings.run_id!r}")
             header = rounds.UploadHeader(
                 client_id=self._client(context, h.client_id), round=h.round, round_nonce=h.round_nonce,
@@ -198,7 +205,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                     if chunk.WhichOneof("kind") != "data":
                         raise ValueError("only data chunks may follow the header")
                     if len(chunk.data) > self.chunk_bytes:
-                        raise ValueError(f"chunk of {len(chunk.data)} bytes exceeds {self.chunk_bytes}: split it")
+                        raise ValueError(f"data chunk of {len(chunk.data)} bytes exceeds this aggregator's limit of "
+                                         f"{self.chunk_bytes} bytes (RunConfig.max_chunk_bytes): send chunks of at "
+                                         "most that size")
                     BYTES_RECEIVED.inc(len(chunk.data))
                     held = self.fed.receive(header, generation, held, chunk.data)
                 if held < header.size:
@@ -221,7 +230,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def GetUploadState(self, request, context):
         try:
             held, complete = self.fed.upload_state(self._client(context, request.client_id), request.round,
-                                                   request.sha256.lower())
+                                                   bounded("sha256", request.sha256).lower())
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc)
         return fpb.UploadState(received_bytes=held, complete=complete)
@@ -229,7 +238,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def Heartbeat(self, request, context):
         try:
             self._client(context, request.client_id)
-            self.fed.seen(request.client_id, request.round, request.phase or "alive")
+            self.fed.seen(request.client_id, request.round, bounded("phase", request.phase, 64) or "alive")
         except Exception as exc:  # noqa: BLE001
             _abort(context, exc)
         return fpb.HeartbeatAck(status=status_to_proto(self.fed.status()))

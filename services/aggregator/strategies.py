@@ -127,8 +127,8 @@ def weighted_average(adapters: Sequence[Mapping[str, torch.Tensor]], weights: Se
         raise ValueError("nothing to aggregate")
     if len(weights) != len(adapters):
         raise ValueError("one weight per adapter")
-    if float(sum(weights)) <= 0:
-        raise ValueError("weights must sum to a positive number")
+    if any(float(w) < 0 for w in weights) or float(sum(weights)) <= 0:
+        raise ValueError("weights must be non-negative and sum to a positive number")
     clients = _Clients(list(adapters), adapters[0], [1.0] * len(adapters))
     out: Adapter = {}
     for name in adapters[0]:
@@ -191,6 +191,9 @@ def _clip_scales(updates: Sequence[Update], previous: Mapping[str, torch.Tensor]
 
 def _weights(strategy: str, updates: Sequence[Update]) -> list[float]:
     successes = [float(u.num_successes) for u in updates]
+    if any(s < 0 for s in successes):
+        raise ValueError(f"num_successes must not be negative, got {min(successes):g}: a negative weight would "
+                         "put the average outside the adapters it averages")
     if strategy == "weighted" and sum(successes) > 0:
         return successes
     return [1.0] * len(updates)

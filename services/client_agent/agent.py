@@ -35,7 +35,7 @@ import random
 import re
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 import torch
@@ -48,7 +48,7 @@ from fedse.v1 import federation_pb2 as fpb
 from . import model as mdl
 from .buffer import Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
-from .envclient import EnvClient
+from .envclient import EnvClient, SessionLost
 from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound, encode_transport
 from .metrics import BUFFER, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS, init_client
 from .policy import ActionScorer
@@ -66,6 +66,8 @@ BUFFER_NAME = "buffer.jsonl"
 # per round: its kept trajectories are in the buffer, its adapter is saved, the aggregator
 # acknowledged it, its metrics were reported.
 PROGRESS_PHASES = ("seeded", "explored", "trained", "uploaded", "reported")
+# How many times in a row one phase's episodes start over because the env server lost their sessions.
+MAX_EPISODE_RESTARTS = 10
 
 
 def training_examples(trajectories: list[Trajectory], fmt: PromptFormat, tokenize: TokenCache,
@@ -196,7 +198,8 @@ class ClientAgent:
         self.dir = pathlib.Path(config.state_dir) / config.client_id
         self.dir.mkdir(parents=True, exist_ok=True)
         names = config.env_list()
-        env_server = EnvClient(config.env_server, names[0], security=None if config.env_server_plain else config)
+        env_server = EnvClient(config.env_server, names[0], security=None if config.env_server_plain else config,
+                               retry_s=config.env_retry_s)
         self.envs = [env_server.with_env(name) for name in names]  # one channel to the env server
         self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype,
                                     security=config)
@@ -237,17 +240,31 @@ class ClientAgent:
             return [c[i] for c, i in zip(candidates, picks)]
         return choose
 
-    def episodes(self, env: EnvClient, task_ids: list[int], policy: Policy, round_: int,
+    def episodes(self, env: EnvClient, task_ids: list[int], make_policy: Callable[[], Policy], round_: int,
                  phase: str) -> list[Trajectory]:
+        """The episodes of `task_ids` under a policy from make_policy(). If the env server loses their
+        sessions (it restarted), they are all played again from the start under a fresh policy: the
+        partial trajectories are dropped, and the draws of a seeded policy repeat, so the phase gives
+        what an uninterrupted one gives (episodes finished before the loss are played again too: their
+        draws came from the same generator)."""
         def count(t: Trajectory) -> None:
             STEPS.labels(phase).inc(len(t.turns))
             EPISODES.labels(phase, "success" if t.success else "failure").inc()
-        self.scorer.forget()  # the weights may have changed since the cached prompts were run
-        try:
-            return run_episodes(env, task_ids, policy, self.concurrency, round_, phase, on_episode=count)
-        finally:
-            self.scorer.forget()  # its memory is the trainer's now
-            release_free_memory()
+        restarts = 0
+        while True:
+            self.scorer.forget()  # the weights may have changed since the cached prompts were run
+            try:
+                return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count)
+            except SessionLost as exc:
+                restarts += 1
+                if restarts > MAX_EPISODE_RESTARTS:
+                    raise
+                log.warning("env server lost our sessions; the episodes start again", extra=log_fields(
+                    env=env.env, phase=phase, round=round_, episodes=len(task_ids), restart=restarts,
+                    reason=str(exc)))
+            finally:
+                self.scorer.forget()  # its memory is the trainer's now
+                release_free_memory()
 
     def env_tasks(self, env: EnvClient) -> EnvTasks:
         """The environment's training tasks and the test tasks evaluated (the first --eval-tasks)."""
@@ -263,8 +280,8 @@ class ClientAgent:
         successes = episodes = 0
         generated, fallbacks = self.scorer.generated, self.scorer.fallbacks
         for task in tasks:
-            trajs = self.episodes(task.env, task.test_ids, self.model_policy(True, torch.Generator().manual_seed(0)),
-                                  round_, "eval")
+            trajs = self.episodes(task.env, task.test_ids,
+                                  lambda: self.model_policy(True, torch.Generator().manual_seed(0)), round_, "eval")
             ok = sum(t.success for t in trajs)
             metrics[f"test_success/{task.name}"] = ok / max(1, len(trajs))
             metrics[f"test_tasks/{task.name}"] = float(len(trajs))
@@ -328,7 +345,7 @@ class ClientAgent:
                 continue
             rng = random.Random(self.cfg.seed)
             ids = rng.sample(task.train_ids, min(self.cfg.expert_demos, len(task.train_ids)))
-            demos = self.episodes(task.env, ids, expert_policy(task.env), -1, "expert")
+            demos = self.episodes(task.env, ids, lambda env=task.env: expert_policy(env), -1, "expert")
             kept = [t for t in demos if t.success]
             self.buffer.extend(kept)
             log.info("buffer seeded with expert demonstrations",
@@ -474,7 +491,7 @@ class ClientAgent:
         trajs: list[Trajectory] = []
         for task in tasks:
             ids = random.Random(seed).sample(task.train_ids, min(cfg.explore_tasks, len(task.train_ids)))
-            trajs += self.episodes(task.env, ids, self.model_policy(False, torch.Generator().manual_seed(seed)),
+            trajs += self.episodes(task.env, ids, lambda: self.model_policy(False, torch.Generator().manual_seed(seed)),
                                    round_, "explore")
         kept = to_keep(trajs, cfg.keep)
         self.buffer.extend(kept)

@@ -65,6 +65,9 @@ class ClientConfig(Security):
     torch_threads: int = field(0, "torch CPU threads (0 = the cores this process may run on: its CPU affinity "
                                   "and cgroup quota)")
     round_timeout_s: float = field(7200.0, "longest wait for the next round before giving up")
+    env_retry_s: float = field(300.0, "how long calls to an unavailable env server (a restart) are retried, with "
+                                      "backoff, before the client gives up; episodes whose sessions a restarted "
+                                      "server lost start again")
     transport_dtype: str = field("", "dtype of adapters on the wire, both directions: '' (the run's schema dtype, "
                                      "fp32) or 'bfloat16' (half the bytes; the global adapter stays in the "
                                      "schema's dtype)")
@@ -98,6 +101,8 @@ class ClientConfig(Security):
         if self.transport_dtype not in ("", "bfloat16"):
             raise ConfigError(f"--transport-dtype must be '' (the schema's dtype) or 'bfloat16', "
                               f"got {self.transport_dtype!r}")
+        if not self.env_retry_s >= 0:
+            raise ConfigError(f"--env-retry-s must be 0 (no retries) or positive, got {self.env_retry_s}")
         if not self.heartbeat_interval_s >= 0:
             raise ConfigError(f"--heartbeat-interval-s must be 0 (the aggregator's) or positive, "
                               f"got {self.heartbeat_interval_s}")

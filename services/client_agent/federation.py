@@ -372,6 +372,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_sent: tuple[int, str] | None = None
         self.sent = 0
         self.failed = 0
         self._failing = 0
@@ -412,6 +413,7 @@ class Heartbeat:
 
     def beat(self) -> bool:
         round_, phase = self.phase
+        self._last_sent = (round_, phase)
         try:
             ack = self.fed.heartbeat(round_, phase, timeout_s=max(1.0, min(10.0, self.interval_s)))
         except Exception as exc:  # noqa: BLE001 - a heartbeat never takes the agent down
@@ -435,6 +437,8 @@ class Heartbeat:
             self._wake.clear()
             try:
                 self.beat()
+                if self._stop.is_set() and self._last_sent != self.phase:
+                    self.beat()  # the phase set just before stop() came during that beat: send it too
             except Exception:  # noqa: BLE001 - belt and braces: logging itself failed
                 pass
             if self._stop.is_set():

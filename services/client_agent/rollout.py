@@ -2,6 +2,11 @@
 
 Every step, the policy gets the states of all live sessions at once (one batched model call),
 then each session takes its action. Finished sessions are closed and replaced by the next task.
+
+A session the env server lost (envclient.SessionLost: the server restarted mid-episode) ends the
+call: its partial trajectory is dropped, never returned, and the other live sessions are closed
+(best effort). The caller plays the episodes again from the start (ClientAgent.episodes), since
+the policy's draws for one episode depend on the others played beside it.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from .buffer import Trajectory
-from .envclient import EnvClient, Observation, Session
+from .envclient import EnvClient, Observation, Session, SessionLost
 
 
 @dataclasses.dataclass
@@ -35,27 +40,37 @@ def run_episodes(env: EnvClient, task_ids: Sequence[int], policy: Policy, concur
             session, obs = env.reset(pending.pop())
             live.append(Live(session, obs))
 
-    refill()
-    while live:
-        actions = policy(live)
-        still: list[Live] = []
-        for state, action in zip(live, actions):
-            shown = state.observation.text
-            state.observation = env.step(state.session, action)
-            state.turns.append((shown, action))
-            if state.observation.done:
-                env.close(state.session)
-                traj = Trajectory(
-                    env=env.env, task_id=state.session.task_id, instruction=state.session.instruction,
-                    turns=tuple(state.turns), success=state.observation.success,
-                    reward=state.observation.reward, source=source, round=round_)
-                done.append(traj)
-                if on_episode:
-                    on_episode(traj)
-            else:
-                still.append(state)
-        live[:] = still
+    def step(state: Live, action: str) -> bool:
+        """Takes the action; True once the episode is over (its trajectory kept, its session closed)."""
+        shown = state.observation.text
+        obs = env.step(state.session, action)
+        if obs.turn and obs.turn != len(state.turns) + 1:
+            raise SessionLost(f"task {state.session.task_id}: the env server counts {obs.turn} turns where "
+                              f"{len(state.turns) + 1} were played (an action retried after a broken call was "
+                              "applied twice)")
+        state.observation = obs
+        state.turns.append((shown, action))
+        if not obs.done:
+            return False
+        env.close(state.session)
+        traj = Trajectory(
+            env=env.env, task_id=state.session.task_id, instruction=state.session.instruction,
+            turns=tuple(state.turns), success=obs.success, reward=obs.reward, source=source, round=round_)
+        done.append(traj)
+        if on_episode:
+            on_episode(traj)
+        return True
+
+    try:
         refill()
+        while live:
+            actions = policy(live)
+            live[:] = [state for state, action in zip(live, actions) if not step(state, action)]
+            refill()
+    except SessionLost:
+        for state in live:
+            env.abandon(state.session)
+        raise
     return done
 
 

@@ -7,6 +7,7 @@ from typing import Callable, TypeVar
 
 import grpc
 
+from fedse.inputs import InputError, bounded, status_message
 from fedse.v1 import env_pb2, env_pb2_grpc
 
 from .sessions import (
@@ -49,8 +50,11 @@ def _maps_errors(method: Callable[..., R]) -> Callable[..., R]:
         try:
             return method(self, request, context)
         except EnvServerError as exc:
-            context.abort(_status(exc), str(exc))
+            context.abort(_status(exc), status_message(str(exc)))
             raise  # unreachable: abort raises
+        except InputError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(str(exc)))
+            raise
     return wrapped
 
 
@@ -64,27 +68,28 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     @_maps_errors
     def ListTasks(self, request, context):
-        task_ids, max_turns = self.manager.list_tasks(request.env, request.split)
+        task_ids, max_turns = self.manager.list_tasks(bounded("env", request.env), bounded("split", request.split))
         return env_pb2.ListTasksResponse(env=request.env, split=request.split, task_ids=task_ids,
                                          max_turns=max_turns)
 
     @_maps_errors
     def Reset(self, request, context):
-        r = self.manager.reset(request.env, request.task_id)
+        r = self.manager.reset(bounded("env", request.env), request.task_id)
         return env_pb2.ResetResponse(session_id=r.session_id, instruction=r.instruction, observation=r.observation,
                                      available_actions=r.available_actions, max_turns=r.max_turns)
 
     @_maps_errors
     def Step(self, request, context):
-        s = self.manager.step(request.session_id, request.action)
+        s = self.manager.step(bounded("session_id", request.session_id), request.action)
         return env_pb2.StepResponse(observation=s.observation, reward=s.reward, done=s.done, success=s.success,
                                     available_actions=s.available_actions, turn=s.turn, valid_action=s.valid)
 
     @_maps_errors
     def Close(self, request, context):
-        self.manager.close(request.session_id)
+        self.manager.close(bounded("session_id", request.session_id))
         return env_pb2.CloseResponse()
 
     @_maps_errors
     def ExpertAction(self, request, context):
-        return env_pb2.ExpertActionResponse(action=self.manager.expert_action(request.session_id))
+        action = self.manager.expert_action(bounded("session_id", request.session_id))
+        return env_pb2.ExpertActionResponse(action=action)

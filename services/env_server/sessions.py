@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Callable, Mapping
 
+from fedse.inputs import shown
 from fedse.serving import log_fields
 
 from . import metrics
@@ -141,7 +142,7 @@ class SessionManager:
             return self._envs[name]
         except KeyError:
             raise UnknownEnvironment(
-                f"unknown environment {name!r}: this server hosts {', '.join(self._envs) or 'none'}") from None
+                f"unknown environment {shown(name)}: this server hosts {', '.join(self._envs) or 'none'}") from None
 
     def list_tasks(self, env: str, split: str) -> tuple[list[int], int]:
         """Task ids of a split and the environment's turn limit."""
@@ -248,7 +249,7 @@ class SessionManager:
         why = self._ended.get(session_id)
         if why is not None:
             return UnknownSession(f"session {session_id} {why}: start a new one with Reset")
-        return UnknownSession(f"no session {session_id!r} on this server: start one with Reset "
+        return UnknownSession(f"no session {shown(session_id)} on this server: start one with Reset "
                               "(sessions do not survive a server restart)")
 
     def _pop_locked(self, session_id: str) -> _Session | None:

@@ -11,6 +11,8 @@ import dataclasses
 import random
 from typing import Generic, Iterator, Sequence, TypeVar
 
+from fedse.inputs import shown
+
 
 class UnknownTask(KeyError):
     """A task id that is not in any split of the environment."""
@@ -63,7 +65,7 @@ SPLITS = ("train", "test")
 
 def check_split(split: str) -> None:
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+        raise ValueError(f"unknown split {shown(split)}: use one of {', '.join(SPLITS)}")
 
 
 T = TypeVar("T")
