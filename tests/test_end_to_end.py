@@ -35,6 +35,17 @@ def test_local_federation_runs_every_round(tmp_path):
     assert len(data["mean_test_success"]) == 3
     png = (results / "success.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # Each client logged where its phases were (fedse run shows the latest while a round runs):
+    # every phase's start and end, the end counting all of its episodes or optimizer steps.
+    from fedse.progress import PROGRESS_MSG
+    for env in KNOWN_ENVS:
+        lines = [json.loads(line) for line in (results / "logs" / f"client_agent-{env}.log").read_text().splitlines()
+                 if PROGRESS_MSG in line and line.startswith("{")]
+        ends = {(e["phase"], e["round"]): e for e in lines if e["msg"] == PROGRESS_MSG and e["done"] == e["total"]}
+        assert {("expert demonstrations", -1), ("evaluating", 0), ("exploring", 0), ("training", 0),
+                ("evaluating", 2)} <= set(ends), (env, sorted(ends))
+        assert ends[("evaluating", 0)]["total"] == 4 and ends[("exploring", 1)]["total"] == 4
+        assert ends[("training", 1)]["unit"] == "steps" and ends[("training", 1)]["total"] >= 1
     # Every global adapter was exported as a PEFT directory.
     for rnd in range(3):
         d = results / "state" / "aggregator" / "local" / "global" / f"round_{rnd:04d}"

@@ -42,6 +42,7 @@ import torch
 
 from fedse import adapter as ad
 from fedse.machine import available_cores, release_free_memory
+from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
@@ -66,6 +67,8 @@ BUFFER_NAME = "buffer.jsonl"
 # per round: its kept trajectories are in the buffer, its adapter is saved, the aggregator
 # acknowledged it, its metrics were reported.
 PROGRESS_PHASES = ("seeded", "explored", "trained", "uploaded", "reported")
+# How the progress lines name the phases whose episodes they count.
+PHASE_WORDS = {"eval": "evaluating", "explore": "exploring", "expert": "expert demonstrations"}
 # How many times in a row one phase's episodes start over because the env server lost their sessions.
 MAX_EPISODE_RESTARTS = 10
 
@@ -250,9 +253,12 @@ class ClientAgent:
         def count(t: Trajectory) -> None:
             STEPS.labels(phase).inc(len(t.turns))
             EPISODES.labels(phase, "success" if t.success else "failure").inc()
+            progress.advance()
         restarts = 0
         while True:
             self.scorer.forget()  # the weights may have changed since the cached prompts were run
+            progress = PhaseProgress(log, PHASE_WORDS.get(phase, phase), len(task_ids), "episodes", env=env.env,
+                                     round=round_)
             try:
                 return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count)
             except SessionLost as exc:
@@ -516,11 +522,17 @@ class ClientAgent:
         turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        progress: list[PhaseProgress] = []  # made at the first step, which knows how many there are
+
+        def on_step(step: dict) -> None:
+            if not progress:
+                progress.append(PhaseProgress(log, "training", step["steps"], "steps", round=round_))
+            progress[0].advance()
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
-                                checkpointing=not is_tiny(self.model), precision=self.precision)
+                                checkpointing=not is_tiny(self.model), precision=self.precision, progress=on_step)
         self.loaded_round = None
         release_free_memory()
         t2 = time.perf_counter()
