@@ -79,7 +79,10 @@ set -- "$@" -f docker/Dockerfile -t "$TAG" --label "org.opencontainers.image.var
 for u in $ULIMITS; do set -- "$@" --ulimit "$u"; done
 
 if [ "$TORCH_INDEX_URL" = local ]; then
-    [ "$VARIANT" = cpu ] || { echo "$0: TORCH_INDEX_URL=local serves the CPU wheel; the GPU image wants PyPI's" >&2; exit 2; }
+    if [ "$VARIANT" != cpu ]; then
+        echo "$0: TORCH_INDEX_URL=local serves the CPU wheel; the GPU image wants PyPI's" >&2
+        exit 2
+    fi
     TORCH_PIN=$(grep -E '^torch==' requirements.txt)
     PY=$(command -v python3 || command -v python)
     # The CPU wheel alone first (no CUDA build of several GB by mistake), then what it depends on.
@@ -109,7 +112,7 @@ print(s.getsockname()[1])')
     "$PY" -m http.server --bind 127.0.0.1 --directory "$WORK/simple" "$PORT" >"$WORK/index.log" 2>&1 &
     INDEX_PID=$!
     i=0
-    until "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/torch/', timeout=1)" 2>/dev/null; do
+    until "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/torch/', timeout=1)" 2>/dev/null; do
         i=$((i + 1))
         [ $i -lt 50 ] || { cat "$WORK/index.log" >&2; echo "$0: the local index did not start" >&2; exit 1; }
         sleep 0.1

@@ -25,7 +25,10 @@ command -v "$BUILDER" >/dev/null 2>&1 || { echo "$0: $BUILDER is not installed" 
 if [ "${REBUILD:-0}" != 1 ] && "$BUILDER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     exit 0
 fi
-command -v mmdebstrap >/dev/null 2>&1 || { echo "$0: mmdebstrap is not installed (Debian: apt-get install mmdebstrap)" >&2; exit 1; }
+if ! command -v mmdebstrap >/dev/null 2>&1; then
+    echo "$0: mmdebstrap is not installed (Debian: apt-get install mmdebstrap)" >&2
+    exit 1
+fi
 
 # The chroot is unpacked in memory where /dev/shm allows (dpkg is much faster without fsyncs).
 TMP=${TMPDIR:-/tmp}

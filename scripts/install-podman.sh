@@ -14,7 +14,7 @@ if command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 && comma
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install-podman.sh: no apt-get here; install podman, runc and mmdebstrap by hand for tests/test_image.py (it skips without them)" >&2
+    echo "install-podman.sh: no apt-get here; tests/test_image.py skips without podman, runc and mmdebstrap" >&2
     exit 0
 fi
 
@@ -23,7 +23,7 @@ if [ "$(id -u)" -ne 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
         SUDO="sudo -n"
     else
-        echo "install-podman.sh: not root (and no password-less sudo); tests/test_image.py skips without podman, runc and mmdebstrap" >&2
+        echo "install-podman.sh: not root (and no password-less sudo): tests/test_image.py skips" >&2
         exit 0
     fi
 fi
