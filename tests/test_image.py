@@ -420,6 +420,7 @@ def test_image_runs_a_federation_round_as_the_manifests_do(image, tmp_path):
             podman("stop", "--time", str(KUBERNETES_GRACE_S), pod.container_name, timeout=KUBERNETES_GRACE_S + 30)
             took = time.monotonic() - start
             assert pod.state() == ("exited", 0) and took < 10, (pod.name, took, pod.logs())
+            print(f"{pod.name}: stopped by SIGTERM in {took:.1f} s")
     finally:
         for pod in pods:
             podman("rm", "--force", "--time", "0", pod.container_name, check=False)
