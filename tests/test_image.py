@@ -112,7 +112,7 @@ def pip_ca_bundle() -> str:
 # The test's own podman storage (see scratch_store), for every podman call once the fixture made it.
 STORE_ENV: dict[str, str] = {}
 SCRATCH_PREFIX = "fedse-image-test-"
-BUILD_PEAK_BYTES = 8 << 30  # the build holds about 3.5 GB at its peak; the running services ~2 GB more
+BUILD_PEAK_BYTES = 6 << 30  # the build holds about 3.5 GB at its peak; the running services ~2 GB more
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -185,7 +185,9 @@ def image(tmp_path_factory):
 
         settings = {"BUILDER": "podman", "PYTHON_IMAGE": BASE_IMAGE, "RUNTIME": runtime(),
                     "ULIMITS": " ".join(ulimits()), "CA_BUNDLE": pip_ca_bundle(),
-                    "TORCH_INDEX_URL": os.environ.get("FEDSE_IMAGE_TORCH_INDEX_URL", "local"), "TMPDIR": str(root)}
+                    "TORCH_INDEX_URL": os.environ.get("FEDSE_IMAGE_TORCH_INDEX_URL", "local"), "TMPDIR": str(root),
+                    # A fresh store has no cache to reuse: no layer per step (a third faster, half the storage).
+                    "BUILD_FLAGS": "--layers=false"}
         start = time.monotonic()
 
         def build() -> int:
