@@ -32,6 +32,7 @@ model: $(STAMP)
 ## What CI runs.
 test: $(STAMP)
 	@sh scripts/install-prometheus.sh
+	@sh scripts/install-podman.sh
 	$(PY) -m pytest -q $(ARGS)
 
 ## Regenerate the committed gRPC code with the pinned grpcio-tools.
@@ -49,14 +50,35 @@ bench-aggregation: $(STAMP)
 bench-transfer: $(STAMP)
 	$(PY) bench/transfer.py
 
-## Container images (docker/Dockerfile): fedse (CPU) and fedse-gpu (CUDA torch, for client agents).
+## Container images (docker/Dockerfile): fedse (CPU) and fedse-gpu (CUDA torch, for client agents),
+## built with Docker where a daemon answers, else with podman (scripts/build-image.sh says what each
+## setting below does; empty means the Dockerfile's default). IMAGES=cpu builds the CPU image only.
+## Without Docker Hub: scripts/debian-base-image.sh, then PYTHON_IMAGE=localhost/fedse-base:bookworm.
 IMAGE ?= fedse
 GPU_IMAGE ?= fedse-gpu
 IMAGE_TAG ?= 0.1.0
+IMAGES ?= cpu gpu
+BUILDER ?= auto
+PYTHON_IMAGE ?=
+TORCH_INDEX_URL ?=
+GPU_TORCH_INDEX_URL ?=
+CA_BUNDLE ?=
+PIP_CONF ?=
+RUNTIME ?=
+ULIMITS ?=
+BUILD_FLAGS ?=
+BUILD_SETTINGS = BUILDER='$(BUILDER)' PYTHON_IMAGE='$(PYTHON_IMAGE)' CA_BUNDLE='$(CA_BUNDLE)' \
+	PIP_CONF='$(PIP_CONF)' RUNTIME='$(RUNTIME)' ULIMITS='$(ULIMITS)' BUILD_FLAGS='$(BUILD_FLAGS)'
 images:
-	@docker info >/dev/null 2>&1 || { echo "make images: no Docker daemon reachable ('docker info' failed): start Docker, or build docker/Dockerfile with another builder" >&2; exit 1; }
-	docker build -f docker/Dockerfile -t $(IMAGE):$(IMAGE_TAG) .
-	docker build -f docker/Dockerfile --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t $(GPU_IMAGE):$(IMAGE_TAG) .
+	@for variant in $(IMAGES); do \
+	    case $$variant in \
+	        cpu) $(BUILD_SETTINGS) TORCH_INDEX_URL='$(TORCH_INDEX_URL)' \
+	                 sh scripts/build-image.sh $(IMAGE):$(IMAGE_TAG) cpu || exit 1 ;; \
+	        gpu) $(BUILD_SETTINGS) TORCH_INDEX_URL='$(GPU_TORCH_INDEX_URL)' \
+	                 sh scripts/build-image.sh $(GPU_IMAGE):$(IMAGE_TAG) gpu || exit 1 ;; \
+	        *) echo "make images: IMAGES holds cpu and/or gpu, not '$$variant'" >&2; exit 2 ;; \
+	    esac; \
+	done
 
 clean:
 	rm -rf $(VENV) results

@@ -31,6 +31,18 @@ from services.client_agent.federation import decode_transport, encode_transport
 REPO = pathlib.Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 KUBECTL = os.environ.get("KUBECTL") or shutil.which("kubectl")
+NAMESPACE = "fedse"  # k8s/kustomization.yaml's
+# Flags the tests that run the manifests' containers add to shrink a run (a flag wins over its FEDSE_*
+# variable): how much work a round is, never ports, paths or names.
+BUDGET = {
+    "services.aggregator": ["--num-rounds=1"],
+    "services.client_agent": ["--expert-demos=2", "--explore-tasks=2", "--eval-tasks=2", "--epochs=1",
+                              "--torch-threads=1"],
+    "services.env_server": [],
+}
+# What each service's own metrics are called (README, Metrics).
+OWN_METRICS = {"services.aggregator": "fedse_aggregator_", "services.env_server": "fedse_env_",
+               "services.client_agent": "fedse_client_"}
 
 
 def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):
@@ -92,6 +104,23 @@ def free_ports(n: int) -> list[int]:
 def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
+
+
+def serving(target: str) -> bool:
+    """Whether grpc.health.v1 at host:port answers SERVING, as a Kubernetes gRPC probe asks."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def probe_ports(container: dict) -> set[int]:
+    """The ports of a rendered container's gRPC probes."""
+    return {container[probe]["grpc"]["port"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
 
 
 @contextlib.contextmanager

@@ -700,4 +700,9 @@ def test_dockerfile_multi_stage_non_root_and_pinned(scenario_tmp):
     for w, c in containers(list(_render("default", scenario_tmp))):
         assert pod_spec(w)["securityContext"]["runAsUser"] == uid
     makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"^images:", makefile, re.M) and "docker info" in makefile
+    # Docker where a daemon answers, else podman; the machine's particulars are settings, not edits.
+    assert re.search(r"^images:", makefile, re.M) and "scripts/build-image.sh" in makefile
+    script = (REPO / "scripts" / "build-image.sh").read_text()
+    assert "docker info" in script and "podman" in script
+    assert "RUN python3 -m venv" in text and "py312_intrinsics" in text, "builds on a base without `python`"
+    assert "--mount=type=secret,id=pip.conf" in text and "COPY --from=build /opt/fedse /opt/fedse" in text

@@ -42,21 +42,11 @@ import time
 
 import pytest
 
-from support import KUBECTL, REPO, free_ports, http_get, kustomize, write_scenario
+from support import (BUDGET, KUBECTL, NAMESPACE, OWN_METRICS, REPO, free_ports, http_get, kustomize, probe_ports,
+                     serving, write_scenario)
 
-NAMESPACE = "fedse"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
-# Budget flags added to shrink the run (see the module docstring); never ports, paths or names.
-BUDGET = {
-    "services.aggregator": ["--num-rounds=1"],
-    "services.client_agent": ["--expert-demos=2", "--explore-tasks=2", "--eval-tasks=2", "--epochs=1",
-                              "--torch-threads=1"],
-    "services.env_server": [],
-}
 RUN_TIMEOUT_S = 420.0
-# What each service's own metrics are called (README, Metrics).
-OWN_METRICS = {"services.aggregator": "fedse_aggregator_", "services.env_server": "fedse_env_",
-               "services.client_agent": "fedse_client_"}
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(KUBECTL is None, reason="kubectl not found (needed for `kubectl kustomize`)")]
@@ -224,23 +214,9 @@ class Cluster:
                     pod.popen.wait()
 
 
-def serving(port: int) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def probe_ports(pod: Pod) -> set[int]:
-    ports = set()
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        ports.add(pod.container[probe]["grpc"]["port"])
-    return ports
+def ready(pod: Pod) -> bool:
+    """Every probe of `pod` answers SERVING on the local port its container port maps to."""
+    return all(serving(f"127.0.0.1:{pod.ports[p]}") for p in probe_ports(pod.container))
 
 
 def watch(pods: list[Pod], seen: dict[str, str], deadline: float, until_exit: bool) -> None:
@@ -251,7 +227,7 @@ def watch(pods: list[Pod], seen: dict[str, str], deadline: float, until_exit: bo
             rc = pod.popen.poll()
             if rc not in (None, 0) or (rc == 0 and pod.kind != "Job"):
                 pytest.fail(f"{pod.name} exited with {rc}:\n{pod.output()}")
-            if pod.name not in seen and rc is None and all(serving(pod.ports[p]) for p in probe_ports(pod)):
+            if pod.name not in seen and rc is None and ready(pod):
                 metrics = pod.ports[next(p["containerPort"] for p in pod.container["ports"] if p["name"] == "metrics")]
                 try:
                     text = http_get(f"http://127.0.0.1:{metrics}/metrics")
@@ -294,7 +270,7 @@ def run_federation(docs: list[dict], tmp_path: pathlib.Path, envs: set[str] | No
             assert pod.popen.returncode == 0, f"{pod.name}:\n{pod.output()}"
             assert "run complete" in pod.output(), pod.name
         for pod in servers:  # still serving after the run
-            assert pod.popen.poll() is None and all(serving(pod.ports[p]) for p in probe_ports(pod)), pod.name
+            assert pod.popen.poll() is None and ready(pod), pod.name
     finally:
         cluster.stop_all()
     # Every service served its own metrics, and gRPC's, on the port its manifest names.
@@ -340,7 +316,7 @@ def test_mtls_manifests_run_a_federation_round(tmp_path):
     for pod in servers:  # TLS on the service port, plain health on another
         assert pod.env["FEDSE_TLS_CERT"].endswith("tls.crt") and pod.env["FEDSE_HEALTH_ADDRESS"].startswith("127.0.0.1:")
         grpc_port = next(p["containerPort"] for p in pod.container["ports"] if p["name"] == "grpc")
-        assert grpc_port not in probe_ports(pod)
+        assert grpc_port not in probe_ports(pod.container)
     for pod in clients:
         assert pod.env["FEDSE_TLS_CERT"].endswith("tls.crt") and "FEDSE_ENV_SERVER_PLAIN" not in pod.env
     check_round_completed(cluster, servers, clients)
