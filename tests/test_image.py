@@ -15,7 +15,7 @@ Then the maze pair and the aggregator of `kubectl kustomize k8s/` each run in a 
 own, from the rendered Deployment or Job, with nothing of the manifests changed but what only a
 cluster provides:
 - command, args and env exactly as rendered (plus the budget flags of tests/support.py's BUDGET, and
-  --min-clients=1 on the aggregator since one of the five pairs runs: a round's size, not its wiring);
+  --start-clients=1 --min-clients=1 on the aggregator since one of the five pairs runs: a round's size, not its wiring);
 - the pod's securityContext merged with the container's: runAsUser/runAsGroup as --user, fsGroup as a
   supplementary group, readOnlyRootFilesystem as --read-only (and no tmpfs podman would add itself),
   allowPrivilegeEscalation: false as no-new-privileges, capabilities dropped and added, the
@@ -366,7 +366,7 @@ def test_image_runs_a_federation_round_as_the_manifests_do(image, tmp_path):
     for pod in pods:  # the CPU image, which this test built, is what every one of them runs
         assert pod.container["image"].rsplit(":", 1)[0] == "fedse", pod.container["image"]
     (aggregator,) = [p for p in servers if p.module == "services.aggregator"]
-    aggregator.extra = ["--min-clients=1"]
+    aggregator.extra = ["--start-clients=1", "--min-clients=1"]
 
     network = prefix
     podman("network", "create", network)
