@@ -15,7 +15,8 @@ Then the maze pair and the aggregator of `kubectl kustomize k8s/` each run in a 
 own, from the rendered Deployment or Job, with nothing of the manifests changed but what only a
 cluster provides:
 - command, args and env exactly as rendered (plus the budget flags of tests/support.py's BUDGET, and
-  --start-clients=1 --min-clients=1 on the aggregator since one of the five pairs runs: a round's size, not its wiring);
+  --start-clients=1 --min-clients=1 on the aggregator since one of the five pairs runs: a round's
+  size, not its wiring);
 - the pod's securityContext merged with the container's: runAsUser/runAsGroup as --user, fsGroup as a
   supplementary group, readOnlyRootFilesystem as --read-only (and no tmpfs podman would add itself),
   allowPrivilegeEscalation: false as no-new-privileges, capabilities dropped and added, the
