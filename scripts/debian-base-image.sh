@@ -22,7 +22,8 @@ if [ "$BUILDER" = auto ]; then
 fi
 command -v "$BUILDER" >/dev/null 2>&1 || { echo "$0: $BUILDER is not installed" >&2; exit 1; }
 
-if [ "${REBUILD:-0}" != 1 ] && "$BUILDER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+OLD_ID=$("$BUILDER" image inspect --format '{{.Id}}' "$BASE_IMAGE" 2>/dev/null || true)
+if [ "${REBUILD:-0}" != 1 ] && [ -n "$OLD_ID" ]; then
     exit 0
 fi
 if ! command -v mmdebstrap >/dev/null 2>&1; then
@@ -46,4 +47,8 @@ TMPDIR=$WORK mmdebstrap --quiet --variant=minbase --include=python3,python3-venv
 QUIET=""
 [ "$BUILDER" = podman ] && QUIET=--quiet  # docker import has no such flag (and shows no progress)
 "$BUILDER" import $QUIET --change 'CMD ["python3"]' "$WORK/base.tar" "$BASE_IMAGE" >/dev/null
+# A rebuild leaves the previous image untagged: removed unless something still uses it.
+if [ -n "$OLD_ID" ] && [ "$OLD_ID" != "$("$BUILDER" image inspect --format '{{.Id}}' "$BASE_IMAGE")" ]; then
+    "$BUILDER" rmi "$OLD_ID" >/dev/null 2>&1 || true
+fi
 echo "$0: built $BASE_IMAGE from Debian bookworm's packages" >&2
