@@ -40,7 +40,7 @@ from typing import IO, Any, Sequence
 
 from fedse.config import ConfigError, field
 from fedse.machine import available_cores
-from fedse.progress import EVERY_S as PROGRESS_EVERY_S, describe, last_progress
+from fedse.progress import EVERY_S as PROGRESS_EVERY_S, describe, last_progress, tail_lines
 from fedse.pretrained import check_base_model
 
 SERVICE_START_S = 120.0
@@ -242,13 +242,8 @@ def log_summary(path: pathlib.Path, lines: int = 3, width: int = 160) -> tuple[t
     characters. JSON log lines are shown as "level: msg key=value ... (exception)", other text as
     condense() leaves it. The error is the last error-level entry, entry with an exception, or
     exception line ("" if none)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            start = max(0, fh.tell() - LOG_TAIL_BYTES)
-            fh.seek(start)
-            text = fh.read().decode(errors="replace").splitlines()[1 if start else 0:]  # not a cut first line
-    except OSError:
+    text = tail_lines(path, LOG_TAIL_BYTES)
+    if text is None:
         return (), ""
     items: list[tuple[str, bool]] = []  # (line to show, whether it is an error)
     block: list[str] = []  # consecutive lines that are not JSON

@@ -52,17 +52,22 @@ class PhaseProgress:
             elapsed_s=round(elapsed, 1), **({"left_s": round(left, 1)} if left is not None else {})))
 
 
-def last_progress(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The last progress line of a JSON log (its end only is read), None if it has none."""
+def tail_lines(path: str | os.PathLike, max_bytes: int = TAIL_BYTES) -> list[str] | None:
+    """The whole lines in the last max_bytes of a file (a line cut by the start is left out), None
+    if it cannot be read."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            start = max(0, fh.tell() - TAIL_BYTES)
+            start = max(0, fh.tell() - max_bytes)
             fh.seek(start)
-            lines = fh.read().decode(errors="replace").splitlines()[1 if start else 0:]
+            return fh.read().decode(errors="replace").splitlines()[1 if start else 0:]
     except OSError:
         return None
-    for line in reversed(lines):
+
+
+def last_progress(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The last progress line of a JSON log (its end only is read), None if it has none."""
+    for line in reversed(tail_lines(path) or []):
         if f'"{PROGRESS_MSG}"' not in line:
             continue
         try:
@@ -93,9 +98,4 @@ def describe(entry: dict[str, Any]) -> str:
     if entry.get("left_s") is not None:
         text += f", ~{duration(float(entry['left_s']))} left"
     return text
-
-
-def age_s(entry: dict[str, Any], now: float | None = None) -> float:
-    """Seconds since the line was written (its "ts")."""
-    return (time.time() if now is None else now) - float(entry.get("ts", 0.0))
 
