@@ -327,6 +327,32 @@ def test_report_metrics_refuses_non_finite_values_and_rounds_outside_the_run(agg
     c1.close(), c2.close()
 
 
+def test_a_repeated_metrics_report_is_acknowledged_and_recorded_once_even_across_a_restart(tmp_path, peft_model):
+    """A client killed between reporting a round and saving that it had, reports the round again
+    when it restarts; that used to put the round in metrics.jsonl twice."""
+    _pm, state, config_json = peft_model
+
+    def recorded(run_dir):
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["client_id"], r["round"], r["metrics"]) for r in lines]
+
+    with aggregator_in_process(tmp_path) as (_agg, port, run_dir):
+        c1, c2 = join_two(f"127.0.0.1:{port}", state, config_json)
+        c1.report(0, {"test_success": 0.5})
+        c1.report(0, {"test_success": 0.75})  # acknowledged: no error
+        c2.report(0, {"test_success": 0.25})
+        assert recorded(run_dir) == [("org-a", 0, {"test_success": 0.5}), ("org-b", 0, {"test_success": 0.25})]
+        c1.close(), c2.close()
+    with aggregator_in_process(tmp_path) as (_agg, port, run_dir):
+        c1 = FederationClient(f"127.0.0.1:{port}", "org-a")
+        c1.join("maze", TINY_MODEL_NAME, ad.Schema.of(state, config_json))
+        c1.report(0, {"test_success": 1.0})
+        assert recorded(run_dir) == [("org-a", 0, {"test_success": 0.5}), ("org-b", 0, {"test_success": 0.25})]
+        view = {c.client_id: c for c in c1.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10).clients}
+        assert (view["org-a"].metrics_round, dict(view["org-a"].metrics)) == (0, {"test_success": 0.5})
+        c1.close()
+
+
 def test_join_takes_tensor_dtypes_in_torch_or_safetensors_spelling(aggregator, peft_model):
     """A client written from proto/ alone may name dtypes as safetensors does ("F32"); it used to be
     refused ("the run expects float32")."""

@@ -151,7 +151,8 @@ class FederationServiceServicer:
         """Scalar metrics of a client for a round (held-out success, buffer size, ...): finite values, at
         most 256 of them, for a round 0..num_rounds that has opened (num_rounds: the final adapter's
         evaluation); anything else is refused (INVALID_ARGUMENT; FAILED_PRECONDITION for a round not
-        yet opened).
+        yet opened). A client's metrics of a round are recorded once: a repeated report (a client
+        that restarted before it saved that it had reported) is acknowledged and not recorded again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

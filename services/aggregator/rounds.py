@@ -199,7 +199,12 @@ class Federation:
         self._version = 0
         # (round, transport) -> (the adapter file's bytes, sha256); phi made here is a bytearray image
         self._cache: dict[tuple[int, str], tuple[bytes | bytearray, str]] = {}
-        self._metrics = store.latest_metrics()
+        # Each client's latest report, and every (client, round) reported: a round's metrics are
+        # recorded once, so a client that repeats a report after a crash does not count twice.
+        self._metrics: dict[str, tuple[int, dict[str, float]]] = {}
+        self._reported: set[tuple[str, int]] = set()
+        for cid, r, m in store.metrics_reports():
+            self._note_report_locked(cid, r, m)
         self._restore()
 
     # ---- persistence ---------------------------------------------------------------------
@@ -585,11 +590,19 @@ class Federation:
                 raise StaleRound(f"metrics for round {round_}, which has not opened (round {self._round} is the "
                                  "latest): report a round's metrics once it is open")
             self._seen_locked(client_id)
+            if (client_id, round_) in self._reported:
+                log.info("repeated metrics report acknowledged, not recorded again",
+                         extra=log_fields(client_id=client_id, round=round_))
+                return
             self.store.append_metrics(client_id, round_, values)
-            prev = self._metrics.get(client_id)
-            if prev is None or round_ >= prev[0]:
-                self._metrics[client_id] = (round_, dict(values))
+            self._note_report_locked(client_id, round_, values)
             self._changed_locked()
+
+    def _note_report_locked(self, client_id: str, round_: int, values: dict[str, float]) -> None:
+        self._reported.add((client_id, round_))
+        prev = self._metrics.get(client_id)
+        if prev is None or round_ >= prev[0]:
+            self._metrics[client_id] = (round_, dict(values))
 
     def tick(self) -> None:
         """Closes the open round when due (called periodically; deadlines and liveness change with time)."""

@@ -160,18 +160,16 @@ class Store:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def latest_metrics(self) -> dict[str, tuple[int, dict[str, float]]]:
-        """client_id -> (round, metrics) of each client's latest report (torn last line ignored)."""
+    def metrics_reports(self) -> list[tuple[str, int, dict[str, float]]]:
+        """(client_id, round, metrics) of every recorded report in order (a torn last line ignored)."""
         path = self.root / "metrics.jsonl"
-        out: dict[str, tuple[int, dict[str, float]]] = {}
         if not path.exists():
-            return out
+            return []
+        out = []
         for line in path.read_text().splitlines():
             try:
                 entry = json.loads(line)
             except ValueError:
                 continue
-            prev = out.get(entry["client_id"])
-            if prev is None or entry["round"] >= prev[0]:
-                out[entry["client_id"]] = (int(entry["round"]), entry["metrics"])
+            out.append((str(entry["client_id"]), int(entry["round"]), entry["metrics"]))
         return out
