@@ -67,13 +67,18 @@ BY_KEY = {m.key: m for m in METHODS}
 PRETRAINED = "Pre-trained"
 
 # Budgets: what a run of each method costs. "quick" is sized to finish every method for every seed
-# in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "full" is for a GPU
-# machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
+# in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "cpu-real" runs the
+# paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about an hour; "full" is for a
+# GPU machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
 BUDGETS: dict[str, dict[str, Any]] = {
-    "quick": {"envs": "maze,wordle", "seeds": 2, "rounds": 3, "expert_demos": 10, "explore_tasks": 16,
-              "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 30},
-    "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "seeds": 3, "rounds": 5, "expert_demos": 20,
-             "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 100},
+    "quick": {"envs": "maze,wordle", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
+              "explore_tasks": 16, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 30, "lr": 3e-3},
+    "cpu-real": {"envs": "maze,babyai", "methods": "local,centralized,fedit,fedse", "seeds": 1, "rounds": 2,
+                 "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 10, "epochs": 2, "wordle_vocab_size": 30,
+                 "lr": 1e-3},
+    "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "methods": "all", "seeds": 3, "rounds": 5,
+             "expert_demos": 20, "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 100,
+             "lr": 3e-3},
 }
 BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs",
                  "wordle_vocab_size")
@@ -84,14 +89,15 @@ class ExperimentConfig:
     """Runs Pre-trained, Local, Centralized, FedIT, Fed-SE and Fed-SE's ablations over several seeds and
     writes the paper-style table, a CSV and plots. Numbers left at -1 (or empty) take the budget's."""
 
-    budget: str = field("quick", "'quick' (under 15 min on a 2-core CPU with the tiny model) or 'full' "
-                                 "(GPU machine, real model: all five environments, all test tasks)")
-    methods: str = field("all", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
-                                + " ('all' = every one; Pre-trained comes with fedse)")
+    budget: str = field("quick", "'quick' (under 15 min on a 2-core CPU with the tiny model), 'cpu-real' "
+                                 "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about an "
+                                 "hour) or 'full' (GPU machine, real model: all five environments, all test tasks)")
+    methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
+                             + " ('all' = every one; Pre-trained comes with fedse; '' = the budget's)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
                                           "(`make model` writes models/smollm2-135m-instruct)")
-    lr: float = field(3e-3, "client learning rate (the paper's 5e-5 suits 7B models)")
+    lr: float = field(-1.0, "client learning rate (the paper's 5e-5 suits 7B models; -1 = the budget's)")
     envs: str = field("", "environments, one client each ('' = the budget's)")
     seeds: int = field(-1, "repeats with seeds 0..N-1 (-1 = the budget's)")
     rounds: int = field(-1, "federated rounds T (-1 = the budget's)")
@@ -111,6 +117,8 @@ class ExperimentConfig:
                               f"{', '.join(m.key for m in METHODS)} or 'all'")
         if not self.method_keys():
             raise ConfigError("--methods is empty: name at least one method, or 'all'")
+        if self.lr != -1 and not self.lr > 0:
+            raise ConfigError(f"--lr must be positive (or -1: the budget's, {BUDGETS[self.budget]['lr']}), got {self.lr}")
         for name in BUDGET_FIELDS:
             value = getattr(self, name)
             if name != "envs" and value < -1:
@@ -120,9 +128,10 @@ class ExperimentConfig:
         check_base_model(self.base_model)
 
     def method_keys(self) -> list[str]:
-        if self.methods.strip() == "all":
+        methods = self.setting("methods").strip()
+        if methods == "all":
             return [m.key for m in METHODS]
-        return [k.strip() for k in self.methods.split(",") if k.strip()]
+        return [k.strip() for k in methods.split(",") if k.strip()]
 
     def setting(self, name: str) -> Any:
         """A budget field: the flag's value if given, else the budget's."""
@@ -134,7 +143,7 @@ class ExperimentConfig:
 
     def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
         common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}
-        return RunConfig(results=str(results), base_model=self.base_model, lr=self.lr, seed=seed,
+        return RunConfig(results=str(results), base_model=self.base_model, lr=self.setting("lr"), seed=seed,
                          **{**common, **method.settings})
 
 

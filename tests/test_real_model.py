@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from services.client_agent.model import add_lora, get_adapter_state, load_base
+from services.client_agent.model import add_lora, get_adapter_state, load_base, store_frozen_linears_in_bf16
 from services.client_agent.policy import ActionScorer
 from services.client_agent.prompts import ChatFormat, TokenCache, encode_trajectory, make_format
 from services.client_agent.trainer import train_lora
@@ -88,6 +88,37 @@ def test_one_training_step_on_a_chat_trajectory_moves_only_the_lora_and_fits_it(
     assert any(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
     assert stats[-1]["loss"] < stats[0]["loss"], [s["loss"] for s in stats]
     assert stats[0]["turns"] == 4 and stats[0]["tokens"] == seqs[0].targets
+
+
+def test_frozen_linears_stored_in_bf16_score_and_train_exactly_as_autocast_over_fp32_weights(smollm2_dir):
+    """What the client does under precision "bf16" on a CPU: the same scores and the same LoRA
+    gradients, bit for bit, with half the memory for the frozen linear weights."""
+    instruction, turns, obs = _episode(3)
+    actions = ["move up", "move down", "move left", "move right"]
+    results = []
+    for convert in (False, True):
+        torch.manual_seed(0)
+        model, tok = load_base(str(smollm2_dir))
+        model = add_lora(model)
+        bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
+        if convert:
+            assert store_frozen_linears_in_bf16(model) == 30 * 7  # q, k, v, o, gate, up, down per layer
+            saved = bytes_before - sum(p.numel() * p.element_size() for p in model.parameters())
+            assert saved > 200e6, saved
+            assert model.get_output_embeddings().weight.dtype == torch.float32
+            assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+        fmt = make_format(model, tok)
+        scorer = ActionScorer(model, tok, fmt=fmt, precision="bf16")
+        scores = [scorer.score([fmt.prompt(instruction, turns[:i], turns[i][0] if i < len(turns) else obs)],
+                               [actions])[0] for i in range(len(turns) + 1)]
+        seqs = encode_trajectory(fmt, TokenCache(tok), instruction, turns, fmt.max_prompt_tokens)
+        train_lora(model, tok, seqs, epochs=1, batch_size=1, lr=1e-3, seed=0, checkpointing=True, precision="bf16")
+        results.append((scores, get_adapter_state(model)))
+        del model, scorer
+    (s_fp32, a_fp32), (s_bf16, a_bf16) = results
+    assert all(torch.equal(x, y) for x, y in zip(s_fp32, s_bf16)), (s_fp32, s_bf16)
+    assert a_fp32.keys() == a_bf16.keys() and all(torch.equal(a_fp32[k], a_bf16[k]) for k in a_fp32)
+    assert any(torch.count_nonzero(a_bf16[k]) for k in a_bf16 if "lora_B" in k)  # it trained
 
 
 MEMORY_SCRIPT = """

@@ -212,6 +212,8 @@ class ClientAgent:
                                   target_modules=config.lora_targets(), seed=config.seed)
         self.device = next(self.model.parameters()).device
         self.precision = mdl.pick_precision(config.precision, self.model, self.device)
+        if self.precision == "bf16" and self.device.type == "cpu":
+            mdl.store_frozen_linears_in_bf16(self.model)
         self.max_prompt_tokens = default_max_prompt_tokens(self.model)
         # One tokenizer cache for the prompt format's window checks, the scorer and training: the
         # prompt a window check tokenized is the one the scorer then scores.
@@ -532,7 +534,8 @@ class ClientAgent:
             torch.manual_seed(seed)
             result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
-                                checkpointing=not is_tiny(self.model), precision=self.precision, progress=on_step)
+                                checkpointing=not is_tiny(self.model), precision=self.precision,
+                                release_memory=not is_tiny(self.model), progress=on_step)
         self.loaded_round = None
         release_free_memory()
         t2 = time.perf_counter()

@@ -34,6 +34,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from fedse.machine import release_free_memory
+
 from .model import autocast
 from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, inner_model, is_tiny
 
@@ -395,6 +397,10 @@ class ActionScorer:
                 h = decoder(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev), position_ids=s_pos.to(dev),
                             past_key_values=past, use_cache=True).last_hidden_state[0]
                 self._collect(items, out, where, lm, h[torch.tensor(src, device=dev)], rows, tgt, cand)
+            del run, hidden
+            # A prompt's passes free tensors of many sizes; glibc would keep most of them resident
+            # (measured: a WebShop evaluation held 3.9 GB with the cache at 441 MB; 2.7 GB trimmed).
+            release_free_memory()
 
     @staticmethod
     def _first_tokens(it: dict, b: int, last: int, rows: list, src: list, tgt: list, cand: list) -> None:

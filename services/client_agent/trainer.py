@@ -31,6 +31,8 @@ from typing import Callable, Sequence
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from fedse.machine import release_free_memory
+
 from .model import autocast
 from .prompts import Encoded, TokenCache, default_max_prompt_tokens, encode_example, format_target
 
@@ -93,9 +95,10 @@ def _tensors(chunk: list[Encoded], pad_id: int):
 
 
 def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens: int, pad_id: int,
-                         precision: str = "fp32") -> float:
+                         precision: str = "fp32", release_memory: bool = False) -> float:
     """Adds to the parameters' .grad the gradient of the batch's mean target-token loss, computed in
-    micro-batches of at most max_batch_tokens tokens (micro_batches); returns the summed token loss."""
+    micro-batches of at most max_batch_tokens tokens (micro_batches); returns the summed token loss.
+    `release_memory`: after each micro-batch, return the freed heap to the system (release_free_memory)."""
     inner = peft_model.get_base_model()
     decoder, head = inner.get_decoder(), inner.get_output_embeddings()
     device = head.weight.device
@@ -112,6 +115,9 @@ def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens:
         tok_loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:][where], reduction="sum")
         (tok_loss / n_tok).backward()
         total += float(tok_loss.detach())
+        if release_memory:
+            del hidden, logits, tok_loss
+            release_free_memory()
     return total
 
 
@@ -130,7 +136,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                max_prompt_tokens: int | None = None, warmup_ratio: float = 0.05,
                weight_decay: float = 0.0, max_grad_norm: float = 1.0,
                max_batch_tokens: int | None = None, checkpointing: bool = False, precision: str = "fp32",
-               progress: Callable[[dict], None] | None = None) -> dict:
+               release_memory: bool = False, progress: Callable[[dict], None] | None = None) -> dict:
     """Fine-tunes the LoRA parameters of `peft_model` in place on training sequences (or plain
     (prompt, action) pairs). batch_size counts agent turns per optimizer step (turn_batches), so a
     step sees as much of the agent's text whether turns come one per sequence or an episode each.
@@ -180,7 +186,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                 batch = [encoded[order[i]] for i in run]
                 n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
-                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision)
+                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, release_memory)
                 if max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 optimizer.step()
