@@ -189,19 +189,27 @@ def decode(data: bytes | bytearray) -> Adapter:
         raise AdapterError(f"not a valid safetensors file ({exc})") from None
 
 
-def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
-    for start in range(0, len(data), size):
-        yield data[start:start + size]
+def chunks(data: bytes | bytearray, size: int = CHUNK_BYTES, offset: int = 0) -> Iterator[bytes]:
+    """data[offset:] as consecutive bytes objects of at most `size` bytes: the one way adapters are
+    cut for the wire, uploads and downloads alike (a bytearray image is copied chunk by chunk)."""
+    if size < 1:
+        raise ValueError(f"chunk size must be positive, got {size}")
+    if not 0 <= offset <= len(data):
+        raise ValueError(f"offset {offset} is outside the {len(data)} bytes")
+    view = memoryview(data)  # checked above at the call, not at the first chunk
+    return (bytes(view[start:start + size]) for start in range(offset, len(data), size))
 
 
-def check_tensors(schema: Schema, tensors: Mapping[str, object]) -> None:
-    """Keys, shapes and dtypes of `tensors` (tensors or TensorSpecs) must equal the schema's."""
+def check_tensors(schema: Schema, tensors: Mapping[str, object], dtypes: bool = True,
+                  expected_by: str = "the run") -> None:
+    """Keys, shapes and (unless dtypes=False) dtypes of `tensors` (tensors or TensorSpecs) must equal
+    the schema's; `expected_by` names whose schema it is in the error."""
     expected = schema.by_name()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise AdapterError(
-            f"adapter keys differ from the run's schema: {len(missing)} missing (first: "
+            f"adapter keys differ from {expected_by}'s: {len(missing)} missing (first: "
             f"{', '.join(shown(n, 96) for n in missing[:2])}), {len(unexpected)} unexpected (first: "
             f"{', '.join(shown(n, 96) for n in unexpected[:2])}); train with the run's LoRA settings")
     for name, spec in expected.items():
@@ -209,9 +217,9 @@ def check_tensors(schema: Schema, tensors: Mapping[str, object]) -> None:
         shape = tuple(int(d) for d in t.shape)
         dtype = t.dtype if isinstance(t, TensorSpec) else str(t.dtype).removeprefix("torch.")
         if shape != spec.shape:
-            raise AdapterError(f"tensor {name} has shape {shown(list(shape))}, the run expects {list(spec.shape)}")
-        if dtype != spec.dtype:
-            raise AdapterError(f"tensor {name} has dtype {shown(dtype)}, the run expects {spec.dtype}")
+            raise AdapterError(f"tensor {name} has shape {shown(list(shape))}, {expected_by} expects {list(spec.shape)}")
+        if dtypes and dtype != spec.dtype:
+            raise AdapterError(f"tensor {name} has dtype {shown(dtype)}, {expected_by} expects {spec.dtype}")
 
 
 TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}
@@ -372,14 +380,6 @@ def _check_finite(name: str, raw: bytes | memoryview, dtype: str) -> None:
         raise AdapterError(f"tensor {name} holds NaN or infinite values")
 
 
-def validate(schema: Schema, data: bytes, sha256: str, declared_size: int, max_bytes: int,
-             transport: str = "") -> None:
-    """UploadCheck over a whole adapter's bytes at once; raises AdapterError saying what is wrong."""
-    check = UploadCheck(schema, declared_size, max_bytes, transport)
-    check.update(data)
-    check.finish(sha256)
-
-
 def atomic_write(path: pathlib.Path, data: bytes) -> None:
     """Writes a file so that a crash leaves either the old or the new content, never a torn one."""
     path = pathlib.Path(path)
@@ -444,11 +444,6 @@ def write_peft_dir(directory: pathlib.Path, data: bytes, adapter_config_json: st
     else:
         os.replace(tmp, directory)
     fsync_dir(directory.parent)
-
-
-def read_peft_dir(directory: pathlib.Path) -> tuple[bytes, str]:
-    directory = pathlib.Path(directory)
-    return (directory / WEIGHTS_NAME).read_bytes(), (directory / CONFIG_NAME).read_text()
 
 
 def config_with_base(adapter_config_json: str, base_model: str) -> str:

@@ -31,9 +31,23 @@ def test_round_trip_through_safetensors_bytes_is_exact():
 
 def test_chunks_reassemble_and_respect_the_limit():
     data = bytes(range(256)) * 1000
-    parts = list(ad.chunks(data, 1000))
-    assert all(len(p) <= 1000 for p in parts)
-    assert b"".join(parts) == data
+    for source in (data, bytearray(data)):
+        parts = list(ad.chunks(source, 1000))
+        assert all(len(p) <= 1000 and type(p) is bytes for p in parts)
+        assert b"".join(parts) == data
+    assert b"".join(ad.chunks(data, 999, offset=5000)) == data[5000:]
+    assert list(ad.chunks(data, 10, offset=len(data))) == []
+    with pytest.raises(ValueError, match="outside"):
+        list(ad.chunks(data, 10, offset=len(data) + 1))
+    with pytest.raises(ValueError, match="positive"):
+        list(ad.chunks(data, 0))
+
+
+def validate(schema, data, sha256, declared_size, max_bytes, transport=""):
+    """The aggregator's streaming check (UploadCheck) over a whole adapter at once."""
+    check = ad.UploadCheck(schema, declared_size, max_bytes, transport)
+    check.update(data)
+    check.finish(sha256)
 
 
 def test_validate_refuses_each_kind_of_bad_adapter():
@@ -41,29 +55,29 @@ def test_validate_refuses_each_kind_of_bad_adapter():
     schema = ad.Schema.of(a, "{}")
     data = ad.encode(a)
     sha = ad.sha256_hex(data)
-    ad.validate(schema, data, sha, len(data), 1 << 20)  # a good one passes
+    validate(schema, data, sha, len(data), 1 << 20)  # a good one passes
     with pytest.raises(ad.AdapterError, match="sha256"):
-        ad.validate(schema, data, "0" * 64, len(data), 1 << 20)
+        validate(schema, data, "0" * 64, len(data), 1 << 20)
     with pytest.raises(ad.AdapterError, match="cut short"):
-        ad.validate(schema, data[:-10], sha, len(data), 1 << 20)
+        validate(schema, data[:-10], sha, len(data), 1 << 20)
     with pytest.raises(ad.AdapterError, match="limit"):
-        ad.validate(schema, data, sha, len(data), 100)
+        validate(schema, data, sha, len(data), 100)
     wrong_shape = dict(a)
     wrong_shape["base_model.model.layers.0.q_proj.lora_A.weight"] = torch.zeros(4, 16)
     d = ad.encode(wrong_shape)
     with pytest.raises(ad.AdapterError, match="shape"):
-        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
+        validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
     nan = dict(a)
     nan["base_model.model.layers.0.q_proj.lora_B.weight"] = torch.full((16, 8), float("nan"))
     d = ad.encode(nan)
     with pytest.raises(ad.AdapterError, match="NaN"):
-        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
+        validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
     missing = {"base_model.model.layers.0.q_proj.lora_A.weight": a["base_model.model.layers.0.q_proj.lora_A.weight"]}
     d = ad.encode(missing)
     with pytest.raises(ad.AdapterError, match="1 missing"):
-        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
+        validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20)
     with pytest.raises(ad.AdapterError, match="safetensors"):
-        ad.validate(schema, b"garbage!", ad.sha256_hex(b"garbage!"), 8, 1 << 20)
+        validate(schema, b"garbage!", ad.sha256_hex(b"garbage!"), 8, 1 << 20)
 
 
 def test_fresh_adapter_is_deterministic_with_zero_b():
@@ -91,7 +105,7 @@ def test_peft_dir_is_written_atomically_and_replaced(tmp_path):
     target = tmp_path / "round_0001"
     ad.write_peft_dir(target, data, '{"r": 8}')
     ad.write_peft_dir(target, data + b"", '{"r": 4}')
-    got, cfg = ad.read_peft_dir(target)
+    got, cfg = (target / ad.WEIGHTS_NAME).read_bytes(), (target / ad.CONFIG_NAME).read_text()
     assert got == data and json.loads(cfg) == {"r": 4}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_0001"]
 
@@ -123,7 +137,7 @@ def test_the_finite_check_is_exact_even_when_the_sum_overflows():
 
     def check(values: torch.Tensor) -> None:
         data = ad.encode({name: values})
-        ad.validate(schema, data, ad.sha256_hex(data), len(data), 1 << 20)
+        validate(schema, data, ad.sha256_hex(data), len(data), 1 << 20)
 
     check(torch.randn(4))
     big = torch.full((4,), 3e38)  # finite elements whose float32 sum overflows to inf
@@ -179,7 +193,7 @@ def test_upload_check_bounds_the_header_before_parsing_it():
     deep = b"[" * 200_000  # json.loads would raise RecursionError
     data = struct.pack("<Q", len(deep)) + deep
     with pytest.raises(ad.AdapterError, match="nests deeper than 8 levels"):
-        ad.validate(schema, data, ad.sha256_hex(data), len(data), 1 << 20)
+        validate(schema, data, ad.sha256_hex(data), len(data), 1 << 20)
     # Deep nesting hidden in strings is text, not nesting; a closed but deep structure is refused.
     text = b'{"a[[[[\\\\": "]]]]\\"[[[["}'  # a key ending in a backslash, a value holding a quote
     assert json.loads(text) and ad.json_depth_within(text, 1)
@@ -196,20 +210,20 @@ def test_upload_check_takes_bf16_on_the_wire_only_when_the_header_says_so():
     a = sample_adapter()
     schema = ad.Schema.of(a, "{}")
     bf16 = ad.encode(ad.cast(a, torch.bfloat16))
-    ad.validate(schema, bf16, ad.sha256_hex(bf16), len(bf16), 1 << 20, "bfloat16")
+    validate(schema, bf16, ad.sha256_hex(bf16), len(bf16), 1 << 20, "bfloat16")
     with pytest.raises(ad.AdapterError, match="dtype"):
-        ad.validate(schema, bf16, ad.sha256_hex(bf16), len(bf16), 1 << 20)
+        validate(schema, bf16, ad.sha256_hex(bf16), len(bf16), 1 << 20)
     fp32 = ad.encode(a)
     with pytest.raises(ad.AdapterError, match="transport dtype is bfloat16"):
-        ad.validate(schema, fp32, ad.sha256_hex(fp32), len(fp32), 1 << 20, "bfloat16")
+        validate(schema, fp32, ad.sha256_hex(fp32), len(fp32), 1 << 20, "bfloat16")
     wrong_shape = ad.encode({k: torch.zeros(4, 4, dtype=torch.bfloat16) for k in a})
     with pytest.raises(ad.AdapterError, match="shape"):
-        ad.validate(schema, wrong_shape, ad.sha256_hex(wrong_shape), len(wrong_shape), 1 << 20, "bfloat16")
+        validate(schema, wrong_shape, ad.sha256_hex(wrong_shape), len(wrong_shape), 1 << 20, "bfloat16")
     inf = ad.cast(a, torch.bfloat16)
     inf["base_model.model.layers.0.q_proj.lora_A.weight"][0, 0] = float("-inf")
     d = ad.encode(inf)
     with pytest.raises(ad.AdapterError, match="NaN or infinite"):
-        ad.validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20, "bfloat16")
+        validate(schema, d, ad.sha256_hex(d), len(d), 1 << 20, "bfloat16")
 
 
 @pytest.mark.parametrize("tensors, config, message", [

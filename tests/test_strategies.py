@@ -9,10 +9,7 @@ from services.aggregator.strategies import (
     StrategyParams,
     Update,
     aggregate,
-    fedavg,
     validate_params,
-    weighted_average,
-    weighted_by_successes,
 )
 
 A, B = "m.lora_A.weight", "m.lora_B.weight"
@@ -29,6 +26,14 @@ def single(cid: str, values: list) -> Update:
 
 def zeros_like(u: Update) -> dict:
     return {name: torch.zeros_like(t) for name, t in u.adapter.items()}
+
+
+def fedavg(updates: list[Update]) -> dict:
+    return aggregate("fedavg", updates, updates[0].adapter)
+
+
+def weighted(updates: list[Update]) -> dict:
+    return aggregate("weighted", updates, updates[0].adapter)
 
 
 def product(out: dict) -> torch.Tensor:
@@ -48,7 +53,7 @@ def test_fedavg_averages_a_and_b_separately():
     assert not torch.allclose(out[B] @ out[A], mean_products)
 
 
-def test_aggregate_fedavg_matches_fedavg_and_follows_previous_key_order():
+def test_aggregate_follows_the_previous_adapters_key_order():
     u1 = update("c1", [[1.0, 2.0]], [[4.0], [0.0]])
     u2 = update("c2", [[3.0, 6.0]], [[0.0], [2.0]])
     previous = {B: torch.zeros(2, 1), A: torch.zeros(1, 2)}  # B first on purpose
@@ -60,35 +65,30 @@ def test_aggregate_fedavg_matches_fedavg_and_follows_previous_key_order():
 def test_weighted_by_successes_uses_success_counts():
     u1 = update("c1", [[1.0, 2.0]], [[4.0], [0.0]], successes=1)
     u2 = update("c2", [[3.0, 6.0]], [[0.0], [2.0]], successes=3)
-    out = weighted_by_successes([u1, u2])
+    out = weighted([u1, u2])
     # (1*1 + 3*3)/4 = 2.5, (1*2 + 3*6)/4 = 5; B: (1*4 + 0)/4 = 1, (0 + 3*2)/4 = 1.5
     assert torch.equal(out[A], torch.tensor([[2.5, 5.0]]))
     assert torch.equal(out[B], torch.tensor([[1.0], [1.5]]))
-    assert torch.equal(aggregate("weighted", [u1, u2], u1.adapter)[A], out[A])
 
 
 def test_weighted_without_successes_falls_back_to_plain_mean():
     u1 = update("c1", [[1.0]], [[1.0]], successes=0)
     u2 = update("c2", [[3.0]], [[5.0]], successes=0)
-    assert torch.equal(weighted_by_successes([u1, u2])[A], torch.tensor([[2.0]]))
+    assert torch.equal(weighted([u1, u2])[A], torch.tensor([[2.0]]))
 
 
-def test_weighted_average_keeps_dtype_and_refuses_nonsense():
-    out = weighted_average([{A: torch.ones(2, dtype=torch.bfloat16)}], [2.0])
-    assert out[A].dtype == torch.bfloat16
-    with pytest.raises(ValueError):
-        weighted_average([], [])
-    with pytest.raises(ValueError):
-        weighted_average([{A: torch.ones(1)}], [0.0])
-    with pytest.raises(ValueError, match="non-negative"):  # 5 and -3 sum to 2 but would give 2.5 from 1 and 0
-        weighted_average([{A: torch.ones(1)}, {A: torch.zeros(1)}], [5.0, -3.0])
+def test_weighted_keeps_the_dtype_and_refuses_an_empty_round():
+    one = Update("c1", {A: torch.ones(2, dtype=torch.bfloat16)}, num_examples=1, num_successes=2)
+    assert weighted([one])[A].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="nothing to aggregate"):
+        aggregate("weighted", [], {A: torch.ones(2)})
 
 
 def test_weighted_refuses_negative_success_counts():
     u1 = update("c1", [[1.0]], [[1.0]], successes=5)
     u2 = update("c2", [[0.0]], [[0.0]], successes=-3)
     with pytest.raises(ValueError, match="must not be negative"):
-        weighted_by_successes([u1, u2])
+        weighted([u1, u2])
 
 
 def test_strategies_lists_the_command_line_names_with_descriptions():

@@ -176,10 +176,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def _data_chunks(self, data: bytes | bytearray, sha: str) -> list[tuple[fpb.AdapterChunk, int]]:
         with self._chunks_lock:
             if self._chunks[0] != sha:
-                view = memoryview(data)  # data may be a bytearray image; protobuf takes bytes
-                self._chunks = (sha, [(fpb.AdapterChunk(data=bytes(view[s:s + self.chunk_bytes])),
-                                       min(self.chunk_bytes, len(data) - s))
-                                      for s in range(0, len(data), self.chunk_bytes)])
+                self._chunks = (sha, [(fpb.AdapterChunk(data=part), len(part))
+                                      for part in ad.chunks(data, self.chunk_bytes)])
             return self._chunks[1]
 
     def UploadAdapter(self, request_iterator, context):

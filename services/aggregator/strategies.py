@@ -121,37 +121,6 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
     return {name: result[name] for name in names}
 
 
-def weighted_average(adapters: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> Adapter:
-    """sum_k w_k * phi_k / sum_k w_k for every tensor, accumulated in float64."""
-    if not adapters:
-        raise ValueError("nothing to aggregate")
-    if len(weights) != len(adapters):
-        raise ValueError("one weight per adapter")
-    if any(float(w) < 0 for w in weights) or float(sum(weights)) <= 0:
-        raise ValueError("weights must be non-negative and sum to a positive number")
-    clients = _Clients(list(adapters), adapters[0], [1.0] * len(adapters))
-    out: Adapter = {}
-    for name in adapters[0]:
-        value, dtype = _mean(clients, name, [float(w) for w in weights])
-        out[name] = value.to(dtype)
-    return out
-
-
-def fedavg(updates: Sequence[Update]) -> Adapter:
-    """Unweighted mean of A and of B over clients: phi_{t+1} = (1/K) sum_k phi_{t,k} (the paper's default)."""
-    if not updates:
-        raise ValueError("nothing to aggregate")
-    return aggregate("fedavg", updates, updates[0].adapter)
-
-
-def weighted_by_successes(updates: Sequence[Update]) -> Adapter:
-    """Mean of A and of B weighted by each client's successful trajectories (the paper's ablation).
-    Falls back to the unweighted mean when no client has a success."""
-    if not updates:
-        raise ValueError("nothing to aggregate")
-    return aggregate("weighted", updates, updates[0].adapter)
-
-
 # ---- internals ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -95,14 +95,10 @@ def decode_transport(data: bytes, dtype: torch.dtype = torch.float32) -> ad.Adap
 # ---- chunks -------------------------------------------------------------------------------------
 def upload_chunks(header: fpb.AdapterHeader, data: bytes, chunk_bytes: int) -> Iterator[fpb.AdapterChunk]:
     """The header (its `offset` says where the data resumes), then data[offset:] in chunks."""
-    if not 0 <= header.offset <= len(data):
-        raise ValueError(f"offset {header.offset} is outside the {len(data)} bytes of the upload")
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk size must be positive, got {chunk_bytes}")
+    parts = ad.chunks(data, chunk_bytes, header.offset)  # checks the offset and size before the header goes
     yield fpb.AdapterChunk(header=header)
-    view = memoryview(data)
-    for start in range(header.offset, len(data), chunk_bytes):
-        yield fpb.AdapterChunk(data=bytes(view[start:start + chunk_bytes]))
+    for part in parts:
+        yield fpb.AdapterChunk(data=part)
 
 
 def resume_offset(details: str | None) -> int | None:

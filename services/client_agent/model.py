@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
+from fedse import adapter as ad
 from fedse.machine import cpu_has_native_bf16
 from fedse.pretrained import check_base_model
 from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
@@ -134,31 +135,18 @@ def get_adapter_state(peft_model: PeftModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()}
 
 
-def expected_adapter_shapes(peft_model: PeftModel) -> dict[str, tuple[int, ...]]:
-    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
-    return {k: tuple(v.shape) for k, v in state.items()}
-
-
 def check_adapter_state(peft_model: PeftModel, state: dict[str, torch.Tensor]) -> None:
-    """Raises AdapterMismatch unless `state` has exactly the model's adapter keys and shapes."""
-    expected = expected_adapter_shapes(peft_model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing key(s), e.g. {missing[:3]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
-    bad_shapes = [f"{k}: got {tuple(state[k].shape)}, model has {shape}"
-                  for k, shape in sorted(expected.items()) if k in state and tuple(state[k].shape) != shape]
-    if bad_shapes:
-        problems.append(f"{len(bad_shapes)} shape mismatch(es), e.g. {bad_shapes[:3]}")
-    non_finite = [k for k, v in state.items() if k in expected and not torch.isfinite(v).all()]
+    """Raises AdapterMismatch unless `state` has exactly the model's adapter keys and shapes, all finite."""
+    own = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    try:
+        ad.check_tensors(ad.Schema.of(own, ""), state, dtypes=False, expected_by="the model")
+    except ad.AdapterError as exc:
+        raise AdapterMismatch(f"adapter does not fit the model (same base model, r and target modules?): {exc}") \
+            from None
+    non_finite = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if non_finite:
-        problems.append(f"{len(non_finite)} tensor(s) with NaN/inf, e.g. {non_finite[:3]}")
-    if problems:
-        raise AdapterMismatch("adapter does not fit the model (same base model, r and target modules?): "
-                              + "; ".join(problems))
+        raise AdapterMismatch(f"adapter does not fit the model: {len(non_finite)} tensor(s) with NaN/inf, "
+                              f"e.g. {non_finite[:3]}")
 
 
 def set_adapter_state(peft_model: PeftModel, state: dict[str, torch.Tensor]) -> None:
