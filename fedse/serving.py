@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -9,11 +10,15 @@ import sys
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fedse.inputs import status_message
+
+R = TypeVar("R")
 
 RPC_SECONDS = prometheus_client.Histogram(
     "grpc_server_handling_seconds",
@@ -183,6 +188,34 @@ class RequestDecoding(grpc.ServerInterceptor):
                 stream(handler.stream_unary), lenient, handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(
             stream(handler.stream_stream), lenient, handler.response_serializer)
+
+
+class StatusMap:
+    """Which gRPC status a domain error gets: the code of the first rule whose kind the error is an
+    instance of (list specific kinds before general ones), with the error's text, bounded, as the
+    message. Anything else is re-raised (gRPC answers UNKNOWN and logs it). One map per server."""
+
+    def __init__(self, rules: Sequence[tuple[type[BaseException], grpc.StatusCode]]):
+        self.rules = list(rules)
+
+    def kind(self, exc: BaseException) -> type[BaseException] | None:
+        return next((kind for kind, _ in self.rules if isinstance(exc, kind)), None)
+
+    def abort(self, context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
+        for kind, code in self.rules:
+            if isinstance(exc, kind):
+                context.abort(code, status_message(str(exc)))
+        raise exc
+
+    def wrap(self, method: Callable[..., R]) -> Callable[..., R]:
+        """Decorates a unary servicer method: errors it raises are mapped by abort()."""
+        @functools.wraps(method)
+        def wrapped(servicer, request, context: grpc.ServicerContext) -> R:
+            try:
+                return method(servicer, request, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
+                self.abort(context, exc)
+        return wrapped
 
 
 class Service:

@@ -10,7 +10,8 @@ import grpc
 
 from fedse import adapter as ad
 from fedse import serde
-from fedse.inputs import MAX_NAME_CHARS, bounded, shown, status_message
+from fedse.inputs import MAX_NAME_CHARS, bounded, shown
+from fedse.serving import StatusMap
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
@@ -35,8 +36,8 @@ class Incomplete(rounds.FederationError):
     pass
 
 
-# Domain error -> (status code, metric reason).
-_CODES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
+# Domain error -> status code, and the reason a refused upload is counted under.
+_RULES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
     (IdentityMismatch, grpc.StatusCode.PERMISSION_DENIED, "identity_mismatch"),
     (rounds.NotJoined, grpc.StatusCode.FAILED_PRECONDITION, "not_joined"),
     (rounds.StaleRound, grpc.StatusCode.FAILED_PRECONDITION, "stale_round"),
@@ -50,19 +51,12 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
     (ad.AdapterError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_adapter"),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
 ]
+ERRORS = StatusMap([(kind, code) for kind, code, _ in _RULES])
+_UPLOAD_REASON = {kind: reason for kind, _, reason in _RULES}
 
-for _kind, _code, _reason in _CODES:
+for _reason in _UPLOAD_REASON.values():
     UPLOADS.labels(_reason)
 UPLOADS.labels("accepted")
-
-
-def _abort(context: grpc.ServicerContext, exc: Exception, counted: bool = False) -> None:
-    for kind, code, reason in _CODES:
-        if isinstance(exc, kind):
-            if counted:
-                UPLOADS.labels(reason).inc()
-            context.abort(code, status_message(str(exc)))
-    raise exc
 
 
 def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
@@ -115,29 +109,25 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              max_chunk_bytes=self.chunk_bytes, wait_after_min_s=s.wait_after_min_s,
                              heartbeat_timeout_s=s.heartbeat_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s)
 
+    @ERRORS.wrap
     def Join(self, request, context):
-        try:
-            self._client(context, request.client_id)
-            st = self.fed.join(request.client_id, bounded("env", request.env),
-                               bounded("base_model", request.base_model, MAX_NAME_CHARS),
-                               serde.schema_from_proto(request.schema))
-        except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
-            _abort(context, exc)
+        self._client(context, request.client_id)
+        st = self.fed.join(request.client_id, bounded("env", request.env),
+                           bounded("base_model", request.base_model, MAX_NAME_CHARS),
+                           serde.schema_from_proto(request.schema))
         self._observe(st)
         return fpb.JoinResponse(config=self.config_proto(), current_round=st.round)
 
+    @ERRORS.wrap
     def GetRoundStatus(self, request, context):
-        try:
-            self._client(context, request.client_id)
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        self._client(context, request.client_id)
         return status_to_proto(self.fed.status())
 
     def WatchRound(self, request, context) -> Iterator[fpb.RoundStatus]:
         try:
             self._client(context, request.client_id)
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
+            ERRORS.abort(context, exc)
         st = self.fed.status()
         yield status_to_proto(st)
         while context.is_active() and st.state is not rounds.State.FINISHED:
@@ -157,8 +147,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                                             f"{request.sha256[:12]}... being resumed: download it from offset 0")
             if not 0 <= request.offset <= len(data):
                 raise ValueError(f"offset {request.offset} is outside the adapter's {len(data)} bytes")
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
+            ERRORS.abort(context, exc)
         yield fpb.AdapterChunk(header=fpb.AdapterHeader(
             run_id=self.fed.settings.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
             offset=request.offset, transport_dtype=request.transport_dtype))
@@ -218,34 +208,31 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 log.info("upload stream broke off", extra={"fields": {
                     "client": header.client_id if header else "", "round": header.round if header else -1}})
                 return fpb.UploadAck()
-            _abort(context, exc, counted=True)
+            kind = ERRORS.kind(exc)
+            if kind is not None:
+                UPLOADS.labels(_UPLOAD_REASON[kind]).inc()
+            ERRORS.abort(context, exc)
         finally:
             if header is not None and generation:
                 self.fed.end_stream(header, generation)
         UPLOADS.labels("accepted").inc()
         return fpb.UploadAck(round=header.round, sha256=header.sha256, size=header.size)
 
+    @ERRORS.wrap
     def GetUploadState(self, request, context):
-        try:
-            held, complete = self.fed.upload_state(self._client(context, request.client_id), request.round,
-                                                   bounded("sha256", request.sha256).lower())
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        held, complete = self.fed.upload_state(self._client(context, request.client_id), request.round,
+                                               bounded("sha256", request.sha256).lower())
         return fpb.UploadState(received_bytes=held, complete=complete)
 
+    @ERRORS.wrap
     def Heartbeat(self, request, context):
-        try:
-            self._client(context, request.client_id)
-            self.fed.seen(request.client_id, request.round, bounded("phase", request.phase, 64) or "alive")
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        self._client(context, request.client_id)
+        self.fed.seen(request.client_id, request.round, bounded("phase", request.phase, 64) or "alive")
         return fpb.HeartbeatAck(status=status_to_proto(self.fed.status()))
 
+    @ERRORS.wrap
     def ReportMetrics(self, request, context):
-        try:
-            self.fed.report_metrics(self._client(context, request.client_id), request.round, dict(request.metrics))
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        self.fed.report_metrics(self._client(context, request.client_id), request.round, dict(request.metrics))
         return fpb.MetricsAck()
 
     def GetRunStatus(self, request, context):
