@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import threading
 
-from fedse.config import ConfigError, field
+from fedse.config import ConfigError, field, parse_or_exit
 from fedse.security import Security, peer_identity, server_credentials, server_interceptors
-from fedse.serving import Service
+from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import Federation, RunSettings
@@ -128,3 +129,17 @@ class Aggregator:
 def create_server(config: AggregatorConfig) -> tuple[Aggregator, int]:
     agg = Aggregator(config)
     return agg, agg.port
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_or_exit(AggregatorConfig, argv)
+    setup_logging("aggregator", config.log_level)
+    log = logging.getLogger("aggregator")
+    metrics_port = start_metrics(config.metrics_port)
+    agg, port = create_server(config)
+    agg.start()
+    log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, run_id=config.run_id,
+                                         num_rounds=config.num_rounds, min_clients=config.min_clients,
+                                         strategy=config.strategy))
+    agg.wait()
+    return 0

@@ -1,54 +1,7 @@
-"""python -m services.client_agent: one organisation's Fed-SE client agent."""
+"""python -m services.client_agent: one organisation's Fed-SE client agent (`--help` lists the flags, each also a FEDSE_* variable)."""
 
-from __future__ import annotations
-
-import logging
-import signal
 import sys
-import threading
 
-from fedse.config import ConfigError, parse_or_exit
-from fedse.serving import Service, log_fields, setup_logging, start_metrics
+from .server import main
 
-from .config import ClientConfig
-
-
-def main(argv: list[str] | None = None) -> int:
-    config = parse_or_exit(ClientConfig, argv)
-    setup_logging("client_agent", config.log_level)
-    log = logging.getLogger("client_agent")
-    metrics_port = start_metrics(config.metrics_port)
-    health = Service("client_agent", config.address, max_workers=2)
-    health.start()
-    from .agent import ClientAgent  # heavy imports (torch, transformers) after the port is bound
-
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("stopping", extra=log_fields(signal=signum))
-        stop.set()
-        health.stop(0)
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        agent = ClientAgent(config)
-    except ConfigError as exc:  # a --base-model that is no model directory shows only where it should load
-        print(f"configuration error: {exc}", file=sys.stderr)
-        health.stop(0)
-        return 2
-    health.ready([])
-    log.info("started", extra=log_fields(port=health.port, metrics_port=metrics_port, client_id=config.client_id,
-                                         env=config.env, base_model=config.base_model, device=str(agent.device)))
-    try:
-        agent.run()
-    finally:
-        agent.close()
-        if not stop.is_set():
-            health.stop(1)
-    log.info("run complete", extra=log_fields(client_id=config.client_id))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

@@ -1,5 +1,7 @@
-"""`python -m services.env_server --help` lists the flags (each also an FEDSE_* variable)."""
+"""python -m services.env_server: the environments' gRPC server (`--help` lists the flags, each also a FEDSE_* variable)."""
+
+import sys
 
 from .server import main
 
-main()
+sys.exit(main())

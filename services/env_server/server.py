@@ -118,5 +118,6 @@ def serve(config: EnvServerConfig) -> None:
     log.info("stopped")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     serve(parse_or_exit(EnvServerConfig, argv))
+    return 0
