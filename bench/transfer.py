@@ -69,7 +69,7 @@ from fedse.launcher import Proc  # noqa: E402
 from fedse.serving import GRPC_OPTIONS  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.aggregator.store import Store  # noqa: E402
-from services.client_agent.federation import FederationClient, encode_transport  # noqa: E402
+from services.client_agent.federation import FederationClient  # noqa: E402
 
 from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)
 
@@ -266,7 +266,7 @@ def federation_times(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repea
     """Uploads by 2 * repeats different clients of one open round (which needs one more to close),
     and downloads of phi_0 in both transport dtypes."""
     schema = ad.Schema.of(adapter, CONFIG_JSON)
-    data_bf16 = encode_transport(adapter, "bfloat16")
+    data_bf16 = ad.encode_transport(adapter, "bfloat16")
     n_clients = 2 * repeats + 1
     state = work / "federation"
     state.mkdir()
@@ -305,7 +305,7 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
     aggregator's per-chunk check and write overlap the transfer."""
     schema = ad.Schema.of(adapter, CONFIG_JSON)
     store = Store(work / "breakdown", "bench")
-    payloads = {"": data, "bfloat16": encode_transport(adapter, "bfloat16")}
+    payloads = {"": data, "bfloat16": ad.encode_transport(adapter, "bfloat16")}
     order = ["client: sha256", "client: chunks as AdapterChunk (copies)", "protobuf serialize + parse",
              "aggregator: write chunks, no fsync (for scale)", "aggregator: write chunks, fsync at the end (Store)",
              "aggregator: check as chunks arrive (sha256, header, finite)",
@@ -418,7 +418,7 @@ def main() -> None:
     layers = layers_for(args.mb)
     adapter = adapter_of(layers, seed=0)
     data = ad.encode(adapter)
-    data_bf16 = encode_transport(adapter, "bfloat16")
+    data_bf16 = ad.encode_transport(adapter, "bfloat16")
     sizes = {"fp32": len(data), "bfloat16": len(data_bf16)}
     params = sum(t.numel() for t in adapter.values())
     print(f"# adapter: {layers} of {MAX_LAYERS} Llama-2-7B layers x {len(MODULES)} modules, r={RANK}: "

@@ -239,6 +239,23 @@ def cast(adapter: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Adap
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in adapter.items()}
 
 
+def check_transport_dtype(name: str) -> str:
+    """The name itself if it is a transport dtype ('' or 'bfloat16'); AdapterError (a ValueError) if not."""
+    transport_dtype(name)
+    return name
+
+
+def encode_transport(adapter: Mapping[str, torch.Tensor], transport: str = "") -> bytes:
+    """The wire form of an adapter, both directions: safetensors bytes with the floating tensors cast
+    to the transport dtype ("" = as they are)."""
+    return encode(cast(adapter, transport_dtype(transport)))
+
+
+def decode_transport(data: bytes | bytearray, dtype: torch.dtype = torch.float32) -> Adapter:
+    """The tensors of an adapter's bytes in any transport dtype, the floating ones cast to `dtype`."""
+    return cast(decode(data), dtype)
+
+
 class UploadCheck:
     """Checks an upload as its bytes arrive, so the aggregator can accept it without reading it back.
 

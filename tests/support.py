@@ -26,7 +26,6 @@ from fedse.serving import GRPC_OPTIONS
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from services.aggregator.server import Aggregator, AggregatorConfig, create_server
-from services.client_agent.federation import decode_transport, encode_transport
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -279,7 +278,7 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sha256 mismatch")
         self.accepted[(h.client_id, h.round)] = bytes(buf)
         if self.advance:
-            self.open(h.round + 1, ad.encode(decode_transport(bytes(buf))))
+            self.open(h.round + 1, ad.encode(ad.decode_transport(bytes(buf))))
         return fpb.UploadAck(round=h.round, sha256=h.sha256, size=h.size)
 
     def DownloadAdapter(self, request, context):
@@ -287,7 +286,7 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
         round_ = request.round if request.round >= 0 else self.round
         data = self.globals[round_]
         if request.transport_dtype == "bfloat16":
-            data = encode_transport(decode_transport(data), "bfloat16")
+            data = ad.encode_transport(ad.decode_transport(data), "bfloat16")
         sha = ad.sha256_hex(data)
         if request.sha256 and request.sha256 != sha:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the adapter changed; download again from 0")

@@ -28,8 +28,6 @@ from services.client_agent.federation import (
     Heartbeat,
     StaleRound,
     TransferError,
-    decode_transport,
-    encode_transport,
     resume_offset,
     upload_chunks,
 )
@@ -152,18 +150,18 @@ def adapter(seed: int = 0) -> ad.Adapter:
 
 def test_bfloat16_transport_halves_the_bytes_and_decodes_to_fp32():
     a = adapter()
-    full, half = encode_transport(a, ""), encode_transport(a, "bfloat16")
+    full, half = ad.encode_transport(a, ""), ad.encode_transport(a, "bfloat16")
     assert full == ad.encode(a)
     assert 0.45 < len(half) / len(full) < 0.55
     assert {str(t.dtype) for t in ad.decode(half).values()} == {"torch.bfloat16"}
-    back = decode_transport(half)
+    back = ad.decode_transport(half)
     for k, v in a.items():
         assert back[k].dtype == torch.float32
         assert torch.allclose(back[k], v, rtol=2 ** -8, atol=0), k
         assert not torch.equal(back[k], v)  # it really was rounded
-    assert encode_transport(back, "bfloat16") == half  # bf16 -> fp32 -> bf16 is exact
+    assert ad.encode_transport(back, "bfloat16") == half  # bf16 -> fp32 -> bf16 is exact
     with pytest.raises(ValueError, match="bfloat16"):
-        encode_transport(a, "float16")
+        ad.encode_transport(a, "float16")
 
 
 # ---- chunks and offsets --------------------------------------------------------------------------
@@ -272,7 +270,7 @@ def fake():
 
 def test_a_broken_upload_resumes_from_what_the_aggregator_kept(fake):
     agg, client = fake
-    data = encode_transport(adapter(1), "bfloat16")
+    data = ad.encode_transport(adapter(1), "bfloat16")
     agg.break_upload_after = [3000, 5000]  # two breaks, each after some chunks were kept
     ack = client.upload(1, data, num_examples=3, num_successes=2, transport_dtype="bfloat16")
     assert ack.sha256 == ad.sha256_hex(data)

@@ -19,7 +19,7 @@ from fedse import serde
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process
-from services.client_agent.federation import FederationClient, encode_transport
+from services.client_agent.federation import FederationClient
 
 MB = 1024 * 1024
 A, B = "x.lora_A.weight", "x.lora_B.weight"
@@ -156,7 +156,7 @@ def test_bf16_transport_halves_the_bytes_and_phi_stays_fp32(aggregator):
     try:
         a.join("maze", "tiny", schema), b.join("maze", "tiny", schema)
         mine = big_adapter(4)
-        wire = encode_transport(mine, "bfloat16")
+        wire = ad.encode_transport(mine, "bfloat16")
         assert abs(len(wire) / len(ad.encode(mine)) - 0.5) < 0.01
         a.upload(0, wire, 1, 1)
         assert (run_dir / "uploads" / "round_0000" / "org-a.safetensors").read_bytes() == wire  # kept as sent

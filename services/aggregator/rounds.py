@@ -310,7 +310,7 @@ class Federation:
         if key not in self._cache:
             data = self.store.load_global(round_)
             if transport:
-                data = ad.encode(ad.cast(ad.decode(data), ad.transport_dtype(transport)))
+                data = ad.encode_transport(ad.decode(data), transport)
             # Keep the current round's variants only: old rounds are rarely asked for again.
             for old in [k for k in self._cache if k[0] != round_]:
                 del self._cache[old]

@@ -50,7 +50,7 @@ from . import model as mdl
 from .buffer import Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient, SessionLost
-from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound, encode_transport
+from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound
 from .metrics import BUFFER, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS, init_client
 from .policy import ActionScorer
 from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_trajectory, is_tiny,
@@ -542,7 +542,7 @@ class ClientAgent:
         LOSS.set(result["loss"])
         TRAIN_SECONDS.inc(t2 - t1)
         PHASE_SECONDS.labels("train").observe(t2 - t1)
-        data = encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
+        data = ad.encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
         return data, turns, {"examples": float(turns), "sequences": float(len(examples)),
                              "train_loss": result["loss"], "train_s": t2 - t1, "upload_bytes": float(len(data))}
 

@@ -72,24 +72,7 @@ class GlobalAdapter:
     transport_dtype: str = ""
 
     def adapter(self) -> ad.Adapter:
-        return decode_transport(self.data)
-
-
-# ---- transport dtype ----------------------------------------------------------------------------
-def check_transport_dtype(dtype: str) -> str:
-    """The name itself if it is a transport dtype ('' or 'bfloat16'); AdapterError (a ValueError) if not."""
-    ad.transport_dtype(dtype)
-    return dtype
-
-
-def encode_transport(adapter: ad.Adapter, transport_dtype: str = "") -> bytes:
-    """Safetensors bytes of the adapter, floating tensors cast to `transport_dtype` ("" = as they are)."""
-    return ad.encode(ad.cast(adapter, ad.transport_dtype(transport_dtype)))
-
-
-def decode_transport(data: bytes, dtype: torch.dtype = torch.float32) -> ad.Adapter:
-    """The tensors of safetensors bytes in any transport dtype, floating ones cast to `dtype`."""
-    return ad.cast(ad.decode(data), dtype)
+        return ad.decode_transport(self.data)
 
 
 # ---- chunks -------------------------------------------------------------------------------------
@@ -122,7 +105,7 @@ class FederationClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
-        self.transport_dtype = check_transport_dtype(transport_dtype)
+        self.transport_dtype = ad.check_transport_dtype(transport_dtype)
         self.channel = channel(target, security) if security is not None else insecure_channel(target)
         self.stub = fpb_grpc.FederationServiceStub(self.channel)
         self.chunk_bytes = ad.CHUNK_BYTES
@@ -198,7 +181,7 @@ class FederationClient:
     def download(self, round_: int, transport_dtype: str | None = None) -> GlobalAdapter:
         """The global adapter of `round_` (-1: the latest), resumed from the bytes held after a break
         and checked against its sha256 at the end (damaged: TransferError logged, restart from 0)."""
-        dtype = check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
+        dtype = ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
         want = round_
         # The chunks held, in order, hashed as they come: joined once at the end.
         parts: list[bytes] = []
@@ -298,7 +281,7 @@ class FederationClient:
         Raises StaleRound if the round is over, grpc.RpcError for any other refusal, and the last
         transient error once `retries` attempts in a row made no progress.
         """
-        dtype = check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
+        dtype = ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
         sha = sha256 or ad.sha256_hex(data)  # a wrong one costs only a refused upload
         if not round_nonce:
             round_nonce = self._check_round(round_, "the round is over").round_nonce
