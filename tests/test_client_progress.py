@@ -14,7 +14,7 @@ import torch
 from fedse import adapter as ad
 from fedse.config import ConfigError
 from fedse.v1 import federation_pb2 as fpb
-from services.client_agent.agent import (
+from services.client_agent.resume import (
     Progress,
     ProgressError,
     decide_resume,
