@@ -75,6 +75,42 @@ class GlobalAdapter:
         return ad.decode_transport(self.data)
 
 
+class _Download:
+    """A download in progress: the round asked for, the header of the adapter being fetched (pinned
+    once the first stream starts) and the chunks held, in order, hashed as they come."""
+
+    def __init__(self, asked: int):
+        self.asked = asked
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget everything held: the next request starts from byte 0 of the round asked for."""
+        self.round = self.asked
+        self.header: fpb.AdapterHeader | None = None
+        self.parts: list[bytes] = []
+        self.held = 0
+        self.digest = hashlib.sha256()
+
+    def begin(self, h: fpb.AdapterHeader, offset: int) -> None:
+        """A stream's header: the first pins the adapter (and the round, for a "latest" download);
+        a resumed one must name the same adapter and start where we asked."""
+        if self.header is None:
+            self.header = h
+            self.round = h.round  # a resumed "latest" download must stay on the same round
+        elif h.sha256 != self.header.sha256 or h.size != self.header.size:
+            raise TransferError(f"global adapter of round {self.round} changed during the download")
+        if h.offset != offset:
+            raise TransferError(f"asked for bytes from {offset}, the aggregator sent from {h.offset}")
+
+    def add(self, data: bytes) -> None:
+        assert self.header is not None
+        self.parts.append(data)
+        self.digest.update(data)
+        self.held += len(data)
+        if self.held > self.header.size:
+            raise TransferError(f"global adapter of round {self.round} ran past its {self.header.size} bytes")
+
+
 # ---- chunks -------------------------------------------------------------------------------------
 def upload_chunks(header: fpb.AdapterHeader, data: bytes, chunk_bytes: int) -> Iterator[fpb.AdapterChunk]:
     """The header (its `offset` says where the data resumes), then data[offset:] in chunks."""
@@ -182,75 +218,60 @@ class FederationClient:
         """The global adapter of `round_` (-1: the latest), resumed from the bytes held after a break
         and checked against its sha256 at the end (damaged: TransferError logged, restart from 0)."""
         dtype = ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
-        want = round_
-        # The chunks held, in order, hashed as they come: joined once at the end.
-        parts: list[bytes] = []
-        held, digest = 0, hashlib.sha256()
-        first: fpb.AdapterHeader | None = None
+        d = _Download(round_)
         failures = 0
         while True:
-            offset = held
-            req = fpb.DownloadRequest(round=want, offset=offset, sha256=first.sha256 if first else "",
+            offset = d.held
+            req = fpb.DownloadRequest(round=d.round, offset=offset, sha256=d.header.sha256 if d.header else "",
                                       transport_dtype=dtype)
             try:
                 stream: Iterator[fpb.AdapterChunk] = self.stub.DownloadAdapter(req, timeout=self.timeout_s)
                 head = next(stream, None)
                 if head is None or head.WhichOneof("kind") != "header":
-                    raise TransferError(f"download of round {want} did not start with a header")
-                h = head.header
-                if first is None:
-                    first = h
-                    want = h.round  # a resumed "latest" download must stay on the same round
-                elif h.sha256 != first.sha256 or h.size != first.size:
-                    raise TransferError(f"global adapter of round {want} changed during the download")
-                if h.offset != offset:
-                    raise TransferError(f"asked for bytes from {offset}, the aggregator sent from {h.offset}")
+                    raise TransferError(f"download of round {d.round} did not start with a header")
+                d.begin(head.header, offset)
                 for chunk in stream:
-                    parts.append(chunk.data)
-                    digest.update(chunk.data)
-                    held += len(chunk.data)
-                    if held > first.size:
-                        raise TransferError(f"global adapter of round {want} ran past its {first.size} bytes")
+                    d.add(chunk.data)
             except grpc.RpcError as exc:
                 code = exc.code()
-                if code == grpc.StatusCode.FAILED_PRECONDITION and first is not None:
+                if code == grpc.StatusCode.FAILED_PRECONDITION and d.header is not None:
                     # The adapter changed under the pinned sha256: start over.
-                    log.warning("download restarts", extra=log_fields(round=want, reason=exc.details()))
-                    parts, held, digest, first = [], 0, hashlib.sha256(), None
-                    want = round_
+                    log.warning("download restarts", extra=log_fields(round=d.round, reason=exc.details()))
+                    d.restart()
                 elif code not in RETRYABLE:
                     raise
-                failures = 0 if held > offset else failures + 1
+                failures = 0 if d.held > offset else failures + 1
                 if failures > self.retries:
                     raise
-                self._sleep("DownloadAdapter", exc, failures, round=want, held_bytes=held)
+                self._sleep("DownloadAdapter", exc, failures, round=d.round, held_bytes=d.held)
                 continue
             except TransferError as exc:
                 failures += 1
                 if failures > self.retries:
                     raise
-                log.warning("download damaged, restarting from 0", extra=log_fields(round=want, reason=str(exc)))
-                parts, held, digest, first, want = [], 0, hashlib.sha256(), None, round_
+                log.warning("download damaged, restarting from 0", extra=log_fields(round=d.round, reason=str(exc)))
+                d.restart()
                 continue
-            if held < first.size:
+            assert d.header is not None
+            if d.held < d.header.size:
                 # The stream ended early without an error: resume from what we hold.
-                failures = 0 if held > offset else failures + 1
+                failures = 0 if d.held > offset else failures + 1
                 if failures > self.retries:
-                    raise TransferError(f"global adapter of round {want}: stream keeps ending at "
-                                        f"{held} of {first.size} bytes")
+                    raise TransferError(f"global adapter of round {d.round}: stream keeps ending at "
+                                        f"{d.held} of {d.header.size} bytes")
                 continue
-            if digest.hexdigest() != first.sha256:
+            if d.digest.hexdigest() != d.header.sha256:
                 failures += 1
-                err = TransferError(f"global adapter of round {want} arrived damaged (sha256 mismatch over "
-                                    f"{held} bytes)")
+                err = TransferError(f"global adapter of round {d.round} arrived damaged (sha256 mismatch over "
+                                    f"{d.held} bytes)")
                 if failures > self.retries:
                     raise err
-                log.warning("download damaged, restarting from 0", extra=log_fields(round=want, reason=str(err)))
-                parts, held, digest, first, want = [], 0, hashlib.sha256(), None, round_
+                log.warning("download damaged, restarting from 0", extra=log_fields(round=d.round, reason=str(err)))
+                d.restart()
                 continue
-            data = b"".join(parts)
-            return GlobalAdapter(first.round, data, first.sha256, first.adapter_config_json,
-                                 first.transport_dtype or dtype)
+            h = d.header
+            return GlobalAdapter(h.round, b"".join(d.parts), h.sha256, h.adapter_config_json,
+                                 h.transport_dtype or dtype)
 
     # ---- upload -------------------------------------------------------------------------------
     def upload_state(self, round_: int, sha256: str) -> fpb.UploadState:
