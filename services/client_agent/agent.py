@@ -27,6 +27,7 @@ draws the demonstrations and exploration tasks the federated clients draw.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import os
 import pathlib
@@ -92,6 +93,27 @@ class EnvTasks:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:64] or "unknown"
+
+
+class Phase(enum.Enum):
+    """The last phase of a round that a client finished (progress.json's phase; START: none yet)."""
+
+    START = ""
+    EXPLORED = "explored"
+    TRAINED = "trained"
+    UPLOADED = "uploaded"
+    REPORTED = "reported"
+
+
+@dataclasses.dataclass
+class _Round:
+    """The round a client is playing: what its phases share."""
+
+    round: int
+    final: bool  # after the last round: only evaluate phi_T and report
+    tasks: list[EnvTasks]
+    progress: Progress | None  # the latest record of this round
+    metrics: dict[str, float]
 
 
 class ClientAgent:
@@ -337,58 +359,65 @@ class ClientAgent:
         return self.history
 
     def play_round(self, round_: int, done: str, final: bool, tasks: list[EnvTasks]) -> None:
-        """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported"."""
+        """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported":
+        one method per phase, each recording where it ended before the next begins."""
         p = self.progress if done else None
-        metrics: dict[str, float] = dict(p.metrics) if p else {}
-        while done != "reported":
-            if done == "":
-                self.heartbeat.set("evaluating", round_)
-                self.load_global(round_)
-                started = time.perf_counter()
-                metrics = self.evaluate(tasks, round_)
-                metrics["eval_s"] = time.perf_counter() - started
-                PHASE_SECONDS.labels("eval").observe(metrics["eval_s"])
-                if final:  # after the last round: only evaluate phi_T and report
-                    metrics["buffer"] = float(len(self.buffer))
-                    self.finish_round(round_, metrics)
-                    self.record(Progress(self.run_id, round_, "reported", metrics=metrics))
-                    return
-                self.heartbeat.set("exploring", round_)
-                successes, explored = self.explore(round_, tasks)
-                metrics.update(explored)
-                p = Progress(self.run_id, round_, "explored", num_successes=successes, metrics=metrics)
-                self.record(p)
-                done = "explored"
-            elif done == "explored":
-                assert p is not None
-                self.heartbeat.set("training", round_)
-                if self.loaded_round != round_:
-                    self.load_global(round_)
-                data, num_examples, trained = self.train(round_)
-                ad.atomic_write(self.dir / UPLOAD_NAME, data)
-                metrics.update(trained)
-                p = dataclasses.replace(p, phase="trained", sha256=ad.sha256_hex(data), num_examples=num_examples,
-                                        transport_dtype=self.cfg.transport_dtype, metrics=metrics)
-                self.record(p)
-                done = "trained"
-            elif done == "trained":
-                assert p is not None
-                data = self.saved_upload(p)
-                if data is None:
-                    done = "explored"
-                    continue
-                self.heartbeat.set("uploading", round_)
-                if self.upload(p, data, metrics):
-                    p = dataclasses.replace(p, phase="uploaded", metrics=metrics)
-                    self.record(p)
-                done = "uploaded"  # acknowledged, or the round closed without it: report either way
-            elif done == "uploaded":
-                assert p is not None
-                self.finish_round(round_, metrics)
-                self.record(dataclasses.replace(p, phase="reported", metrics=metrics))
-                done = "reported"
-            else:
-                raise AssertionError(f"unknown phase {done!r}")
+        r = _Round(round_, final, tasks, p, dict(p.metrics) if p else {})
+        steps = {Phase.START: self._evaluate_and_explore, Phase.EXPLORED: self._train_and_save,
+                 Phase.TRAINED: self._upload_saved, Phase.UPLOADED: self._report}
+        phase = Phase(done)
+        while phase is not Phase.REPORTED:
+            phase = steps[phase](r)
+
+    def _evaluate_and_explore(self, r: _Round) -> Phase:
+        self.heartbeat.set("evaluating", r.round)
+        self.load_global(r.round)
+        started = time.perf_counter()
+        r.metrics = self.evaluate(r.tasks, r.round)
+        r.metrics["eval_s"] = time.perf_counter() - started
+        PHASE_SECONDS.labels("eval").observe(r.metrics["eval_s"])
+        if r.final:  # after the last round: only evaluate phi_T and report
+            r.metrics["buffer"] = float(len(self.buffer))
+            self.finish_round(r.round, r.metrics)
+            self.record(Progress(self.run_id, r.round, "reported", metrics=r.metrics))
+            return Phase.REPORTED
+        self.heartbeat.set("exploring", r.round)
+        successes, explored = self.explore(r.round, r.tasks)
+        r.metrics.update(explored)
+        r.progress = Progress(self.run_id, r.round, "explored", num_successes=successes, metrics=r.metrics)
+        self.record(r.progress)
+        return Phase.EXPLORED
+
+    def _train_and_save(self, r: _Round) -> Phase:
+        assert r.progress is not None
+        self.heartbeat.set("training", r.round)
+        if self.loaded_round != r.round:
+            self.load_global(r.round)
+        data, num_examples, trained = self.train(r.round)
+        ad.atomic_write(self.dir / UPLOAD_NAME, data)
+        r.metrics.update(trained)
+        r.progress = dataclasses.replace(r.progress, phase="trained", sha256=ad.sha256_hex(data),
+                                         num_examples=num_examples, transport_dtype=self.cfg.transport_dtype,
+                                         metrics=r.metrics)
+        self.record(r.progress)
+        return Phase.TRAINED
+
+    def _upload_saved(self, r: _Round) -> Phase:
+        assert r.progress is not None
+        data = self.saved_upload(r.progress)
+        if data is None:
+            return Phase.EXPLORED  # train again
+        self.heartbeat.set("uploading", r.round)
+        if self.upload(r.progress, data, r.metrics):
+            r.progress = dataclasses.replace(r.progress, phase="uploaded", metrics=r.metrics)
+            self.record(r.progress)
+        return Phase.UPLOADED  # acknowledged, or the round closed without it: report either way
+
+    def _report(self, r: _Round) -> Phase:
+        assert r.progress is not None
+        self.finish_round(r.round, r.metrics)
+        self.record(dataclasses.replace(r.progress, phase="reported", metrics=r.metrics))
+        return Phase.REPORTED
 
     def explore(self, round_: int, tasks: list[EnvTasks]) -> tuple[int, dict[str, float]]:
         """Explores this round's training tasks of every environment and appends what --keep keeps
