@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedse import adapter as ad
-from services.aggregator.rounds import Federation, RunSettings, StaleRound, State, UploadHeader
+from services.aggregator.rounds import RoundKeeper, RunSettings, StaleRound, State, UploadHeader
 from services.aggregator.store import Store
 from services.aggregator.strategies import StrategyParams
 
@@ -31,15 +31,15 @@ def settings(**kw) -> RunSettings:
     return RunSettings(**base)
 
 
-def federation(tmp_path, clock, **kw) -> Federation:
-    return Federation(settings(**kw), Store(tmp_path, "r"), clock=clock)
+def federation(tmp_path, clock, **kw) -> RoundKeeper:
+    return RoundKeeper(settings(**kw), Store(tmp_path, "r"), clock=clock)
 
 
 def adapter_bytes(value: float) -> bytes:
     return ad.encode({A: torch.full((2, 3), value), B: torch.full((3, 2), value)})
 
 
-def settle(fed: Federation) -> None:
+def settle(fed: RoundKeeper) -> None:
     """Closes the round now if it is due and waits for any aggregation under way (the aggregator
     aggregates on a thread beside the acknowledgement)."""
     fed.close_if_due()
@@ -48,7 +48,7 @@ def settle(fed: Federation) -> None:
         time.sleep(0.01)
 
 
-def upload(fed: Federation, client: str, value: float) -> None:
+def upload(fed: RoundKeeper, client: str, value: float) -> None:
     data = adapter_bytes(value)
     st = fed.status()
     h = UploadHeader(client, st.round, st.round_nonce, ad.sha256_hex(data), len(data))
@@ -60,7 +60,7 @@ def upload(fed: Federation, client: str, value: float) -> None:
     settle(fed)
 
 
-def join(fed: Federation, *clients: str) -> None:
+def join(fed: RoundKeeper, *clients: str) -> None:
     for c in clients:
         fed.join(c, "maze", "tiny", SCHEMA)
 
@@ -202,7 +202,7 @@ def test_a_restart_with_settings_that_change_the_result_is_refused(tmp_path):
     with pytest.raises(ValueError, match="same settings"):
         federation(tmp_path, clock, strategy="median")
     with pytest.raises(ValueError, match="same settings"):
-        Federation(settings(params=StrategyParams(clip_norm=1.0)), Store(tmp_path, "r"), clock=clock)
+        RoundKeeper(settings(params=StrategyParams(clip_norm=1.0)), Store(tmp_path, "r"), clock=clock)
     # Settings that do not change the result (deadlines, quorum) may change across a restart.
     assert federation(tmp_path, clock, round_deadline_s=5.0, min_clients=1).status().joined == ("a",)
 

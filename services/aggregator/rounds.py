@@ -172,7 +172,10 @@ class _Receiving:
     check: ad.UploadCheck  # fed every byte of the upload in order, from byte 0: `received` is what is held
 
 
-class Federation:
+class RoundKeeper:
+    """The aggregator's run: who joined, the open round and its uploads, liveness, aggregation and
+    what is persisted. Thread-safe; the servicer translates gRPC to its calls."""
+
     def __init__(self, settings: RunSettings, store: Store, clock: Callable[[], float] = time.time):
         if settings.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {settings.strategy!r}")

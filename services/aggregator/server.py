@@ -12,7 +12,7 @@ from fedse.security import Security, peer_identity, server_credentials, server_i
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
-from .rounds import Federation, RunSettings
+from .rounds import RoundKeeper, RunSettings
 from .servicer import FederationServicer
 from .store import Store
 from .strategies import STRATEGIES, StrategyParams, validate_params
@@ -97,7 +97,7 @@ class Aggregator:
             import torch
 
             torch.set_num_threads(config.torch_threads)
-        self.federation = Federation(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id))
+        self.federation = RoundKeeper(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id))
         self.service = Service("aggregator", config.address, credentials=server_credentials(config),
                                interceptors=server_interceptors(config), health_address=config.health_address)
         fpb_grpc.add_FederationServiceServicer_to_server(

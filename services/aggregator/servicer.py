@@ -1,4 +1,4 @@
-"""FederationService: translates protobuf to Federation calls and domain errors to status codes."""
+"""FederationService: translates protobuf to RoundKeeper calls and domain errors to status codes."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     """`identity(context)` gives the authenticated client id (mTLS) or None; when it gives one,
     a call naming another client id is refused with PERMISSION_DENIED."""
 
-    def __init__(self, federation: rounds.Federation, chunk_bytes: int = ad.CHUNK_BYTES,
+    def __init__(self, federation: rounds.RoundKeeper, chunk_bytes: int = ad.CHUNK_BYTES,
                  identity: Callable[[grpc.ServicerContext], str | None] = _no_identity):
         self.fed = federation
         self.chunk_bytes = chunk_bytes
