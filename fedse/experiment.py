@@ -73,9 +73,9 @@ PRETRAINED = "Pre-trained"
 BUDGETS: dict[str, dict[str, Any]] = {
     "quick": {"envs": "maze,wordle", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
               "explore_tasks": 16, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 30, "lr": 3e-3},
-    "cpu-real": {"envs": "maze,babyai", "methods": "local,centralized,fedit,fedse", "seeds": 1, "rounds": 2,
+    "cpu-real": {"envs": "maze,babyai", "methods": "local,centralized,fedit,fedse", "seeds": 1, "rounds": 1,
                  "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 10, "epochs": 2, "wordle_vocab_size": 30,
-                 "lr": 1e-3},
+                 "lr": 2e-3},
     "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "methods": "all", "seeds": 3, "rounds": 5,
              "expert_demos": 20, "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 100,
              "lr": 3e-3},

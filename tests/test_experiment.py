@@ -82,9 +82,9 @@ def test_settings_come_from_the_budget_unless_given():
     # The real-model CPU budget: the paper's table without the ablations, at its own learning rate.
     real = ex.ExperimentConfig(budget="cpu-real")
     assert real.method_keys() == ["local", "centralized", "fedit", "fedse"]
-    assert real.run_config(ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 1e-3
-    assert ex.ExperimentConfig(budget="cpu-real", methods="fedse", lr=2e-3).run_config(
-        ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 2e-3
+    assert real.run_config(ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 2e-3
+    assert ex.ExperimentConfig(budget="cpu-real", methods="fedse", lr=5e-4).run_config(
+        ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 5e-4
     assert len(ex.ExperimentConfig().method_keys()) == len(ex.METHODS)  # quick: every method
     with pytest.raises(ConfigError, match="--lr must be positive"):
         ex.ExperimentConfig(lr=0.0)
