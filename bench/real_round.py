@@ -41,7 +41,7 @@ def main() -> None:
     rows = []
     for env in [e.strip() for e in args.envs.split(",") if e.strip()]:
         out = pathlib.Path(tempfile.mkdtemp(prefix=f"fedse-bench-{env}-"))
-        cmd = [sys.executable, "-m", "fedse.cli", "run", "--envs", env, "--rounds", "1", "--base-model", args.base_model,
+        cmd = [sys.executable, "-m", "apps.cli", "run", "--envs", env, "--rounds", "1", "--base-model", args.base_model,
                "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
                "--expert-demos", str(args.expert_demos), "--lr", str(args.lr), "--results", str(out), *args.extra]
         print(f"[{env}] {' '.join(cmd[2:])}", flush=True)

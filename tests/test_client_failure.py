@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from fedse.launcher import exit_reason, log_summary
+from apps.launcher import exit_reason, log_summary
 from fedse.serving import JsonFormatter, log_fields
 from support import child_running, wait_for
 
@@ -65,7 +65,7 @@ def test_log_summary_keeps_the_last_lines_and_the_last_error_bounded(tmp_path):
 
 
 def launch(results, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fedse.cli", "run", "--results", str(results), *SMALL, *args],
+    return subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--results", str(results), *SMALL, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -14,7 +14,7 @@ from support import children_of
 @pytest.mark.slow
 def test_local_federation_runs_every_round(tmp_path):
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "fedse.cli", "run", "--rounds", "2", "--results", str(results),
+    cmd = [sys.executable, "-m", "apps.cli", "run", "--rounds", "2", "--results", str(results),
            "--expert-demos", "4", "--explore-tasks", "4", "--eval-tasks", "4", "--wordle-vocab-size", "30"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -59,7 +59,7 @@ def test_ctrl_c_stops_every_process(tmp_path, signum):
     import time
 
     results = tmp_path / "results"
-    proc = subprocess.Popen([sys.executable, "-m", "fedse.cli", "run", "--rounds", "3", "--results", str(results)],
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--rounds", "3", "--results", str(results)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     for line in proc.stdout:

@@ -162,7 +162,7 @@ def test_fedse_tasks_prints_the_counts_from_list_tasks():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "fedse.cli", "tasks"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "tasks"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[1:]}
     for env in KNOWN_ENVS:

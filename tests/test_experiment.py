@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fedse import experiment as ex
+from apps import experiment as ex
 from fedse.config import ConfigError
 
 
@@ -93,7 +93,7 @@ def test_settings_come_from_the_budget_unless_given():
 @pytest.mark.slow
 def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tmp_path):
     out = tmp_path / "exp"
-    argv = [sys.executable, "-m", "fedse.cli", "experiment", "--budget", "quick", "--results", str(out),
+    argv = [sys.executable, "-m", "apps.cli", "experiment", "--budget", "quick", "--results", str(out),
             "--envs", "maze", "--seeds", "1", "--rounds", "1", "--expert-demos", "4", "--explore-tasks", "4",
             "--eval-tasks", "4", "--epochs", "1"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -12,7 +12,7 @@ import pytest
 
 from fedse import adapter as ad
 from fedse.config import ConfigError
-from fedse.launcher import RunConfig, collect, plan, read_metrics, run
+from apps.launcher import RunConfig, collect, plan, read_metrics, run
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
 

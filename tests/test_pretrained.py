@@ -17,8 +17,8 @@ import torch
 from fedse import adapter as ad
 from fedse import pretrained
 from fedse.config import ConfigError, parse
-from fedse.experiment import ExperimentConfig
-from fedse.launcher import RunConfig
+from apps.experiment import ExperimentConfig
+from apps.launcher import RunConfig
 from services.aggregator.store import Store
 from services.client_agent.model import adapter_config_json, add_lora, get_adapter_state, load_base
 from services.client_agent.prompts import format_prompt
@@ -33,7 +33,7 @@ LINEAR = [f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")] + 
 
 
 def fedse_model(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedse.cli", "model", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "apps.cli", "model", *args], capture_output=True, text=True,
                           timeout=300)
 
 

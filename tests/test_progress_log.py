@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from fedse.launcher import Client, progress_lines
+from apps.launcher import Client, progress_lines
 from fedse.progress import PhaseProgress, describe, duration, last_progress
 from fedse.serving import JsonFormatter
 

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from fedse.launcher import Proc
+from apps.launcher import Proc
 from fedse.serving import insecure_channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
@@ -161,14 +161,14 @@ def test_client_killed_mid_round_the_round_closes_at_quorum_and_it_rejoins(tmp_p
         assert reasons[1] == "all alive clients uploaded"
 
         # The operator sees org-b as not alive.
-        out = subprocess.run([sys.executable, "-m", "fedse.cli", "status", "--aggregator",
+        out = subprocess.run([sys.executable, "-m", "apps.cli", "status", "--aggregator",
                               f"127.0.0.1:{fed.agg_port}", "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         status = json.loads(out.stdout)
         alive = {c["clientId"]: c["alive"] for c in status["clients"]}
         assert alive == {"org-a": True, "org-b": False}
         assert status["round"]["round"] >= 2 and len(status["roundSeconds"]) >= 2
-        table = subprocess.run([sys.executable, "-m", "fedse.cli", "status", "--aggregator",
+        table = subprocess.run([sys.executable, "-m", "apps.cli", "status", "--aggregator",
                                 f"127.0.0.1:{fed.agg_port}"], capture_output=True, text=True, timeout=60)
         assert "org-b" in table.stdout and "NO" in table.stdout
 

@@ -1,6 +1,6 @@
 """`fedse experiment`: the Fed-SE paper's comparison and ablations, with seeds, in one command.
 
-Every method is a whole local federation (`fedse.launcher.run`: real env servers, aggregator and
+Every method is a whole local federation (`apps.launcher.run`: real env servers, aggregator and
 client agents talking gRPC) that differs from Fed-SE only in the settings that define it:
 
   Pre-trained   the base model, no training: the round-0 evaluation (phi_0 adapts nothing), taken
@@ -38,8 +38,8 @@ import time
 from typing import IO, Any, Iterable
 
 from fedse.config import ConfigError, field
-from fedse.launcher import RunConfig, round_mean, shortfall
-from fedse.launcher import run as run_federation
+from apps.launcher import RunConfig, round_mean, shortfall
+from apps.launcher import run as run_federation
 from fedse.pretrained import check_base_model
 
 

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from fedse.launcher import RunConfig, run, shortfall
+        from apps.launcher import RunConfig, run, shortfall
 
         cfg = parse_or_exit(RunConfig, rest)
         try:
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0 if results["mean_test_success"] else 1
     if command == "experiment":
-        from fedse.experiment import ExperimentConfig
-        from fedse.experiment import run as run_experiment
+        from apps.experiment import ExperimentConfig
+        from apps.experiment import run as run_experiment
 
         exp = parse_or_exit(ExperimentConfig, rest)
         try:
