@@ -37,11 +37,11 @@ from fedse.serving import log_fields
 from . import metrics
 from .store import Store
 from .strategies import STRATEGIES, StrategyParams, Update, aggregate, validate_params
+from .uploads import Accepted, Stream, UploadHeader
 
 log = logging.getLogger("aggregator.rounds")
 
 CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
 STATE_VERSION = 1
 MAX_METRICS = 256  # named values in one metrics report
 
@@ -132,19 +132,6 @@ class Client:
 
 
 @dataclasses.dataclass(frozen=True)
-class UploadHeader:
-    client_id: str
-    round: int
-    round_nonce: str
-    sha256: str
-    size: int
-    offset: int = 0
-    transport: str = ""
-    num_examples: int = 0
-    num_successes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class ClientView:
     client_id: str
     env: str
@@ -163,13 +150,6 @@ class _Liveness:
     last_seen: float = 0.0
     phase_round: int = -1
     phase: str = ""
-
-
-@dataclasses.dataclass
-class _Receiving:
-    generation: int
-    lock: threading.Lock
-    check: ad.UploadCheck  # fed every byte of the upload in order, from byte 0: `received` is what is held
 
 
 class RoundKeeper:
@@ -195,8 +175,8 @@ class RoundKeeper:
         self._opened_at = 0.0
         self._round_seconds: list[float] = []
         self._uploads: dict[str, Update] = {}
-        self._upload_records: dict[str, dict[str, Any]] = {}
-        self._receiving: dict[str, _Receiving] = {}
+        self._upload_records: dict[str, Accepted] = {}
+        self._receiving: dict[str, Stream] = {}
         self._generation = 0
         self._progress_at = 0.0
         self._version = 0
@@ -244,14 +224,14 @@ class RoundKeeper:
         self._round_seconds = list(saved.get("round_seconds", []))
         if self._state is State.OPEN:
             for cid, record in self.store.accepted_uploads(self._round).items():
-                self._add_upload_locked(cid, record)
+                self._add_upload_locked(cid, Accepted.from_dict(record))
         log.info("run resumed", extra=log_fields(run_id=self.settings.run_id, round=self._round,
                                                  state=self._state.value, clients=len(self._clients),
                                                  uploads=len(self._uploads)))
 
-    def _add_upload_locked(self, client_id: str, record: dict[str, Any]) -> None:
+    def _add_upload_locked(self, client_id: str, record: Accepted) -> None:
         self._uploads[client_id] = Update(client_id, ad.AdapterFile(self.store.upload_path(self._round, client_id)),
-                                          int(record["num_examples"]), int(record["num_successes"]))
+                                          record.num_examples, record.num_successes)
         self._upload_records[client_id] = record
 
     # ---- queries -------------------------------------------------------------------------
@@ -397,31 +377,19 @@ class RoundKeeper:
 
         An accepted upload with the same sha256 is acknowledged again (idempotent); a partial one
         continues from any offset up to the bytes held; offset 0 always starts over."""
-        if not SHA256.match(h.sha256):
-            raise ValueError(f"sha256 {shown(h.sha256)} is not 64 lowercase hex digits")
-        if h.size <= 0:
-            raise ValueError(f"the header declares {h.size} bytes: give the adapter's size")
-        if h.num_examples < 0 or h.num_successes < 0:
-            raise ValueError(f"the header counts {h.num_examples} examples and {h.num_successes} successes: counts "
-                             "cannot be negative (send 0 when there are none)")
-        if h.size > self.settings.max_adapter_bytes:
-            raise ad.AdapterError(f"adapter of {h.size} bytes exceeds the limit of "
-                                  f"{self.settings.max_adapter_bytes} bytes")
-        ad.transport_dtype(h.transport)
-        if h.offset < 0 or h.offset > h.size:
-            raise ValueError(f"offset {h.offset} is outside the adapter's {h.size} bytes")
+        h.check(self.settings.max_adapter_bytes)
         self._settle_stream(h.client_id)
         with self._cond:
-            if self._accepted_earlier_locked(h.client_id, h.round, h.sha256):
+            if self._accepted_earlier_locked(h.client_id, h.round, h.sha256) is not None:
                 return True, h.size, 0  # its acknowledgement was lost when that round closed
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             record = self._upload_records.get(h.client_id)
             if record is not None:
-                if record["sha256"] == h.sha256:
+                if record.sha256 == h.sha256:
                     return True, h.size, 0
                 raise DuplicateUpload(f"client {h.client_id} already uploaded a different adapter "
-                                      f"({record['sha256'][:12]}...) for round {h.round}")
-            header = {"sha256": h.sha256, "size": h.size, "transport": h.transport, "round_nonce": h.round_nonce}
+                                      f"({record.sha256[:12]}...) for round {h.round}")
+            header = h.partial_record()
             _, meta = self.store.partial(h.round, h.client_id)
             same = meta is not None and meta == header
             held = self.store.partial_size(h.round, h.client_id) if same else 0
@@ -446,12 +414,12 @@ class RoundKeeper:
             # A new stream supersedes one still registered (its connection may be half-dead);
             # both share the client's write lock so their writes never interleave.
             lock = previous.lock if previous is not None else threading.Lock()
-            self._receiving[h.client_id] = _Receiving(self._generation, lock, check)
+            self._receiving[h.client_id] = Stream(self._generation, lock, check)
             self._progress_at = self.clock()
             self._seen_locked(h.client_id)
             return False, held, self._generation
 
-    def _stream(self, client_id: str, generation: int) -> _Receiving:
+    def _stream(self, client_id: str, generation: int) -> Stream:
         rec = self._receiving.get(client_id)
         if rec is None or rec.generation != generation:
             raise Superseded(f"a newer upload stream from {client_id} took over this one")
@@ -495,11 +463,12 @@ class RoundKeeper:
             with rec.lock:
                 pass
 
-    def _accepted_earlier_locked(self, client_id: str, round_: int, sha256: str) -> bool:
+    def _accepted_earlier_locked(self, client_id: str, round_: int, sha256: str) -> Accepted | None:
+        """The record of this upload if a round closed before accepted it, else None."""
         if not 0 <= round_ < self._round:
-            return False
+            return None
         record = self.store.accepted_uploads(round_).get(client_id)
-        return record is not None and record["sha256"] == sha256
+        return Accepted.from_dict(record) if record is not None and record["sha256"] == sha256 else None
 
     def upload_state(self, client_id: str, round_: int, sha256: str) -> tuple[int, bool]:
         """(bytes held, complete) of an upload, for a client resuming one."""
@@ -508,13 +477,13 @@ class RoundKeeper:
             if client_id not in self._clients:
                 raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
             self._seen_locked(client_id)
-            if self._accepted_earlier_locked(client_id, round_, sha256):
-                record = self.store.accepted_uploads(round_)[client_id]
-                return int(record["size"]), True
+            earlier = self._accepted_earlier_locked(client_id, round_, sha256)
+            if earlier is not None:
+                return earlier.size, True
             if round_ == self._round:
                 record = self._upload_records.get(client_id)
-                if record is not None and record["sha256"] == sha256:
-                    return int(record["size"]), True
+                if record is not None and record.sha256 == sha256:
+                    return record.size, True
                 _, meta = self.store.partial(round_, client_id)
                 if meta is not None and meta["sha256"] == sha256:
                     rec = self._receiving.get(client_id)
@@ -543,10 +512,8 @@ class RoundKeeper:
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
             if h.client_id not in self._uploads:
-                record = {"sha256": h.sha256, "size": h.size, "transport": h.transport,
-                          "num_examples": int(h.num_examples), "num_successes": int(h.num_successes),
-                          "accepted_unix": self.clock()}
-                self.store.accept_upload(h.round, h.client_id, record)
+                record = Accepted.of(h, self.clock())
+                self.store.accept_upload(h.round, h.client_id, record.to_dict())
                 self._add_upload_locked(h.client_id, record)
                 log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
                                                                uploaded=len(self._uploads), joined=len(self._clients)))
@@ -625,7 +592,7 @@ class RoundKeeper:
             return "all alive clients uploaded"
         if self._receiving and now - self._progress_at <= self.settings.heartbeat_timeout_s:
             return None  # a transfer is making progress: wait for it
-        accepted = sorted(r["accepted_unix"] for r in self._upload_records.values())
+        accepted = sorted(r.accepted_unix for r in self._upload_records.values())
         if now >= accepted[self.settings.min_clients - 1] + self.settings.wait_after_min_s:
             return "waited after quorum"
         if now >= self._deadline:

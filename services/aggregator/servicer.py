@@ -16,6 +16,7 @@ from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from . import rounds
+from .uploads import UploadHeader
 from .metrics import BYTES_RECEIVED, BYTES_SENT, CLIENTS, CLIENTS_ALIVE, ROUND, UPLOADS
 
 log = logging.getLogger("aggregator.servicer")
@@ -171,7 +172,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             return self._chunks[1]
 
     def UploadAdapter(self, request_iterator, context):
-        header: rounds.UploadHeader | None = None
+        header: UploadHeader | None = None
         generation = 0
         try:
             first = next(request_iterator, None)
@@ -183,7 +184,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             if h.run_id and h.run_id != self.fed.settings.run_id:
                 raise rounds.StaleRound(f"the upload is for run {shown(h.run_id)}; this aggregator runs "
                                         f"{self.fed.settings.run_id!r}")
-            header = rounds.UploadHeader(
+            header = UploadHeader(
                 client_id=self._client(context, h.client_id), round=h.round, round_nonce=h.round_nonce,
                 sha256=h.sha256.lower(), size=h.size, offset=h.offset, transport=h.transport_dtype,
                 num_examples=h.num_examples, num_successes=h.num_successes)
