@@ -146,10 +146,23 @@ class ClientView:
 
 
 @dataclasses.dataclass
-class _Liveness:
+class Member:
+    """A joined client and its part in the run: when it was last heard from and what it said it was
+    doing, its upload of the open round (a stream receiving it, then the accepted upload) and its
+    latest metrics."""
+
+    client: Client
     last_seen: float = 0.0
     phase_round: int = -1
     phase: str = ""
+    stream: Stream | None = None  # receiving its upload now
+    accepted: Accepted | None = None  # its upload of the open round, accepted
+    update: Update | None = None  # ... as the strategy reads it
+    metrics_round: int = -1
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def new_round(self) -> None:
+        self.stream = self.accepted = self.update = None
 
 
 class RoundKeeper:
@@ -164,8 +177,7 @@ class RoundKeeper:
         self.store = store
         self.clock = clock
         self._cond = threading.Condition()
-        self._clients: dict[str, Client] = {}
-        self._live: dict[str, _Liveness] = {}
+        self._members: dict[str, Member] = {}
         self._schema: ad.Schema | None = None
         self._base_model: str | None = None
         self._round = 0
@@ -174,28 +186,25 @@ class RoundKeeper:
         self._deadline = 0.0
         self._opened_at = 0.0
         self._round_seconds: list[float] = []
-        self._uploads: dict[str, Update] = {}
-        self._upload_records: dict[str, Accepted] = {}
-        self._receiving: dict[str, Stream] = {}
         self._generation = 0
         self._progress_at = 0.0
         self._version = 0
         # (round, transport) -> (the adapter file's bytes, sha256); phi made here is a bytearray image
         self._cache: dict[tuple[int, str], tuple[bytes | bytearray, str]] = {}
-        # Each client's latest report, and every (client, round) reported: a round's metrics are
-        # recorded once, so a client that repeats a report after a crash does not count twice.
-        self._metrics: dict[str, tuple[int, dict[str, float]]] = {}
+        # Every (client, round) reported: a round's metrics are recorded once, so a client that
+        # repeats a report after a crash does not count twice.
         self._reported: set[tuple[str, int]] = set()
+        self._restore()
         for cid, r, m in store.metrics_reports():
             self._note_report_locked(cid, r, m)
-        self._restore()
 
     # ---- persistence ---------------------------------------------------------------------
     def _persist_locked(self) -> None:
         self.store.save_state({
             "version": STATE_VERSION, "run_id": self.settings.run_id, "settings": self.settings.fingerprint(),
             "schema": self._schema.to_dict() if self._schema else None, "base_model": self._base_model,
-            "clients": {c.client_id: {"env": c.env, "base_model": c.base_model} for c in self._clients.values()},
+            "clients": {cid: {"env": m.client.env, "base_model": m.client.base_model}
+                        for cid, m in self._members.items()},
             "round": self._round, "state": self._state.value if self._state is not State.AGGREGATING else "open",
             "round_nonce": self._nonce, "deadline_unix": self._deadline, "opened_unix": self._opened_at,
             "round_seconds": self._round_seconds,
@@ -213,9 +222,9 @@ class RoundKeeper:
         now = self.clock()
         self._schema = ad.Schema.from_dict(saved["schema"]) if saved.get("schema") else None
         self._base_model = saved.get("base_model")
-        self._clients = {cid: Client(cid, c["env"], c["base_model"]) for cid, c in saved["clients"].items()}
         # A restart is not the clients' fault: everyone known counts as alive until proven otherwise.
-        self._live = {cid: _Liveness(last_seen=now) for cid in self._clients}
+        self._members = {cid: Member(Client(cid, c["env"], c["base_model"]), last_seen=now)
+                         for cid, c in saved["clients"].items()}
         self._round = int(saved["round"])
         self._state = State(saved["state"])
         self._nonce = saved.get("round_nonce", "")
@@ -226,13 +235,18 @@ class RoundKeeper:
             for cid, record in self.store.accepted_uploads(self._round).items():
                 self._add_upload_locked(cid, Accepted.from_dict(record))
         log.info("run resumed", extra=log_fields(run_id=self.settings.run_id, round=self._round,
-                                                 state=self._state.value, clients=len(self._clients),
-                                                 uploads=len(self._uploads)))
+                                                 state=self._state.value, clients=len(self._members),
+                                                 uploads=len(self._uploaded_locked())))
 
     def _add_upload_locked(self, client_id: str, record: Accepted) -> None:
-        self._uploads[client_id] = Update(client_id, ad.AdapterFile(self.store.upload_path(self._round, client_id)),
-                                          record.num_examples, record.num_successes)
-        self._upload_records[client_id] = record
+        m = self._members[client_id]
+        m.accepted = record
+        m.update = Update(client_id, ad.AdapterFile(self.store.upload_path(self._round, client_id)),
+                          record.num_examples, record.num_successes)
+
+    def _uploaded_locked(self) -> dict[str, Member]:
+        """The members whose upload of the open round is accepted, by client id (sorted)."""
+        return {cid: m for cid, m in sorted(self._members.items()) if m.accepted is not None}
 
     # ---- queries -------------------------------------------------------------------------
     def status(self) -> Status:
@@ -245,8 +259,8 @@ class RoundKeeper:
         sha = self._global_locked(self._round, "")[1] if self._schema is not None else ""
         return Status(
             run_id=self.settings.run_id, round=self._round, state=self._state,
-            num_rounds=self.settings.num_rounds, joined=tuple(sorted(self._clients)),
-            uploaded=tuple(sorted(self._uploads)), deadline_unix=self._deadline,
+            num_rounds=self.settings.num_rounds, joined=tuple(sorted(self._members)),
+            uploaded=tuple(self._uploaded_locked()), deadline_unix=self._deadline,
             global_sha256=sha, version=self._version, round_nonce=self._nonce,
         )
 
@@ -305,38 +319,36 @@ class RoundKeeper:
         with self._cond:
             now = self.clock()
             views = []
-            for cid, c in sorted(self._clients.items()):
-                live = self._live.get(cid, _Liveness())
-                m_round, m = self._metrics.get(cid, (-1, {}))
-                rec = self._receiving.get(cid)
-                partial = rec.check.received if rec else (self.store.partial_size(self._round, cid)
-                                                if self._state is State.OPEN and cid not in self._uploads else 0)
-                views.append(ClientView(cid, c.env, cid in self._uploads, self._alive_locked(cid, now),
-                                        live.last_seen, live.phase_round, live.phase, partial, m_round, dict(m)))
+            for cid, m in sorted(self._members.items()):
+                partial = m.stream.check.received if m.stream else (
+                    self.store.partial_size(self._round, cid) if self._state is State.OPEN and m.accepted is None else 0)
+                views.append(ClientView(cid, m.client.env, m.accepted is not None, self._alive_locked(cid, now),
+                                        m.last_seen, m.phase_round, m.phase, partial, m.metrics_round,
+                                        dict(m.metrics)))
             return self._status_locked(), views, list(self._round_seconds), self._base_model or ""
 
     def clients_alive(self) -> int:
         with self._cond:
             now = self.clock()
-            return sum(self._alive_locked(c, now) for c in self._clients)
+            return sum(self._alive_locked(c, now) for c in self._members)
 
     def _alive_locked(self, client_id: str, now: float) -> bool:
-        live = self._live.get(client_id)
-        return live is not None and now - live.last_seen <= self.settings.heartbeat_timeout_s
+        m = self._members.get(client_id)
+        return m is not None and now - m.last_seen <= self.settings.heartbeat_timeout_s
 
     # ---- commands -------------------------------------------------------------------------
     def seen(self, client_id: str, round_: int | None = None, phase: str | None = None) -> None:
         """Records a sign of life (any call from a joined client, or a heartbeat)."""
         with self._cond:
-            if client_id not in self._clients:
+            m = self._members.get(client_id)
+            if m is None:
                 if phase is not None:
                     raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
                 return
-            live = self._live.setdefault(client_id, _Liveness())
-            live.last_seen = self.clock()
+            m.last_seen = self.clock()
             if phase is not None:
-                live.phase = phase[:64]
-                live.phase_round = int(round_ if round_ is not None else -1)
+                m.phase = phase[:64]
+                m.phase_round = int(round_ if round_ is not None else -1)
 
     def join(self, client_id: str, env: str, base_model: str, schema: ad.Schema) -> Status:
         if not CLIENT_ID.match(client_id):
@@ -358,13 +370,16 @@ class RoundKeeper:
                     self._schema.check_compatible(schema)
                 except ad.AdapterError as exc:
                     raise SchemaMismatch(f"client {client_id}'s adapter does not fit the run: {exc}") from None
-            known = self._clients.get(client_id)
-            self._clients[client_id] = Client(client_id, env, base_model)
-            self._live.setdefault(client_id, _Liveness()).last_seen = self.clock()
-            if known != self._clients[client_id]:
-                log.info("client joined", extra=log_fields(client=client_id, env=env, joined=len(self._clients)))
+            client = Client(client_id, env, base_model)
+            m = self._members.get(client_id)
+            changed = m is None or m.client != client
+            if m is None:
+                m = self._members[client_id] = Member(client)
+            m.client, m.last_seen = client, self.clock()
+            if changed:
+                log.info("client joined", extra=log_fields(client=client_id, env=env, joined=len(self._members)))
             if self._state is State.WAITING_FOR_CLIENTS and \
-                    len(self._clients) >= (self.settings.start_clients or self.settings.min_clients):
+                    len(self._members) >= (self.settings.start_clients or self.settings.min_clients):
                 self._open_locked(0)
             else:
                 self._persist_locked()
@@ -383,7 +398,7 @@ class RoundKeeper:
             if self._accepted_earlier_locked(h.client_id, h.round, h.sha256) is not None:
                 return True, h.size, 0  # its acknowledgement was lost when that round closed
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
-            record = self._upload_records.get(h.client_id)
+            record = self._members[h.client_id].accepted
             if record is not None:
                 if record.sha256 == h.sha256:
                     return True, h.size, 0
@@ -410,17 +425,18 @@ class RoundKeeper:
                     self.store.drop_partial(h.round, h.client_id)
                     raise
             self._generation += 1
-            previous = self._receiving.get(h.client_id)
+            m = self._members[h.client_id]
             # A new stream supersedes one still registered (its connection may be half-dead);
             # both share the client's write lock so their writes never interleave.
-            lock = previous.lock if previous is not None else threading.Lock()
-            self._receiving[h.client_id] = Stream(self._generation, lock, check)
+            lock = m.stream.lock if m.stream is not None else threading.Lock()
+            m.stream = Stream(self._generation, lock, check)
             self._progress_at = self.clock()
             self._seen_locked(h.client_id)
             return False, held, self._generation
 
     def _stream(self, client_id: str, generation: int) -> Stream:
-        rec = self._receiving.get(client_id)
+        m = self._members.get(client_id)
+        rec = m.stream if m is not None else None
         if rec is None or rec.generation != generation:
             raise Superseded(f"a newer upload stream from {client_id} took over this one")
         return rec
@@ -449,16 +465,17 @@ class RoundKeeper:
     def end_stream(self, h: UploadHeader, generation: int) -> None:
         self.store.sync_partial(h.round, h.client_id)
         with self._cond:
-            rec = self._receiving.get(h.client_id)
-            if rec is not None and rec.generation == generation:
-                del self._receiving[h.client_id]
+            m = self._members.get(h.client_id)
+            if m is not None and m.stream is not None and m.stream.generation == generation:
+                m.stream = None
                 self._changed_locked()
 
     def _settle_stream(self, client_id: str) -> None:
         """Waits for a chunk being written by this client's current stream (if any) to land, so that
         the bytes held are read after it; later chunks of a dead stream are superseded."""
         with self._cond:
-            rec = self._receiving.get(client_id)
+            m = self._members.get(client_id)
+            rec = m.stream if m is not None else None
         if rec is not None:
             with rec.lock:
                 pass
@@ -474,20 +491,19 @@ class RoundKeeper:
         """(bytes held, complete) of an upload, for a client resuming one."""
         self._settle_stream(client_id)
         with self._cond:
-            if client_id not in self._clients:
+            m = self._members.get(client_id)
+            if m is None:
                 raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
             self._seen_locked(client_id)
             earlier = self._accepted_earlier_locked(client_id, round_, sha256)
             if earlier is not None:
                 return earlier.size, True
             if round_ == self._round:
-                record = self._upload_records.get(client_id)
-                if record is not None and record.sha256 == sha256:
-                    return record.size, True
+                if m.accepted is not None and m.accepted.sha256 == sha256:
+                    return m.accepted.size, True
                 _, meta = self.store.partial(round_, client_id)
                 if meta is not None and meta["sha256"] == sha256:
-                    rec = self._receiving.get(client_id)
-                    return (rec.check.received if rec else self.store.partial_size(round_, client_id)), False
+                    return (m.stream.check.received if m.stream else self.store.partial_size(round_, client_id)), False
             return 0, False
 
     def finish_upload(self, h: UploadHeader, generation: int) -> Status:
@@ -511,12 +527,13 @@ class RoundKeeper:
         self.store.sync_partial(h.round, h.client_id)
         with self._cond:
             self._check_round_locked(h.client_id, h.round, h.round_nonce)
-            if h.client_id not in self._uploads:
+            if self._members[h.client_id].accepted is None:
                 record = Accepted.of(h, self.clock())
                 self.store.accept_upload(h.round, h.client_id, record.to_dict())
                 self._add_upload_locked(h.client_id, record)
                 log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
-                                                               uploaded=len(self._uploads), joined=len(self._clients)))
+                                                               uploaded=len(self._uploaded_locked()),
+                                                               joined=len(self._members)))
                 self._changed_locked()
             status = self._status_locked()
             due = self._due_locked() is not None
@@ -525,7 +542,7 @@ class RoundKeeper:
         return status
 
     def _check_round_locked(self, client_id: str, round_: int, nonce: str) -> None:
-        if client_id not in self._clients:
+        if client_id not in self._members:
             raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
         if self._state is State.FINISHED:
             raise RunFinished(f"run {self.settings.run_id} finished after {self.settings.num_rounds} rounds")
@@ -554,7 +571,7 @@ class RoundKeeper:
             raise ValueError(f"metrics for round {round_}: this run's rounds are 0..{self.settings.num_rounds} "
                              f"(round {self.settings.num_rounds} evaluates the final adapter)")
         with self._cond:
-            if client_id not in self._clients:
+            if client_id not in self._members:
                 raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
             if round_ > self._round:
                 raise StaleRound(f"metrics for round {round_}, which has not opened (round {self._round} is the "
@@ -570,9 +587,9 @@ class RoundKeeper:
 
     def _note_report_locked(self, client_id: str, round_: int, values: dict[str, float]) -> None:
         self._reported.add((client_id, round_))
-        prev = self._metrics.get(client_id)
-        if prev is None or round_ >= prev[0]:
-            self._metrics[client_id] = (round_, dict(values))
+        m = self._members.get(client_id)
+        if m is not None and round_ >= m.metrics_round:
+            m.metrics_round, m.metrics = round_, dict(values)
 
     def tick(self) -> None:
         """Closes the open round when due (called periodically; deadlines and liveness change with time)."""
@@ -580,19 +597,21 @@ class RoundKeeper:
 
     # ---- closing a round ---------------------------------------------------------------------
     def _due_locked(self) -> str | None:
-        if self._state is not State.OPEN or not self._uploads:
+        members = self._uploaded_locked()
+        if self._state is not State.OPEN or not members:
             return None
         now = self.clock()
-        uploaded = set(self._uploads)
-        if uploaded >= set(self._clients):
+        uploaded = set(members)
+        if uploaded >= set(self._members):
             return "all uploaded"
         if len(uploaded) < self.settings.min_clients:
             return None
-        if not any(self._alive_locked(c, now) for c in set(self._clients) - uploaded):
+        if not any(self._alive_locked(c, now) for c in set(self._members) - uploaded):
             return "all alive clients uploaded"
-        if self._receiving and now - self._progress_at <= self.settings.heartbeat_timeout_s:
+        receiving = any(m.stream is not None for m in self._members.values())
+        if receiving and now - self._progress_at <= self.settings.heartbeat_timeout_s:
             return None  # a transfer is making progress: wait for it
-        accepted = sorted(r.accepted_unix for r in self._upload_records.values())
+        accepted = sorted(m.accepted.accepted_unix for m in members.values() if m.accepted is not None)
         if now >= accepted[self.settings.min_clients - 1] + self.settings.wait_after_min_s:
             return "waited after quorum"
         if now >= self._deadline:
@@ -607,7 +626,7 @@ class RoundKeeper:
             self._state = State.AGGREGATING
             self._changed_locked()
             round_ = self._round
-            updates = [self._uploads[c] for c in sorted(self._uploads)]
+            updates = [m.update for m in self._uploaded_locked().values() if m.update is not None]
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
         try:
@@ -636,7 +655,7 @@ class RoundKeeper:
 
     # ---- internals -----------------------------------------------------------------------
     def _seen_locked(self, client_id: str) -> None:
-        self._live.setdefault(client_id, _Liveness()).last_seen = self.clock()
+        self._members[client_id].last_seen = self.clock()
 
     def _changed_locked(self) -> None:
         self._version += 1
@@ -644,9 +663,8 @@ class RoundKeeper:
 
     def _open_locked(self, round_: int) -> None:
         self._round = round_
-        self._uploads = {}
-        self._upload_records = {}
-        self._receiving = {}
+        for m in self._members.values():
+            m.new_round()
         self._opened_at = self.clock()
         if round_ >= self.settings.num_rounds:
             self._state = State.FINISHED
@@ -657,6 +675,6 @@ class RoundKeeper:
             self._state = State.OPEN
             self._deadline = self._opened_at + self.settings.round_deadline_s
             self._nonce = secrets.token_hex(16)
-            log.info("round opened", extra=log_fields(round=round_, clients=len(self._clients)))
+            log.info("round opened", extra=log_fields(round=round_, clients=len(self._members)))
         self._persist_locked()
         self._changed_locked()
