@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable, Iterator
 
 import grpc
@@ -83,8 +82,6 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         self.identity = identity
         # The data chunks of the global adapter downloaded last, made once for every client that
         # downloads it: (sha256 of the bytes, [(chunk, its size)] from offset 0).
-        self._chunks: tuple[str, list[tuple[fpb.AdapterChunk, int]]] = ("", [])
-        self._chunks_lock = threading.Lock()
         CLIENTS_ALIVE.set_function(federation.clients_alive)
         self._observe(federation.status())
 
@@ -153,23 +150,10 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         yield fpb.AdapterChunk(header=fpb.AdapterHeader(
             run_id=self.fed.settings.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
             offset=request.offset, transport_dtype=request.transport_dtype))
-        size = self.chunk_bytes
-        first = request.offset // size
-        if request.offset % size:  # a download resumed mid-chunk: the rest of that chunk first
-            part = bytes(memoryview(data)[request.offset:(first + 1) * size])
+        # The bytes come from the round keeper's cache of global adapters; chunks are cut as they go.
+        for part in ad.chunks(data, self.chunk_bytes, request.offset):
             BYTES_SENT.inc(len(part))
             yield fpb.AdapterChunk(data=part)
-            first += 1
-        for chunk, n in self._data_chunks(data, sha)[first:]:
-            BYTES_SENT.inc(n)
-            yield chunk
-
-    def _data_chunks(self, data: bytes | bytearray, sha: str) -> list[tuple[fpb.AdapterChunk, int]]:
-        with self._chunks_lock:
-            if self._chunks[0] != sha:
-                self._chunks = (sha, [(fpb.AdapterChunk(data=part), len(part))
-                                      for part in ad.chunks(data, self.chunk_bytes)])
-            return self._chunks[1]
 
     def UploadAdapter(self, request_iterator, context):
         header: UploadHeader | None = None
