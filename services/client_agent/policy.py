@@ -370,7 +370,13 @@ class ActionScorer:
                           past_key_values=past, use_cache=True)
             # Keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but
             # attention reads them in bf16, so bf16 keys halve the cache and change no score.
-            layers = [(layer.keys.to(layer.values.dtype), layer.values) for layer in run.past_key_values.layers]
+            # All layers' keys and values in one block: one allocation per cached prompt (a large one is
+            # mapped and unmapped whole) rather than 60 that interleave with the passes' (six BabyAI
+            # evaluation episodes: peak 1.92 GB instead of 2.02).
+            kv = run.past_key_values.layers
+            block = torch.stack([torch.stack((layer.keys.to(layer.values.dtype), layer.values)) for layer in kv])
+            kv = past = run.past_key_values = None  # the per-layer tensors go now that the block holds them
+            layers = [(block[i, 0], block[i, 1]) for i in range(block.shape[0])]
             self.cache.store(ids, layers)
             hidden = run.last_hidden_state[0]  # positions start .. len(ids) - 1
             n = len(ids)
