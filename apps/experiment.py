@@ -68,7 +68,7 @@ PRETRAINED = "Pre-trained"
 
 # Budgets: what a run of each method costs. "quick" is sized to finish every method for every seed
 # in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "cpu-real" runs the
-# paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about an hour; "full" is for a
+# paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about 30 minutes; "full" is for a
 # GPU machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
 BUDGETS: dict[str, dict[str, Any]] = {
     "quick": {"envs": "maze,wordle", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
@@ -90,7 +90,7 @@ class ExperimentConfig:
     writes the paper-style table, a CSV and plots. Numbers left at -1 (or empty) take the budget's."""
 
     budget: str = field("quick", "'quick' (under 15 min on a 2-core CPU with the tiny model), 'cpu-real' "
-                                 "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about an "
+                                 "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about half an "
                                  "hour) or 'full' (GPU machine, real model: all five environments, all test tasks)")
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                              + " ('all' = every one; Pre-trained comes with fedse; '' = the budget's)")
