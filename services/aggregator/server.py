@@ -131,8 +131,8 @@ def create_server(config: AggregatorConfig) -> tuple[Aggregator, int]:
     return agg, agg.port
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_or_exit(AggregatorConfig, argv)
+def serve(config: AggregatorConfig) -> int:
+    """Runs the aggregator until SIGTERM or SIGINT."""
     setup_logging("aggregator", config.log_level)
     log = logging.getLogger("aggregator")
     metrics_port = start_metrics(config.metrics_port)
@@ -143,3 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                          strategy=config.strategy))
     agg.wait()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(parse_or_exit(AggregatorConfig, argv))

@@ -13,8 +13,8 @@ from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from .config import ClientConfig
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_or_exit(ClientConfig, argv)
+def serve(config: ClientConfig) -> int:
+    """Runs the client agent: its health server at once, then the run until it ends or SIGTERM."""
     setup_logging("client_agent", config.log_level)
     log = logging.getLogger("client_agent")
     metrics_port = start_metrics(config.metrics_port)
@@ -48,3 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             health.stop(1)
     log.info("run complete", extra=log_fields(client_id=config.client_id))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(parse_or_exit(ClientConfig, argv))

@@ -106,7 +106,7 @@ def create_server(config: EnvServerConfig) -> tuple[EnvServer, int]:
     return server, server.port
 
 
-def serve(config: EnvServerConfig) -> None:
+def serve(config: EnvServerConfig) -> int:
     """Runs the env server until SIGTERM or SIGINT."""
     setup_logging("env_server", config.log_level)
     metrics_port = start_metrics(config.metrics_port)
@@ -116,8 +116,8 @@ def serve(config: EnvServerConfig) -> None:
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, envs=list(config.env_names)))
     server.wait_for_termination()
     log.info("stopped")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    serve(parse_or_exit(EnvServerConfig, argv))
-    return 0
+    return serve(parse_or_exit(EnvServerConfig, argv))
