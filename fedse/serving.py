@@ -198,13 +198,14 @@ class StatusMap:
     def __init__(self, rules: Sequence[tuple[type[BaseException], grpc.StatusCode]]):
         self.rules = list(rules)
 
-    def kind(self, exc: BaseException) -> type[BaseException] | None:
-        return next((kind for kind, _ in self.rules if isinstance(exc, kind)), None)
+    def rule(self, exc: BaseException) -> tuple[type[BaseException], grpc.StatusCode] | None:
+        """(kind, status code) of the first rule `exc` falls under, None if none."""
+        return next(((kind, code) for kind, code in self.rules if isinstance(exc, kind)), None)
 
     def abort(self, context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
-        for kind, code in self.rules:
-            if isinstance(exc, kind):
-                context.abort(code, status_message(str(exc)))
+        rule = self.rule(exc)
+        if rule is not None:
+            context.abort(rule[1], status_message(str(exc)))
         raise exc
 
     def wrap(self, method: Callable[..., R]) -> Callable[..., R]:

@@ -157,12 +157,11 @@ class Member:
     phase: str = ""
     stream: Stream | None = None  # receiving its upload now
     accepted: Accepted | None = None  # its upload of the open round, accepted
-    update: Update | None = None  # ... as the strategy reads it
     metrics_round: int = -1
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def new_round(self) -> None:
-        self.stream = self.accepted = self.update = None
+        self.stream = self.accepted = None
 
 
 class RoundKeeper:
@@ -233,16 +232,10 @@ class RoundKeeper:
         self._round_seconds = list(saved.get("round_seconds", []))
         if self._state is State.OPEN:
             for cid, record in self.store.accepted_uploads(self._round).items():
-                self._add_upload_locked(cid, Accepted.from_dict(record))
+                self._members[cid].accepted = Accepted.from_dict(record)
         log.info("run resumed", extra=log_fields(run_id=self.settings.run_id, round=self._round,
                                                  state=self._state.value, clients=len(self._members),
                                                  uploads=len(self._uploaded_locked())))
-
-    def _add_upload_locked(self, client_id: str, record: Accepted) -> None:
-        m = self._members[client_id]
-        m.accepted = record
-        m.update = Update(client_id, ad.AdapterFile(self.store.upload_path(self._round, client_id)),
-                          record.num_examples, record.num_successes)
 
     def _uploaded_locked(self) -> dict[str, Member]:
         """The members whose upload of the open round is accepted, by client id (sorted)."""
@@ -434,9 +427,12 @@ class RoundKeeper:
             self._seen_locked(h.client_id)
             return False, held, self._generation
 
-    def _stream(self, client_id: str, generation: int) -> Stream:
+    def _stream_of_locked(self, client_id: str) -> Stream | None:
         m = self._members.get(client_id)
-        rec = m.stream if m is not None else None
+        return m.stream if m is not None else None
+
+    def _stream(self, client_id: str, generation: int) -> Stream:
+        rec = self._stream_of_locked(client_id)
         if rec is None or rec.generation != generation:
             raise Superseded(f"a newer upload stream from {client_id} took over this one")
         return rec
@@ -465,17 +461,16 @@ class RoundKeeper:
     def end_stream(self, h: UploadHeader, generation: int) -> None:
         self.store.sync_partial(h.round, h.client_id)
         with self._cond:
-            m = self._members.get(h.client_id)
-            if m is not None and m.stream is not None and m.stream.generation == generation:
-                m.stream = None
+            rec = self._stream_of_locked(h.client_id)
+            if rec is not None and rec.generation == generation:
+                self._members[h.client_id].stream = None
                 self._changed_locked()
 
     def _settle_stream(self, client_id: str) -> None:
         """Waits for a chunk being written by this client's current stream (if any) to land, so that
         the bytes held are read after it; later chunks of a dead stream are superseded."""
         with self._cond:
-            m = self._members.get(client_id)
-            rec = m.stream if m is not None else None
+            rec = self._stream_of_locked(client_id)
         if rec is not None:
             with rec.lock:
                 pass
@@ -530,7 +525,7 @@ class RoundKeeper:
             if self._members[h.client_id].accepted is None:
                 record = Accepted.of(h, self.clock())
                 self.store.accept_upload(h.round, h.client_id, record.to_dict())
-                self._add_upload_locked(h.client_id, record)
+                self._members[h.client_id].accepted = record
                 log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
                                                                uploaded=len(self._uploaded_locked()),
                                                                joined=len(self._members)))
@@ -611,7 +606,7 @@ class RoundKeeper:
         receiving = any(m.stream is not None for m in self._members.values())
         if receiving and now - self._progress_at <= self.settings.heartbeat_timeout_s:
             return None  # a transfer is making progress: wait for it
-        accepted = sorted(m.accepted.accepted_unix for m in members.values() if m.accepted is not None)
+        accepted = sorted(m.accepted.accepted_unix for m in members.values())
         if now >= accepted[self.settings.min_clients - 1] + self.settings.wait_after_min_s:
             return "waited after quorum"
         if now >= self._deadline:
@@ -626,10 +621,12 @@ class RoundKeeper:
             self._state = State.AGGREGATING
             self._changed_locked()
             round_ = self._round
-            updates = [m.update for m in self._uploaded_locked().values() if m.update is not None]
+            records = [(cid, m.accepted) for cid, m in self._uploaded_locked().items()]  # accepted: never None
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
         try:
+            updates = [Update(cid, ad.AdapterFile(self.store.upload_path(round_, cid)), a.num_examples,
+                              a.num_successes) for cid, a in records]
             assert self._schema is not None
             image, views = ad.allocate(self._schema)  # phi_{t+1} is aggregated into its file image
             aggregate(self.settings.strategy, updates, ad.AdapterFile(self.store.global_path(round_)),

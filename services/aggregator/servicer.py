@@ -80,8 +80,6 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         self.fed = federation
         self.chunk_bytes = chunk_bytes
         self.identity = identity
-        # The data chunks of the global adapter downloaded last, made once for every client that
-        # downloads it: (sha256 of the bytes, [(chunk, its size)] from offset 0).
         CLIENTS_ALIVE.set_function(federation.clients_alive)
         self._observe(federation.status())
 
@@ -143,15 +141,15 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             if request.sha256 and request.sha256 != sha:
                 raise rounds.ResumeMismatch(f"the global adapter of round {round_} is {sha[:12]}..., not the "
                                             f"{request.sha256[:12]}... being resumed: download it from offset 0")
-            if not 0 <= request.offset <= len(data):
-                raise ValueError(f"offset {request.offset} is outside the adapter's {len(data)} bytes")
+            # The bytes come from the round keeper's cache of global adapters; chunks are cut as they
+            # go (ad.chunks refuses an offset outside the adapter here, before the header is sent).
+            parts = ad.chunks(data, self.chunk_bytes, request.offset)
         except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
             ERRORS.abort(context, exc)
         yield fpb.AdapterChunk(header=fpb.AdapterHeader(
             run_id=self.fed.settings.run_id, round=round_, sha256=sha, size=len(data), adapter_config_json=config_json,
             offset=request.offset, transport_dtype=request.transport_dtype))
-        # The bytes come from the round keeper's cache of global adapters; chunks are cut as they go.
-        for part in ad.chunks(data, self.chunk_bytes, request.offset):
+        for part in parts:
             BYTES_SENT.inc(len(part))
             yield fpb.AdapterChunk(data=part)
 
@@ -193,9 +191,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 log.info("upload stream broke off", extra={"fields": {
                     "client": header.client_id if header else "", "round": header.round if header else -1}})
                 return fpb.UploadAck()
-            kind = ERRORS.kind(exc)
-            if kind is not None:
-                UPLOADS.labels(_UPLOAD_REASON[kind]).inc()
+            rule = ERRORS.rule(exc)
+            if rule is not None:
+                UPLOADS.labels(_UPLOAD_REASON[rule[0]]).inc()
             ERRORS.abort(context, exc)
         finally:
             if header is not None and generation:

@@ -27,7 +27,6 @@ draws the demonstrations and exploration tasks the federated clients draw.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import os
 import pathlib
@@ -55,7 +54,8 @@ from .metrics import BUFFER, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, 
 from .policy import ActionScorer
 from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_trajectory, is_tiny,
                       make_format)
-from .resume import PROGRESS_NAME, Progress, ProgressError, Resume, decide_resume, read_progress, write_progress
+from .resume import (PROGRESS_NAME, Phase, Progress, ProgressError, Resume, decide_resume, read_progress,
+                     write_progress)
 from .rollout import Live, Policy, expert_policy, run_episodes
 from .trainer import train_lora
 
@@ -93,16 +93,6 @@ class EnvTasks:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:64] or "unknown"
-
-
-class Phase(enum.Enum):
-    """The last phase of a round that a client finished (progress.json's phase; START: none yet)."""
-
-    START = ""
-    EXPLORED = "explored"
-    TRAINED = "trained"
-    UPLOADED = "uploaded"
-    REPORTED = "reported"
 
 
 @dataclasses.dataclass
@@ -379,12 +369,12 @@ class ClientAgent:
         if r.final:  # after the last round: only evaluate phi_T and report
             r.metrics["buffer"] = float(len(self.buffer))
             self.finish_round(r.round, r.metrics)
-            self.record(Progress(self.run_id, r.round, "reported", metrics=r.metrics))
+            self.record(Progress(self.run_id, r.round, Phase.REPORTED.value, metrics=r.metrics))
             return Phase.REPORTED
         self.heartbeat.set("exploring", r.round)
         successes, explored = self.explore(r.round, r.tasks)
         r.metrics.update(explored)
-        r.progress = Progress(self.run_id, r.round, "explored", num_successes=successes, metrics=r.metrics)
+        r.progress = Progress(self.run_id, r.round, Phase.EXPLORED.value, num_successes=successes, metrics=r.metrics)
         self.record(r.progress)
         return Phase.EXPLORED
 
@@ -396,7 +386,7 @@ class ClientAgent:
         data, num_examples, trained = self.train(r.round)
         ad.atomic_write(self.dir / UPLOAD_NAME, data)
         r.metrics.update(trained)
-        r.progress = dataclasses.replace(r.progress, phase="trained", sha256=ad.sha256_hex(data),
+        r.progress = dataclasses.replace(r.progress, phase=Phase.TRAINED.value, sha256=ad.sha256_hex(data),
                                          num_examples=num_examples, transport_dtype=self.cfg.transport_dtype,
                                          metrics=r.metrics)
         self.record(r.progress)
@@ -409,14 +399,14 @@ class ClientAgent:
             return Phase.EXPLORED  # train again
         self.heartbeat.set("uploading", r.round)
         if self.upload(r.progress, data, r.metrics):
-            r.progress = dataclasses.replace(r.progress, phase="uploaded", metrics=r.metrics)
+            r.progress = dataclasses.replace(r.progress, phase=Phase.UPLOADED.value, metrics=r.metrics)
             self.record(r.progress)
         return Phase.UPLOADED  # acknowledged, or the round closed without it: report either way
 
     def _report(self, r: _Round) -> Phase:
         assert r.progress is not None
         self.finish_round(r.round, r.metrics)
-        self.record(dataclasses.replace(r.progress, phase="reported", metrics=r.metrics))
+        self.record(dataclasses.replace(r.progress, phase=Phase.REPORTED.value, metrics=r.metrics))
         return Phase.REPORTED
 
     def explore(self, round_: int, tasks: list[EnvTasks]) -> tuple[int, dict[str, float]]:

@@ -232,6 +232,9 @@ class FederationClient:
                 d.begin(head.header, offset)
                 for chunk in stream:
                     d.add(chunk.data)
+                if d.held == d.header.size and d.digest.hexdigest() != d.header.sha256:
+                    raise TransferError(f"global adapter of round {d.round} arrived damaged (sha256 mismatch over "
+                                        f"{d.held} bytes)")
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.FAILED_PRECONDITION and d.header is not None:
@@ -259,15 +262,6 @@ class FederationClient:
                 if failures > self.retries:
                     raise TransferError(f"global adapter of round {d.round}: stream keeps ending at "
                                         f"{d.held} of {d.header.size} bytes")
-                continue
-            if d.digest.hexdigest() != d.header.sha256:
-                failures += 1
-                err = TransferError(f"global adapter of round {d.round} arrived damaged (sha256 mismatch over "
-                                    f"{d.held} bytes)")
-                if failures > self.retries:
-                    raise err
-                log.warning("download damaged, restarting from 0", extra=log_fields(round=d.round, reason=str(err)))
-                d.restart()
                 continue
             h = d.header
             return GlobalAdapter(h.round, b"".join(d.parts), h.sha256, h.adapter_config_json,

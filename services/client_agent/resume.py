@@ -8,16 +8,30 @@ never redone.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import pathlib
 
 from fedse import adapter as ad
 
 PROGRESS_NAME = "progress.json"
-# "seeded" (round -1): the expert demonstrations are in the buffer, no round explored yet. Then,
-# per round: its kept trajectories are in the buffer, its adapter is saved, the aggregator
-# acknowledged it, its metrics were reported.
-PROGRESS_PHASES = ("seeded", "explored", "trained", "uploaded", "reported")
+
+
+class Phase(enum.Enum):
+    """The last phase of a round that a client finished (START: none yet): its kept trajectories
+    are in the buffer, its adapter is saved, the aggregator acknowledged it, its metrics were
+    reported."""
+
+    START = ""
+    EXPLORED = "explored"
+    TRAINED = "trained"
+    UPLOADED = "uploaded"
+    REPORTED = "reported"
+
+
+# What progress.json may say: "seeded" (round -1: the expert demonstrations are in the buffer, no
+# round explored yet), then a round's last finished phase.
+PROGRESS_PHASES = ("seeded", *(p.value for p in Phase if p is not Phase.START))
 
 
 class ProgressError(ValueError):
