@@ -142,6 +142,42 @@ def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient
     assert all(float(g.abs().max()) > 0 for g in whole.values())
 
 
+def test_bucketed_micro_batches_give_the_same_gradient_from_passes_of_bucket_lengths_only():
+    """Padding micro-batches to bucket lengths (bf16 on a CPU, where oneDNN keeps a kernel per length)
+    changes the passes' widths, not the gradient."""
+    from services.client_agent.model import bucket_length
+    from services.client_agent.trainer import accumulate_gradients, encode_pairs
+
+    assert [bucket_length(n) for n in (1, 16, 17, 250, 256, 257, 320, 2871)] == [16, 16, 32, 256, 256, 320, 320, 2880]
+    model, tok = build_tiny_model()
+    peft_model = add_lora(model)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    params = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    for p in params.values():
+        p.requires_grad_(True)
+    batch = encode_pairs(tok, _examples(5), 160)
+    widths: list[int] = []
+    hook = peft_model.get_base_model().get_input_embeddings().register_forward_hook(
+        lambda module, args, out: widths.append(args[0].shape[-1]))
+    grads, losses = [], []
+    for bucket in (False, True):
+        for p in params.values():
+            p.grad = None
+        widths.clear()
+        losses.append(accumulate_gradients(peft_model, batch, 200, tok.pad_token_id, bucket=bucket))
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+        seen = list(widths)
+    hook.remove()
+    assert seen and all(w == bucket_length(w) for w in seen), seen
+    assert sorted({len(e.ids) for e in batch}) != sorted(set(seen))  # the plain passes had other widths
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    plain, bucketed = grads
+    assert all(torch.allclose(plain[n], bucketed[n], rtol=1e-4, atol=1e-7) for n in plain)
+
+
 def test_optimizer_steps_hold_batch_size_turns_however_they_are_packed():
     from services.client_agent.trainer import turn_batches
 

@@ -165,6 +165,24 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     assert scorer.cache.reused >= sum(len(p) for p in prompts[:-1]) - 3
     scorer.forget()
     assert scorer.cache.bytes == 0
+    # Padded to bucket lengths (as bf16 on a CPU is), every pass has a bucket's width, the scores
+    # stay those of a direct pass and the cache holds the prompts' own tokens only.
+    from services.client_agent.model import bucket_length
+    widths: list[int] = []
+    hook = model.get_base_model().get_input_embeddings().register_forward_hook(
+        lambda module, args, out: widths.append(args[0].shape[-1]))
+    bucketed = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", max_batch_tokens=64, bucket=True)
+    try:
+        scores = [bucketed.score([prompt], [cs])[0] for prompt, cs in zip(prompts, cands)]
+    finally:
+        hook.remove()
+    for prompt, cs, s in zip(prompts, cands, scores):
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+    assert widths and all(w == bucket_length(w) for w in widths), widths
+    assert bucketed.cache.hits == 3
+    (ids, kv, _), = bucketed.cache._entries
+    assert kv[0][0].shape[-2] == len(ids)  # no padding kept
     # The cache never holds more than its budget (six prompts that do not extend each other).
     small = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", cache_bytes=4_000_000)
     small.score(_maze_prompts(6), [MAZE_ACTIONS] * 6)

@@ -41,6 +41,26 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+def bucket_length(n: int) -> int:
+    """n tokens rounded up to a bucket: a multiple of 16 up to 256, of 64 above.
+
+    On a CPU, bf16 model passes run on oneDNN, which compiles a kernel for every row count it meets
+    and keeps it: 300 passes of distinct lengths through one 576 x 1536 bf16 linear layer held 166 MB
+    more afterwards (about 0.5 MB a length, whatever ONEDNN_PRIMITIVE_CACHE_CAPACITY says), the same
+    lengths rounded up to multiples of 64 held 3 MB and ran twice as fast (no compiling).
+    Prompts and training sequences of every length then grew a client by hundreds of MB over a
+    round; padded to buckets, a process meets at most 64 lengths below 3,072 tokens."""
+    if n <= 0:
+        return n
+    step = 16 if n <= 256 else 64
+    return -(-n // step) * step
+
+
+def pads_to_buckets(precision: str, device: torch.device) -> bool:
+    """Whether model passes should be padded to bucket_length: bf16 on a CPU (oneDNN)."""
+    return precision == "bf16" and torch.device(device).type == "cpu"
+
+
 def pick_precision(precision: str, model, device: torch.device) -> str:
     """"fp32" or "bf16" (autocast) for "auto": bf16 for a real model on a CPU with native bfloat16;
     fp32 for the tiny model (too small to gain) and on CUDA (real models load in bf16 there)."""

@@ -36,7 +36,7 @@ import torch
 
 from fedse.machine import release_free_memory
 
-from .model import autocast
+from .model import autocast, bucket_length, pads_to_buckets
 from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, inner_model, is_tiny
 
 _ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
@@ -135,7 +135,7 @@ class ActionScorer:
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
                  method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
                  fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 512 << 20,
-                 tokenize: TokenCache | None = None):
+                 tokenize: TokenCache | None = None, bucket: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -166,6 +166,9 @@ class ActionScorer:
         self.tokenize = tokenize or TokenCache(tokenizer)  # shared with the prompt format and training
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        # Passes padded to bucket lengths (model.bucket_length) where oneDNN would otherwise keep a
+        # compiled kernel for every prompt length it meets: bf16 on a CPU, unless told otherwise.
+        self.bucket = pads_to_buckets(precision, self.device) if bucket is None else bucket
 
     def forget(self) -> None:
         """Drops cached prompts: call whenever the model's weights change."""
@@ -365,8 +368,12 @@ class ActionScorer:
             self.cache.hits += start > 0
             self.cache.reused += start
             self.cache.computed += len(ids) - start
-            run = decoder(input_ids=torch.tensor([ids[start:]], device=dev),
-                          position_ids=torch.arange(start, len(ids), device=dev).unsqueeze(0),
+            # With buckets the pass runs pad tokens after the prompt's: no prompt token sees them
+            # (causal), and their keys and values are cut off below.
+            n_new = len(ids) - start
+            width = bucket_length(n_new) if self.bucket else n_new
+            run = decoder(input_ids=torch.tensor([ids[start:] + [self.pad_id] * (width - n_new)], device=dev),
+                          position_ids=torch.arange(start, start + width, device=dev).unsqueeze(0),
                           past_key_values=past, use_cache=True)
             # Keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but
             # attention reads them in bf16, so bf16 keys halve the cache and change no score.
@@ -374,7 +381,8 @@ class ActionScorer:
             # mapped and unmapped whole) rather than 60 that interleave with the passes' (six BabyAI
             # evaluation episodes: peak 1.92 GB instead of 2.02).
             kv = run.past_key_values.layers
-            block = torch.stack([torch.stack((layer.keys.to(layer.values.dtype), layer.values)) for layer in kv])
+            block = torch.stack([torch.stack((layer.keys[:, :, :len(ids)].to(layer.values.dtype),
+                                              layer.values[:, :, :len(ids)])) for layer in kv])
             kv = past = run.past_key_values = None  # the per-layer tensors go now that the block holds them
             layers = [(block[i, 0], block[i, 1]) for i in range(block.shape[0])]
             self.cache.store(ids, layers)
@@ -390,9 +398,11 @@ class ActionScorer:
                 while later and (not part or width + len(later[0][1]) - 1 <= row_cap):
                     part.append(later.pop(0))
                     width += len(part[-1][1]) - 1
-                s_ids = torch.empty((1, width), dtype=torch.long)
-                s_pos = torch.empty((1, width), dtype=torch.long)
-                allowed = torch.zeros((1, 1, width, n + width), dtype=torch.bool)
+                # Columns past `width` (bucket padding) see only the prompt; no candidate sees them.
+                padded = bucket_length(width) if self.bucket else width
+                s_ids = torch.full((1, padded), self.pad_id, dtype=torch.long)
+                s_pos = torch.full((1, padded), n, dtype=torch.long)
+                allowed = torch.zeros((1, 1, padded, n + padded), dtype=torch.bool)
                 allowed[..., :n] = True
                 scored, _ = self._pack_row(part, n, s_ids[0], s_pos[0], allowed[0, 0, :, n:])
                 src = [col for col, _, _ in scored]
