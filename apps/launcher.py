@@ -138,6 +138,10 @@ def plan(cfg: RunConfig) -> list[Federation]:
     return [Federation("aggregator", "local", tuple(Client(f"org-{e}", (e,)) for e in envs))]
 
 
+# Seconds a stopping process gets between SIGTERM and SIGKILL.
+STOP_GRACE_S = 10.0
+
+
 class Proc:
     """A service process whose stdout (JSON logs) goes to a file."""
 
@@ -165,15 +169,24 @@ class Proc:
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} did not start within {timeout:.0f}s; see {self.log_path}")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._log.close()
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        stop_all([self], timeout)
+
+
+def stop_all(procs: list[Proc], timeout: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every process at once, then at most `timeout` seconds for all of them together
+    before SIGKILL: stopping a federation takes one grace period, not one per process."""
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+        p._log.close()
 
 
 def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -538,8 +551,7 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         stops.append("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(list(reversed(procs)))
         results = collect(reports(), client_envs, cfg, time.monotonic() - started, failed, "; ".join(stops))
         (results_dir / "results.json").write_text(json.dumps(results, indent=2))
         plot(results, results_dir / "success.png")
