@@ -49,7 +49,7 @@ def bucket_length(n: int) -> int:
     more afterwards (about 0.5 MB a length, whatever ONEDNN_PRIMITIVE_CACHE_CAPACITY says), the same
     lengths rounded up to multiples of 64 held 3 MB and ran twice as fast (no compiling).
     Prompts and training sequences of every length then grew a client by hundreds of MB over a
-    round; padded to buckets, a process meets at most 64 lengths below 3,072 tokens."""
+    round; padded to buckets, a process meets 60 lengths up to 3,072 tokens."""
     if n <= 0:
         return n
     step = 16 if n <= 256 else 64
