@@ -17,6 +17,8 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, _stop)
+    # Ctrl-C too, even where the parent ran us with SIGINT ignored (Python then leaves it ignored).
+    signal.signal(signal.SIGINT, _stop)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fedse run [options]            run a whole federation locally (fedse run --help)\n"
               "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "

@@ -59,8 +59,11 @@ def test_ctrl_c_stops_every_process(tmp_path, signum):
     import time
 
     results = tmp_path / "results"
+    # Started with SIGINT ignored, as a shell's background job or a parent that ignores it runs it:
+    # Ctrl-C must stop the run all the same (Python leaves an inherited ignored SIGINT ignored).
     proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "run", "--rounds", "3", "--results", str(results)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 120
     for line in proc.stdout:
         if "clients started" in line or time.monotonic() > deadline:
