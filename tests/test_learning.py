@@ -115,20 +115,27 @@ def test_micro_batches_stay_within_the_token_budget():
     assert [3] in runs and [7] in runs  # longer than the budget: alone
 
 
-def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient():
-    """A token budget changes how a step's gradient is computed, not the gradient: one sequence per
-    micro-batch accumulates what one pass over the whole batch gives."""
-    from services.client_agent.trainer import accumulate_gradients, encode_pairs
-
+def _lora_with_gradients():
+    """(tiny model with LoRA, tokenizer, its LoRA parameters by name), B nonzero so every LoRA
+    parameter gets a gradient, all of them requiring one."""
     model, tok = build_tiny_model()
     peft_model = add_lora(model)
-    with torch.no_grad():  # nonzero B, so every LoRA parameter gets a gradient
+    with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     params = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
     for p in params.values():
         p.requires_grad_(True)
+    return peft_model, tok, params
+
+
+def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient():
+    """A token budget changes how a step's gradient is computed, not the gradient: one sequence per
+    micro-batch accumulates what one pass over the whole batch gives."""
+    from services.client_agent.trainer import accumulate_gradients, encode_pairs
+
+    peft_model, tok, params = _lora_with_gradients()
     batch = encode_pairs(tok, _examples(3), 160)
     grads, losses = [], []
     for budget in (1 << 20, 1):
@@ -149,15 +156,7 @@ def test_bucketed_micro_batches_give_the_same_gradient_from_passes_of_bucket_len
     from services.client_agent.trainer import accumulate_gradients, encode_pairs
 
     assert [bucket_length(n) for n in (1, 16, 17, 250, 256, 257, 320, 2871)] == [16, 16, 32, 256, 256, 320, 320, 2880]
-    model, tok = build_tiny_model()
-    peft_model = add_lora(model)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    params = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
-    for p in params.values():
-        p.requires_grad_(True)
+    peft_model, tok, params = _lora_with_gradients()
     batch = encode_pairs(tok, _examples(5), 160)
     widths: list[int] = []
     hook = peft_model.get_base_model().get_input_embeddings().register_forward_hook(

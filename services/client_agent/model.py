@@ -47,7 +47,8 @@ def bucket_length(n: int) -> int:
     On a CPU, bf16 model passes run on oneDNN, which compiles a kernel for every row count it meets
     and keeps it: 300 passes of distinct lengths through one 576 x 1536 bf16 linear layer held 166 MB
     more afterwards (about 0.5 MB a length, whatever ONEDNN_PRIMITIVE_CACHE_CAPACITY says), the same
-    lengths rounded up to multiples of 64 held 3 MB and ran twice as fast (no compiling).
+    lengths rounded up to buckets held 3-7 MB and ran 2-4x as fast (no compiling;
+    bench/kernel_lengths.py).
     Prompts and training sequences of every length then grew a client by hundreds of MB over a
     round; padded to buckets, a process meets 60 lengths up to 3,072 tokens."""
     if n <= 0:
