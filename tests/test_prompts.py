@@ -3,16 +3,19 @@ exactly the tokens the agent saw when it acted."""
 
 import pytest
 
-from fedse.tinymodel import build_tiny_tokenizer
+from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
 from services.client_agent.prompts import (
     ChatFormat,
     Encoded,
+    TINY_MAX_PROMPT_TOKENS,
     PlainFormat,
     TokenCache,
     encode_trajectory,
     format_prompt,
     format_target,
+    make_format,
 )
+from services.env_server.envs import make_environment
 
 # ChatML, as SmolLM2 and Qwen2.5 write it.
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -84,3 +87,29 @@ def test_plain_format_keeps_one_sequence_per_turn():
     seqs = encode_trajectory(fmt, tokenize, "Do it.", TURNS, 160)
     assert [s.turns for s in seqs] == [1, 1, 1]
     assert all(isinstance(s, Encoded) and s.targets == len(tokenize(format_target(a))) for s, (_, a) in zip(seqs, TURNS))
+
+
+def test_the_tiny_window_shows_the_start_of_an_observation_too_long_for_it():
+    model, tok = build_tiny_model(0)
+    fmt = make_format(model, tok)
+    assert isinstance(fmt, PlainFormat) and fmt.window == TINY_MAX_PROMPT_TOKENS
+    # A maze turn fits: the usual prompt, whose end the model sees (previous observation's end,
+    # previous action, current observation).
+    maze = make_environment("maze").reset(0)
+    turns = [(maze.observation, "move right")]
+    assert fmt.prompt(maze.instruction, turns, "You are at 1, 2.") == \
+        format_prompt(maze.instruction, turns, "You are at 1, 2.", 1)
+    # BabyAI's first observation is far longer than the window and starts with the goal: the prompt
+    # is the observation's start, which the left truncation of scoring and training then keeps whole.
+    ep = make_environment("babyai").reset(0)
+    assert len(ep.observation) > 2 * TINY_MAX_PROMPT_TOKENS
+    first = fmt.prompt(ep.instruction, [], ep.observation)
+    assert first.startswith("Observation: Your goal: go to the red ball\nIn front of you")
+    assert first.endswith("\n") and len(first.encode()) <= TINY_MAX_PROMPT_TOKENS
+    assert TokenCache(tok).prompt(first, TINY_MAX_PROMPT_TOKENS) == TokenCache(tok)(first)
+    # Later turns keep the previous action before the observation's start.
+    later = fmt.prompt(ep.instruction, [(ep.observation, "turn left")], ep.observation)
+    assert later.startswith("Action: turn left\nObservation: Your goal:") and len(later.encode()) <= 160
+    # A cut never splits a character: the prompt is still valid UTF-8 of at most the window's bytes.
+    wide = fmt.prompt("Do it.", [], "é" * 200)
+    assert wide.startswith("Observation: é") and len(wide.encode()) <= 160 and "\ufffd" not in wide
