@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-from services.client_agent.model import add_lora, get_adapter_state, load_base, store_frozen_linears_in_bf16
+from fedse.machine import cpu_has_native_bf16
+from services.client_agent.model import (add_lora, get_adapter_state, load_base, pick_precision,
+                                         store_frozen_linears_in_bf16)
 from services.client_agent.policy import ActionScorer
 from services.client_agent.prompts import ChatFormat, TokenCache, encode_trajectory, make_format
 from services.client_agent.trainer import train_lora
@@ -81,8 +83,9 @@ def test_one_training_step_on_a_chat_trajectory_moves_only_the_lora_and_fits_it(
     assert len(seqs) == 1 and seqs[0].turns == 4  # the whole episode in one window: one sequence
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     before = get_adapter_state(model)
+    precision = pick_precision("auto", model, torch.device("cpu"))  # as the client trains on this CPU
     stats = [train_lora(model, tok, seqs, epochs=1, batch_size=1, lr=1e-3, seed=0, checkpointing=True,
-                        precision="bf16") for _ in range(3)]
+                        precision=precision) for _ in range(3)]
     after = get_adapter_state(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in base.items())
     assert any(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
@@ -90,6 +93,8 @@ def test_one_training_step_on_a_chat_trajectory_moves_only_the_lora_and_fits_it(
     assert stats[0]["turns"] == 4 and stats[0]["tokens"] == seqs[0].targets
 
 
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="the client stores weights in bf16 only on a CPU with native "
+                    "bfloat16 (AMX / AVX512-BF16); emulated, this comparison takes over 3 minutes")
 def test_frozen_linears_stored_in_bf16_score_and_train_exactly_as_autocast_over_fp32_weights(smollm2_dir):
     """What the client does under precision "bf16" on a CPU: the same scores and the same LoRA
     gradients, bit for bit, with half the memory for the frozen linear weights."""
@@ -123,29 +128,33 @@ def test_frozen_linears_stored_in_bf16_score_and_train_exactly_as_autocast_over_
 
 MEMORY_SCRIPT = """
 import json, resource, sys, torch
-from services.client_agent.model import add_lora, load_base
+from services.client_agent.model import add_lora, load_base, pick_precision
 from services.client_agent.prompts import Encoded
 from services.client_agent.trainer import train_lora
 model, tok = load_base(sys.argv[1])
 model = add_lora(model)
 n = int(sys.argv[2])
 ids = tuple(torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(0)).tolist())
+# The client's own choice: bf16 where the CPU has it natively, else fp32 (emulated bf16 takes > 10 min here).
+precision = pick_precision("auto", model, torch.device("cpu"))
 stats = train_lora(model, tok, [Encoded(ids, ((n - 16, n),))] * 2, epochs=1, batch_size=2, max_batch_tokens=n,
-                   checkpointing=True, precision="bf16")
-print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "steps": stats["steps"]}))
+                   checkpointing=True, precision=precision)
+print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "steps": stats["steps"],
+                  "precision": precision}))
 """
 
 
 def test_a_long_prompt_trains_within_the_memory_bound(smollm2_dir):
     """Two 2,048-token sequences in one step, a micro-batch each (token budget 2,048), activations
-    recomputed: the whole process stays far under 3 GB. Without the bound the same step keeps about
-    3.5 MB of fp32 activations per token, over 14 GB."""
+    recomputed: the whole process stays far under 3 GB under bf16 (a CPU with native bfloat16), and
+    near 4.2 GB in fp32 (measured on a 2-core AVX2 CPU, where the client runs fp32). Without the
+    bound the same step keeps about 3.5 MB of fp32 activations per token, over 14 GB."""
     out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(smollm2_dir), "2048"], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["steps"] == 1
-    assert result["peak_mb"] < 2500, result
+    assert result["peak_mb"] < (2500 if result["precision"] == "bf16" else 5000), result
 
 
 SCORING_MEMORY_SCRIPT = """
