@@ -109,7 +109,8 @@ def test_the_tiny_window_shows_the_start_of_an_observation_too_long_for_it():
     assert TokenCache(tok).prompt(first, TINY_MAX_PROMPT_TOKENS) == TokenCache(tok)(first)
     # Later turns keep the previous action before the observation's start.
     later = fmt.prompt(ep.instruction, [(ep.observation, "turn left")], ep.observation)
-    assert later.startswith("Action: turn left\nObservation: Your goal:") and len(later.encode()) <= 160
+    assert later.startswith("Action: turn left\nObservation: Your goal:")
+    assert len(later.encode()) <= TINY_MAX_PROMPT_TOKENS
     # A cut never splits a character: the prompt is still valid UTF-8 of at most the window's bytes.
     wide = fmt.prompt("Do it.", [], "é" * 200)
-    assert wide.startswith("Observation: é") and len(wide.encode()) <= 160 and "\ufffd" not in wide
+    assert wide.startswith("Observation: é") and len(wide.encode()) <= TINY_MAX_PROMPT_TOKENS and "\ufffd" not in wide

@@ -157,15 +157,13 @@ class PlainFormat:
     window: int | None = None
 
     def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
-        text = format_prompt(instruction, turns, observation, self.max_history)
-        if self.window is None:
-            return text
-        previous = format_target(turns[-1][1]) if turns and self.max_history > 0 else ""
-        current = f"Observation: {observation.strip()}\n"
-        if len((previous + current).encode("utf-8")) <= self.window:
-            return text
-        room = self.window - len(previous.encode("utf-8")) - 1  # the observation's cut start, then "\n"
-        return previous + head_bytes(current, room).rstrip("\n") + "\n"
+        if self.window is not None:
+            previous = format_target(turns[-1][1]) if turns and self.max_history > 0 else ""
+            current = f"Observation: {observation.strip()}\n"
+            if len((previous + current).encode("utf-8")) > self.window:
+                room = self.window - len(previous.encode("utf-8")) - 1  # the observation's cut start, then "\n"
+                return previous + head_bytes(current, room).rstrip("\n") + "\n"
+        return format_prompt(instruction, turns, observation, self.max_history)
 
     def target(self, action: str) -> str:
         return format_target(action)
@@ -242,10 +240,11 @@ def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int 
     """ChatFormat for a model whose tokenizer has a chat template, else PlainFormat. max_history < 0
     means the format's default: the whole episode in the window (chat), 1 turn (plain). `tokenize`:
     a TokenCache to share with the scorer and training (a prompt is then tokenized once)."""
-    if not is_tiny(model) and getattr(tokenizer, "chat_template", None):
+    tiny = is_tiny(model)
+    if not tiny and getattr(tokenizer, "chat_template", None):
         return ChatFormat(tokenizer, max_prompt_tokens or default_max_prompt_tokens(model), max_history,
                           tokenize=tokenize)
-    window = (max_prompt_tokens or TINY_MAX_PROMPT_TOKENS) if is_tiny(model) else None
+    window = (max_prompt_tokens or TINY_MAX_PROMPT_TOKENS) if tiny else None
     return PlainFormat(1 if max_history < 0 else max_history, window)
 
 
