@@ -14,7 +14,7 @@ from support import children_of
 @pytest.mark.slow
 def test_local_federation_runs_every_round(tmp_path):
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "apps.cli", "run", "--rounds", "2", "--results", str(results),
+    cmd = [sys.executable, "-m", "apps.cli", "run", "--rounds", "1", "--results", str(results),
            "--expert-demos", "4", "--explore-tasks", "4", "--eval-tasks", "4", "--wordle-vocab-size", "30"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -25,14 +25,14 @@ def test_local_federation_runs_every_round(tmp_path):
     from services.env_server.envs import KNOWN_ENVS
     assert sorted(data["envs"]) == sorted(KNOWN_ENVS)
     for env, rows in data["envs"].items():
-        assert [r["round"] for r in rows] == [0, 1, 2], env
+        assert [r["round"] for r in rows] == [0, 1], env
         assert all(0.0 <= r["test_success"] <= 1.0 for r in rows)
         trained = [r for r in rows if "train_loss" in r]
-        assert len(trained) == 2 and all(r["upload_bytes"] > 0 for r in trained)
+        assert len(trained) == 1 and all(r["upload_bytes"] > 0 for r in trained)
         # The buffer only grows: expert seeds plus kept successes.
         sizes = [r["buffer"] for r in rows]
         assert sizes == sorted(sizes) and sizes[0] > 0
-    assert len(data["mean_test_success"]) == 3
+    assert len(data["mean_test_success"]) == 2
     png = (results / "success.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # Each client logged where its phases were (fedse run shows the latest while a round runs):
@@ -43,11 +43,11 @@ def test_local_federation_runs_every_round(tmp_path):
                  if PROGRESS_MSG in line and line.startswith("{")]
         ends = {(e["phase"], e["round"]): e for e in lines if e["msg"] == PROGRESS_MSG and e["done"] == e["total"]}
         assert {("expert demonstrations", -1), ("evaluating", 0), ("exploring", 0), ("training", 0),
-                ("evaluating", 2)} <= set(ends), (env, sorted(ends))
-        assert ends[("evaluating", 0)]["total"] == 4 and ends[("exploring", 1)]["total"] == 4
-        assert ends[("training", 1)]["unit"] == "steps" and ends[("training", 1)]["total"] >= 1
+                ("evaluating", 1)} <= set(ends), (env, sorted(ends))
+        assert ends[("evaluating", 0)]["total"] == 4 and ends[("exploring", 0)]["total"] == 4
+        assert ends[("training", 0)]["unit"] == "steps" and ends[("training", 0)]["total"] >= 1
     # Every global adapter was exported as a PEFT directory.
-    for rnd in range(3):
+    for rnd in range(2):
         d = results / "state" / "aggregator" / "local" / "global" / f"round_{rnd:04d}"
         assert (d / "adapter_model.safetensors").exists() and (d / "adapter_config.json").exists()
 
