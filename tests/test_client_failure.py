@@ -78,7 +78,7 @@ def reports(run_dir) -> list[dict]:
 def test_a_client_killed_mid_run_is_reported_and_the_others_finish_every_round(tmp_path):
     results = tmp_path / "results"
     run_dir = results / "state" / "aggregator" / "local"
-    proc = launch(results, "--envs", "maze,wordle,babyai", "--rounds", "3")
+    proc = launch(results, "--envs", "maze,wordle,babyai", "--rounds", "2")
     try:
         # Mid-run: org-wordle has reported round 0 and round 1 is open.
         wait_for("org-wordle's round-0 report and round 1", lambda: (run_dir / "global" / "round_0001").exists()
@@ -107,17 +107,17 @@ def test_a_client_killed_mid_run_is_reported_and_the_others_finish_every_round(t
     assert {k: failure[k] for k in ("client_id", "process", "envs", "exit_code", "reason")} == {
         "client_id": "org-wordle", "process": "client_agent-wordle", "envs": ["wordle"], "exit_code": -9,
         "reason": "killed by SIGKILL (out of memory?)"}
-    assert 0 <= last < 3 and failure["last_lines"]
+    assert 0 <= last < 2 and failure["last_lines"]
     # The survivors' every round, the failed client's every reported round.
-    assert [r["round"] for r in data["envs"]["maze"]] == [0, 1, 2, 3]
-    assert [r["round"] for r in data["envs"]["babyai"]] == [0, 1, 2, 3]
+    assert [r["round"] for r in data["envs"]["maze"]] == [0, 1, 2]
+    assert [r["round"] for r in data["envs"]["babyai"]] == [0, 1, 2]
     assert [r["round"] for r in data["envs"]["wordle"]] == list(range(last + 1))
     assert len(data["mean_test_success"]) == last + 1  # the mean covers the rounds every environment reported
     assert (results / "success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # After the kill the aggregator closed each round once the live clients had uploaded.
     closed = [json.loads(line) for line in (results / "logs" / "aggregator.log").read_text().splitlines()
               if '"round closed"' in line]
-    assert [e["round"] for e in closed] == [0, 1, 2]
+    assert [e["round"] for e in closed] == [0, 1]
     for e in closed[last + 1:]:  # (a round org-wordle uploaded but did not report before it died closed with it)
         late = (run_dir / "uploads" / f"round_{e['round']:04d}" / "org-wordle.json").exists()
         assert (e["reason"], e["uploads"]) == (("all uploaded", 3) if late else ("all alive clients uploaded", 2))

@@ -183,9 +183,9 @@ def test_client_killed_mid_round_the_round_closes_at_quorum_and_it_rejoins(tmp_p
         fed.stop()
 
 
-# One client exploring 24 tasks one at a time, so that its exploration lasts long enough to be cut, and
+# One client exploring 16 tasks one at a time, so that its exploration lasts long enough to be cut, and
 # training on every explored trajectory (--keep all), so that the adapter depends on each of them.
-ENV_RESTART_CLIENTS = {"org-a": 24}
+ENV_RESTART_CLIENTS = {"org-a": 16}
 ENV_RESTART_FLAGS = ("--concurrency", "1", "--keep", "all")
 
 
