@@ -131,11 +131,11 @@ def test_a_model_from_a_local_path_runs_the_experiment(tmp_path):
     from fedse.tinymodel import export_tiny_model
 
     model_dir = export_tiny_model(str(tmp_path / "model"))
-    cfg = ex.ExperimentConfig(budget="full", methods="fedit,fedse", base_model=model_dir, envs="maze",
+    cfg = ex.ExperimentConfig(budget="full", methods="fedse", base_model=model_dir, envs="maze",
                               seeds=1, rounds=1, expert_demos=4, explore_tasks=4, eval_tasks=4, epochs=1,
                               results=str(tmp_path / "exp"))
     summary = ex.run(cfg, out=io.StringIO())
-    assert set(summary["methods"]) == {ex.PRETRAINED, "FedIT", "Fed-SE"}
+    assert set(summary["methods"]) == {ex.PRETRAINED, "Fed-SE"}
     results = json.loads((tmp_path / "exp" / "runs" / "fedse-seed0" / "results.json").read_text())
     assert results["base_model"] == model_dir and [r["round"] for r in results["envs"]["maze"]] == [0, 1]
     assert f"{model_dir}, budget full" in (tmp_path / "exp" / "table.md").read_text()
