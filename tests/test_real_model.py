@@ -63,7 +63,7 @@ def test_scoring_with_the_chat_template_matches_a_direct_pass_and_reuses_the_pre
     fmt = make_format(model, tok)
     scorer = ActionScorer(model, tok, fmt=fmt)
     assert scorer.method == "reuse"
-    instruction, turns, obs = _episode()
+    instruction, turns, obs = _episode(2)
     actions = ["move up", "move down", "move left", "move right"]
     for i in range(len(turns) + 1):
         o = turns[i][0] if i < len(turns) else obs
