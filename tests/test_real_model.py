@@ -196,6 +196,7 @@ def test_scoring_long_webshop_episodes_stays_within_the_memory_bound(smollm2_dir
     over 2,000 tokens: the process stays under 2.6 GB. Before the frozen weights were kept in bf16
     and freed heap returned after each prompt, the same scoring held 3.9 GB (the prompt caches
     themselves are bounded at 512 MB)."""
+    # 7 steps: the longest prompt passes 2,000 tokens at step 6 (2,061 tokens; 306 at step 0).
     out = subprocess.run([sys.executable, "-c", SCORING_MEMORY_SCRIPT, str(smollm2_dir), "7"], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
