@@ -174,7 +174,10 @@ def test_bucketed_micro_batches_give_the_same_gradient_from_passes_of_bucket_len
     assert sorted({len(e.ids) for e in batch}) != sorted(set(seen))  # the plain passes had other widths
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     plain, bucketed = grads
-    assert all(torch.allclose(plain[n], bucketed[n], rtol=1e-4, atol=1e-7) for n in plain)
+    # fp32 rounding of passes of other widths: up to 4e-7 on gradients of about 0.3 (a padded token
+    # that real ones attended to would move them by orders of magnitude more)
+    assert all(torch.allclose(plain[n], bucketed[n], rtol=1e-4, atol=1e-5 * float(plain[n].abs().max()))
+               for n in plain)
 
 
 def test_optimizer_steps_hold_batch_size_turns_however_they_are_packed():

@@ -61,6 +61,74 @@ def test_unknown_override_is_an_error():
         build_tiny_model(0, hidden_sise=64)
 
 
+def _attention(model, text):
+    """Per-layer attention weights [heads, T, T] of one text, computed eagerly."""
+    model.config._attn_implementation = "eager"
+    ids = torch.tensor([[b + 3 for b in text.encode()]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True)
+    return [a[0] for a in out.attentions], torch.log_softmax(out.logits[0], dim=-1), ids[0]
+
+
+COPY_HEAD = 4  # the first head after the random part's four
+
+
+def test_the_copy_circuit_finds_the_previous_byte_and_what_followed_the_current_one():
+    model, _ = build_tiny_model()
+    assert (model.config.hidden_size, model.config.num_attention_heads, model.config.head_dim) == (192, 6, 32)
+    text = "Your goal: go to the red ball\nThere is a grey key 1 and a red ball 1 here.\nAction: go to red ball 1"
+    attn, _, _ = _attention(model, text)
+    layer0 = attn[0][COPY_HEAD]
+    for i in range(1, len(text)):
+        assert int(layer0[i].argmax()) == i - 1 and layer0[i, i - 1] > 0.99, i
+    # Layer 1 looks at what followed earlier occurrences of the current byte: from the last "l"
+    # of "ball" it finds the "l"s followed by "l" or " "/"\n" (never a position after another byte).
+    layer1 = attn[1][COPY_HEAD]
+    i = len(text) - 3  # the second "l" of the final "ball"
+    assert text[i] == "l"
+    attended = layer1[i, 1:i + 1]
+    after_l = torch.tensor([text[j - 1] == "l" for j in range(1, i + 1)])
+    assert attended[after_l].sum() > 0.95
+
+
+def test_the_copy_circuit_matches_letters_whatever_their_case():
+    model, _ = build_tiny_model()
+    text = "Product B09EEUTSEE is here. Action: click[b09eeutsee"
+    attn, _, _ = _attention(model, text)
+    layer1 = attn[1][COPY_HEAD]
+    i = text.rindex("b09") + 1  # the lower-case "0": before it only the upper-case id had "B0"
+    assert int(layer1[i].argmax()) == text.index("B09") + 2  # the "9" that followed "B0"
+
+
+def test_a_repeated_random_string_is_predicted_far_better_the_second_time():
+    rng = torch.Generator().manual_seed(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    word = "".join(letters[int(i)] for i in torch.randint(0, 26, (24,), generator=rng))
+    text = f"{word} {word}"
+    n = len(word)
+
+    def logp(model):
+        _, lp, ids = _attention(model, text)
+        first = sum(lp[i, ids[i + 1]].item() for i in range(1, n - 1))
+        second = sum(lp[i, ids[i + 1]].item() for i in range(n + 2, 2 * n))
+        return first, second
+
+    with_circuit = logp(build_tiny_model()[0])
+    without = logp(build_tiny_model(copy_circuit=False)[0])
+    # The circuit predicts the repeat: 22 bytes, each far likelier than the first time. Measured
+    # (model seed 0): -178 nats the first time, -114 the second; without the circuit -159 and -156.
+    assert with_circuit[1] > with_circuit[0] + 22 * 1.5
+    assert with_circuit[1] > without[1] + 22 * 1.0
+    assert abs(without[1] - without[0]) < 22 * 1.0  # a random model cannot tell
+
+
+def test_without_the_copy_circuit_the_model_is_the_random_part_alone():
+    model, _ = build_tiny_model(copy_circuit=False)
+    assert (model.config.hidden_size, model.config.num_attention_heads) == (128, 4)
+    with pytest.raises(ValueError, match="copy circuit"):
+        build_tiny_model(num_hidden_layers=1)
+
+
 def test_tokenizer_is_byte_level_without_files():
     _, tok = build_tiny_model()
     assert tok("ab", add_special_tokens=False)["input_ids"] == [ord("a") + 3, ord("b") + 3]

@@ -1,0 +1,147 @@
+"""The tiny model's Fed-SE loop in one process, in any environment, as a client agent acts.
+
+One client, no gRPC, the client's own prompt format (the tiny model's 160-byte window), scorer and
+trainer:
+  round 0:      greedy held-out success of the fresh adapter (the untrained base);
+  D_0:          `--demos` expert demonstrations on training tasks;
+  round t >= 1: explore `--explore` training tasks at temperature 1.0, keep the successes, train
+                the LoRA `--epochs` epochs on the whole buffer, evaluate greedily on `--test` tasks.
+`--diluted` also evaluates each round's adapter with its B matrices scaled by 1/5: roughly what one
+client's update is worth in the mean of a 5-client federation (mean(B) mean(A), A barely moved).
+`--per-byte` acts on each action's mean log-likelihood per byte (lm-eval's acc_norm) instead of its sum.
+`--overrides` builds another tiny model (e.g. '{"copy_circuit": false, "rope_theta": 10000.0,
+"num_hidden_layers": 4}' is the model before its copy circuit).
+
+    .venv/bin/python bench/tiny_envs.py --env babyai --demos 60 --explore 0 --epochs 3
+    .venv/bin/python bench/tiny_envs.py --env maze --explore 32 --test 25 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fedse.tinymodel import build_tiny_model  # noqa: E402
+from services.client_agent.model import add_lora  # noqa: E402
+from services.client_agent.policy import ActionScorer  # noqa: E402
+from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat  # noqa: E402
+from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
+from services.env_server.envs import KNOWN_ENVS, make_environment  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", default="babyai", choices=KNOWN_ENVS)
+    ap.add_argument("--demos", type=int, default=20)
+    ap.add_argument("--explore", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--test", type=int, default=20, help="held-out test tasks (the first N)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=TINY_LR)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overrides", default="", help="JSON settings of the tiny model")
+    ap.add_argument("--diluted", action="store_true", help="also evaluate with B x 1/5 (see above)")
+    ap.add_argument("--per-byte", action="store_true",
+                    help="act on each action's mean log-likelihood per byte instead of its sum (acc_norm)")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+
+    torch.set_num_threads(a.threads)
+    env = make_environment(a.env, seed=0)
+    base, tok = build_tiny_model(0, **(json.loads(a.overrides) if a.overrides else {}))
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, seed=a.seed)
+    fmt = PlainFormat(1, TINY_MAX_PROMPT_TOKENS)
+    scorer = ActionScorer(model, tok, "cpu", max_prompt_tokens=TINY_MAX_PROMPT_TOKENS, fmt=fmt)
+    gen = torch.Generator().manual_seed(a.seed)
+    if a.per_byte:
+        summed = scorer.score
+
+        def per_byte(prompts, candidates):
+            return [s / torch.tensor([len(fmt.target(c).encode()) for c in cands], dtype=s.dtype)
+                    for s, cands in zip(summed(prompts, candidates), candidates)]
+
+        scorer.score = per_byte
+
+    def rollout(task_ids, mode):
+        """mode: 'expert', 'greedy' or 'sample'. Returns ([(prompt, action)] per task, successes)."""
+        eps = [env.reset(t) for t in task_ids]
+        turns = [[] for _ in task_ids]
+        steps = [[] for _ in task_ids]
+        done, success = [False] * len(eps), [False] * len(eps)
+        for _ in range(env.max_turns):
+            live = [i for i in range(len(eps)) if not done[i]]
+            if not live:
+                break
+            prompts = [fmt.prompt(eps[i].instruction, turns[i], eps[i].observation) for i in live]
+            cands = [eps[i].available_actions() for i in live]
+            if mode == "expert":
+                actions = [eps[i].expert_action() for i in live]
+            else:
+                picks = scorer.choose(prompts, cands, greedy=mode == "greedy", generator=gen)
+                actions = [c[k] for c, k in zip(cands, picks)]
+            for i, prompt, action in zip(live, prompts, actions):
+                obs = eps[i].observation
+                result = eps[i].step(action)
+                steps[i].append((prompt, action))
+                turns[i].append((obs, action))
+                if result.done:
+                    done[i], success[i] = True, bool(result.success)
+        return steps, success
+
+    def rate(success) -> float:
+        return sum(success) / max(len(success), 1)
+
+    def diluted_success(test) -> float:
+        lora_b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+        saved = {n: p.detach().clone() for n, p in lora_b.items()}
+        with torch.no_grad():
+            for p in lora_b.values():
+                p.mul_(0.2)
+        scorer.forget()
+        try:
+            return rate(rollout(test, "greedy")[1])
+        finally:
+            with torch.no_grad():
+                for n, p in lora_b.items():
+                    p.copy_(saved[n])
+            scorer.forget()
+
+    test = env.tasks("test")[:a.test]
+    train = env.tasks("train")
+    rng = random.Random(a.seed)
+    t0 = time.perf_counter()
+    print(f"# {a.env}: round 0 held-out success {rate(rollout(test, 'greedy')[1]):.2f} "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    demos, ok = rollout(rng.sample(train, a.demos), "expert")
+    buffer = [s for traj, good in zip(demos, ok) if good for s in traj]
+    print(f"# D_0: {sum(ok)} successful demonstrations, {len(buffer)} steps", flush=True)
+    print(f"{'round':>5} {'test':>5} {'diluted':>7} {'explore':>7} {'buffer':>6} {'loss':>6} {'steps':>5} "
+          f"{'explore_s':>9} {'train_s':>7} {'eval_s':>6}", flush=True)
+    for rnd in range(1, a.rounds + 1):
+        t1 = time.perf_counter()
+        explored, found = rollout(rng.sample(train, a.explore), "sample") if a.explore else ([], [])
+        buffer += [s for traj, good in zip(explored, found) if good for s in traj]
+        t2 = time.perf_counter()
+        stats = train_lora(model, tok, buffer, epochs=a.epochs, lr=a.lr, seed=a.seed + rnd,
+                           max_prompt_tokens=TINY_MAX_PROMPT_TOKENS)
+        scorer.forget()
+        t3 = time.perf_counter()
+        success = rate(rollout(test, "greedy")[1])
+        t4 = time.perf_counter()
+        diluted = f"{diluted_success(test):7.2f}" if a.diluted else f"{'':>7}"
+        print(f"{rnd:>5} {success:5.2f} {diluted} {rate(found):7.2f} {len(buffer):>6} {stats['loss']:6.3f} "
+              f"{stats['steps']:>5} {t2 - t1:9.1f} {t3 - t2:7.1f} {t4 - t3:6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
