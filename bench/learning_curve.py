@@ -50,9 +50,10 @@ def make_env(name: str):
     raise SystemExit(f"unknown env {name!r}")
 
 
-def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = None) -> list[Trajectory]:
+def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = None, fmt=None) -> list[Trajectory]:
     """Plays all tasks concurrently in lock step; `choose(prompts, candidate lists) -> indices`, or None
-    for the expert. Returns one trajectory per task."""
+    for the expert. Prompts are format_prompt's with `max_history` turns, or `fmt.prompt`'s where a
+    prompts.PromptFormat is given (the client's). Returns one trajectory per task."""
     max_turns = max_turns or env.max_turns
     eps = [env.reset(t) for t in task_ids]
     trajs = [Trajectory(t) for t in task_ids]
@@ -62,7 +63,8 @@ def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = Non
         active = [i for i in range(len(eps)) if not done[i]]
         if not active:
             break
-        prompts = [format_prompt(eps[i].instruction, history[i], eps[i].observation, max_history) for i in active]
+        prompts = [fmt.prompt(eps[i].instruction, history[i], eps[i].observation) if fmt else
+                   format_prompt(eps[i].instruction, history[i], eps[i].observation, max_history) for i in active]
         cands = [eps[i].available_actions() for i in active]
         if choose is None:
             actions = [eps[i].expert_action() for i in active]

@@ -28,7 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import learning_curve  # noqa: E402
 from fedse.tinymodel import build_tiny_model  # noqa: E402
 from services.client_agent.model import add_lora  # noqa: E402
 from services.client_agent.policy import ActionScorer  # noqa: E402
@@ -72,31 +74,16 @@ def main(argv=None) -> None:
 
         scorer.score = per_byte
 
-    def rollout(task_ids, mode):
-        """mode: 'expert', 'greedy' or 'sample'. Returns ([(prompt, action)] per task, successes)."""
-        eps = [env.reset(t) for t in task_ids]
-        turns = [[] for _ in task_ids]
-        steps = [[] for _ in task_ids]
-        done, success = [False] * len(eps), [False] * len(eps)
-        for _ in range(env.max_turns):
-            live = [i for i in range(len(eps)) if not done[i]]
-            if not live:
-                break
-            prompts = [fmt.prompt(eps[i].instruction, turns[i], eps[i].observation) for i in live]
-            cands = [eps[i].available_actions() for i in live]
-            if mode == "expert":
-                actions = [eps[i].expert_action() for i in live]
-            else:
-                picks = scorer.choose(prompts, cands, greedy=mode == "greedy", generator=gen)
-                actions = [c[k] for c, k in zip(cands, picks)]
-            for i, prompt, action in zip(live, prompts, actions):
-                obs = eps[i].observation
-                result = eps[i].step(action)
-                steps[i].append((prompt, action))
-                turns[i].append((obs, action))
-                if result.done:
-                    done[i], success[i] = True, bool(result.success)
-        return steps, success
+    def greedy(prompts, cands):
+        return scorer.choose(prompts, cands, greedy=True)
+
+    def sample(prompts, cands):
+        return scorer.choose(prompts, cands, greedy=False, generator=gen)
+
+    def rollout(task_ids, choose):
+        """(one [(prompt, action)] list per task, successes); choose None: the expert."""
+        trajs = learning_curve.rollout(env, task_ids, choose, 1, fmt=fmt)
+        return [t.steps for t in trajs], [t.success for t in trajs]
 
     def rate(success) -> float:
         return sum(success) / max(len(success), 1)
@@ -109,7 +96,7 @@ def main(argv=None) -> None:
                 p.mul_(0.2)
         scorer.forget()
         try:
-            return rate(rollout(test, "greedy")[1])
+            return rate(rollout(test, greedy)[1])
         finally:
             with torch.no_grad():
                 for n, p in lora_b.items():
@@ -120,23 +107,23 @@ def main(argv=None) -> None:
     train = env.tasks("train")
     rng = random.Random(a.seed)
     t0 = time.perf_counter()
-    print(f"# {a.env}: round 0 held-out success {rate(rollout(test, 'greedy')[1]):.2f} "
+    print(f"# {a.env}: round 0 held-out success {rate(rollout(test, greedy)[1]):.2f} "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    demos, ok = rollout(rng.sample(train, a.demos), "expert")
+    demos, ok = rollout(rng.sample(train, a.demos), None)
     buffer = [s for traj, good in zip(demos, ok) if good for s in traj]
     print(f"# D_0: {sum(ok)} successful demonstrations, {len(buffer)} steps", flush=True)
     print(f"{'round':>5} {'test':>5} {'diluted':>7} {'explore':>7} {'buffer':>6} {'loss':>6} {'steps':>5} "
           f"{'explore_s':>9} {'train_s':>7} {'eval_s':>6}", flush=True)
     for rnd in range(1, a.rounds + 1):
         t1 = time.perf_counter()
-        explored, found = rollout(rng.sample(train, a.explore), "sample") if a.explore else ([], [])
+        explored, found = rollout(rng.sample(train, a.explore), sample) if a.explore else ([], [])
         buffer += [s for traj, good in zip(explored, found) if good for s in traj]
         t2 = time.perf_counter()
         stats = train_lora(model, tok, buffer, epochs=a.epochs, lr=a.lr, seed=a.seed + rnd,
                            max_prompt_tokens=TINY_MAX_PROMPT_TOKENS)
         scorer.forget()
         t3 = time.perf_counter()
-        success = rate(rollout(test, "greedy")[1])
+        success = rate(rollout(test, greedy)[1])
         t4 = time.perf_counter()
         diluted = f"{diluted_success(test):7.2f}" if a.diluted else f"{'':>7}"
         print(f"{rnd:>5} {success:5.2f} {diluted} {rate(found):7.2f} {len(buffer):>6} {stats['loss']:6.3f} "

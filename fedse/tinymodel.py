@@ -34,9 +34,9 @@ that hold an induction circuit, the mechanism pretrained transformers use to con
 The random part reads and writes only its own dimensions, so the circuit is exact in the untrained
 model; the LoRA, on every linear layer, learns when to rely on it and where to look. Measured
 in-process (services/client_agent/MODEL_NOTES.md): with the circuit on 4 layers BabyAI learned from
-60 expert demonstrations to 40% held-out success by the second round (without it 0%, and 30% by the
-fourth; on the default 3 layers 10-15% by rounds 2-3), the Maze to 72-80% after the first round
-(48%). In the 5-client federation of `fedse run` the Maze learns; BabyAI does not yet (README).
+60 expert demonstrations to 25% held-out success by the second round and 50% by the third (without
+it 0% and 20%; on the default 3 layers 10-15% by rounds 2-3), the Maze to 72-80% after the first
+round (48%). In the 5-client federation of `fedse run` the Maze learns; BabyAI does not yet (README).
 3 layers, 128 + 64 wide, 6 heads of 32 (0.99 M parameters, 69 k in the r=8 LoRA): 3 layers score
 TextCraft's 19 candidates 1.2x as long as the 4 layers x 128 without the circuit did (4 layers with
 it: 1.6x) and learn the Maze as well. Measurements: services/client_agent/MODEL_NOTES.md.
@@ -151,7 +151,7 @@ def build_tiny_model(seed: int = 0, **overrides: Any) -> tuple[LlamaForCausalLM,
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(int(seed))
-    width, random_qkv = s["hidden_size"], s["hidden_size"]  # the random part: residual dims, q/k/v rows
+    width = s["hidden_size"]  # the random part's residual dims, and its heads' q/k/v rows
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             param.zero_()
@@ -162,9 +162,9 @@ def build_tiny_model(seed: int = 0, **overrides: Any) -> tuple[LlamaForCausalLM,
             elif name == "lm_head.weight":
                 param[:, :width].normal_(0.0, s["head_std"], generator=gen)
             elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-                param[:random_qkv, :width].normal_(0.0, s["init_std"], generator=gen)
+                param[:width, :width].normal_(0.0, s["init_std"], generator=gen)
             elif name.endswith("o_proj.weight"):
-                param[:width, :random_qkv].normal_(0.0, s["init_std"], generator=gen)
+                param[:width, :width].normal_(0.0, s["init_std"], generator=gen)
             elif name.endswith(("gate_proj.weight", "up_proj.weight")):
                 param[:, :width].normal_(0.0, s["init_std"], generator=gen)
             elif name.endswith("down_proj.weight"):
