@@ -38,7 +38,7 @@ import sys
 import time
 from typing import IO, Any, Sequence
 
-from fedse.config import ConfigError, field
+from fedse.config import SCORINGS, ConfigError, field
 from fedse.machine import available_cores
 from fedse.progress import EVERY_S as PROGRESS_EVERY_S, describe, last_progress, tail_lines
 from fedse.pretrained import check_base_model
@@ -82,6 +82,10 @@ class RunConfig:
     precision: str = field("auto", "clients' model precision: 'auto' (bf16 autocast for a real model on a CPU with "
                                    "native bfloat16), 'fp32' or 'bf16'")
     epochs: int = field(2, "epochs over the buffer per round")
+    scoring: str = field("auto", "what clients rank admissible actions by: 'sum' (log-likelihood) or 'calibrated' "
+                                 "(less the log-likelihood after an empty prompt), for all, or per environment as "
+                                 "env=rule pairs (the others: sum); 'auto' = babyai=calibrated with the embedded "
+                                 "tiny model, sum with a real one")
     wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
     seed: int = field(0, "seed of everything")
     round_deadline_s: float = field(1800.0, "round deadline at the aggregator: a round closes then without the "
@@ -100,6 +104,12 @@ class RunConfig:
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        from services.env_server.envs import KNOWN_ENVS
+
+        unknown = set(scoring_rules(self.scoring)) - {"", *KNOWN_ENVS}
+        if unknown:
+            raise ConfigError(f"--scoring names {', '.join(sorted(unknown))}: environments are "
+                              f"{', '.join(KNOWN_ENVS)}")
         check_base_model(self.base_model)  # here, not in each client process after the others have started
 
     def env_list(self) -> list[str]:
@@ -355,6 +365,36 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (README)
+
+
+def scoring_rules(spec: str, base_model: str = "fedse-tiny") -> dict[str, str]:
+    """--scoring as {environment: rule}; the key "" holds the rule of environments not named."""
+    if spec.strip() == "auto":
+        spec = TINY_SCORING if base_model == "fedse-tiny" else "sum"
+    if "=" not in spec:
+        rules = {"": spec.strip()}
+    else:
+        rules = {"": "sum"}
+        for part in (p.strip() for p in spec.split(",") if p.strip()):
+            env, sep, rule = part.partition("=")
+            if not sep or not env.strip():
+                raise ConfigError(f"--scoring {spec!r}: write one rule (sum or calibrated) or env=rule pairs "
+                                  f"separated by commas, e.g. babyai=calibrated,webshop=calibrated")
+            rules[env.strip()] = rule.strip()
+    for env, rule in rules.items():
+        if rule not in SCORINGS:
+            raise ConfigError(f"--scoring {spec!r}: {rule!r} is not a rule; use one of {', '.join(SCORINGS)}")
+    return rules
+
+
+def scoring_for(spec: str, envs: Sequence[str], base_model: str = "fedse-tiny") -> str:
+    """The --scoring rule of a client holding `envs`: theirs where they all have the same, else sum."""
+    rules = scoring_rules(spec, base_model)
+    chosen = {rules.get(e, rules[""]) for e in envs}
+    return chosen.pop() if len(chosen) == 1 else "sum"
+
+
 def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...]], cfg: RunConfig,
             wall_s: float, failed: Sequence[Failure] = (), stopped: str = "") -> dict[str, Any]:
     """The run's results (results.json), what `fedse run` and the experiment driver read:
@@ -508,6 +548,7 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             "--keep", cfg.keep, "--history", cfg.history, "--lora-r", str(cfg.lora_r),
             "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
             "--policy", cfg.policy, "--precision", cfg.precision,
+            "--scoring", scoring_for(cfg.scoring, c.envs, cfg.base_model),
             "--seed", str(cfg.seed), "--torch-threads", str(threads)]) for f, c in members}
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
 

@@ -8,7 +8,9 @@ trainer:
                 the LoRA `--epochs` epochs on the whole buffer, evaluate greedily on `--test` tasks.
 `--diluted` also evaluates each round's adapter with its B matrices scaled by 1/5: roughly what one
 client's update is worth in the mean of a 5-client federation (mean(B) mean(A), A barely moved).
-`--per-byte` acts on each action's mean log-likelihood per byte (lm-eval's acc_norm) instead of its sum.
+`--per-byte` acts on each action's mean log-likelihood per byte (lm-eval's acc_norm) instead of its sum;
+`--scoring calibrated` on its log-likelihood less that after the content-free prompt (the client's
+--scoring). `--window` sets the prompt window (bytes).
 `--overrides` builds another tiny model (e.g. '{"copy_circuit": false, "rope_theta": 10000.0,
 "num_hidden_layers": 4}' is the model before its copy circuit).
 
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import learning_curve  # noqa: E402
+from fedse.config import SCORINGS  # noqa: E402
 from fedse.tinymodel import build_tiny_model  # noqa: E402
 from services.client_agent.model import add_lora  # noqa: E402
 from services.client_agent.policy import ActionScorer  # noqa: E402
@@ -53,6 +56,8 @@ def main(argv=None) -> None:
     ap.add_argument("--diluted", action="store_true", help="also evaluate with B x 1/5 (see above)")
     ap.add_argument("--per-byte", action="store_true",
                     help="act on each action's mean log-likelihood per byte instead of its sum (acc_norm)")
+    ap.add_argument("--scoring", choices=SCORINGS, default="sum", help="what ranks actions (the client's --scoring)")
+    ap.add_argument("--window", type=int, default=TINY_MAX_PROMPT_TOKENS, help="prompt window (bytes)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
 
@@ -62,9 +67,10 @@ def main(argv=None) -> None:
     for p in base.parameters():
         p.requires_grad_(False)
     model = add_lora(base, seed=a.seed)
-    fmt = PlainFormat(1, TINY_MAX_PROMPT_TOKENS)
-    scorer = ActionScorer(model, tok, "cpu", max_prompt_tokens=TINY_MAX_PROMPT_TOKENS, fmt=fmt)
+    fmt = PlainFormat(1, a.window)
+    scorer = ActionScorer(model, tok, "cpu", max_prompt_tokens=a.window, fmt=fmt, scoring=a.scoring)
     gen = torch.Generator().manual_seed(a.seed)
+
     if a.per_byte:
         summed = scorer.score
 
@@ -120,7 +126,7 @@ def main(argv=None) -> None:
         buffer += [s for traj, good in zip(explored, found) if good for s in traj]
         t2 = time.perf_counter()
         stats = train_lora(model, tok, buffer, epochs=a.epochs, lr=a.lr, seed=a.seed + rnd,
-                           max_prompt_tokens=TINY_MAX_PROMPT_TOKENS)
+                           max_prompt_tokens=a.window)
         scorer.forget()
         t3 = time.perf_counter()
         success = rate(rollout(test, greedy)[1])

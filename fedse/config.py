@@ -16,6 +16,11 @@ from typing import Any, Sequence, TypeVar
 
 T = TypeVar("T")
 
+# What a client agent ranks admissible actions by (--scoring; its policy.ActionScorer.score): "sum",
+# an action's log-likelihood, or "calibrated", that less its log-likelihood after the content-free
+# prompt under the same weights.
+SCORINGS = ("sum", "calibrated")
+
 
 class ConfigError(ValueError):
     """A missing or malformed setting; the message says which and what is expected."""

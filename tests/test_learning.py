@@ -9,8 +9,9 @@ import torch
 from fedse.tinymodel import build_tiny_model, weights_digest
 from services.client_agent.model import add_lora, get_adapter_state
 from services.client_agent.policy import ActionScorer
-from services.client_agent.prompts import format_prompt
+from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat, format_prompt
 from services.client_agent.trainer import train_lora
+from services.env_server.envs import make_environment
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)
@@ -18,9 +19,10 @@ torch.set_num_threads(1)
 MAX_HISTORY = 1
 
 
-def play(env, task_ids, choose):
+def play(env, task_ids, choose, fmt=None):
     """Plays the tasks in lock step; choose(prompts, candidate lists) -> indices, or None for the
-    expert. Returns (successes, [(prompt, action) of each successful episode])."""
+    expert; prompts in the given format (default: format_prompt with MAX_HISTORY turns, no window).
+    Returns (successes, [(prompt, action) of each successful episode])."""
     eps = [env.reset(t) for t in task_ids]
     turns = [[] for _ in task_ids]
     steps = [[] for _ in task_ids]
@@ -29,7 +31,8 @@ def play(env, task_ids, choose):
         live = [i for i in range(len(eps)) if not done[i]]
         if not live:
             break
-        prompts = [format_prompt(eps[i].instruction, turns[i], eps[i].observation, MAX_HISTORY) for i in live]
+        prompts = [fmt.prompt(eps[i].instruction, turns[i], eps[i].observation) if fmt else
+                   format_prompt(eps[i].instruction, turns[i], eps[i].observation, MAX_HISTORY) for i in live]
         cands = [eps[i].available_actions() for i in live]
         if choose is None:
             actions = [eps[i].expert_action() for i in live]
@@ -102,6 +105,23 @@ def test_imitating_expert_demonstrations_raises_held_out_maze_success():
     assert pre <= 3, f"the untrained policy already solves {pre}/25 test tasks"
     assert stats["loss"] < 0.05
     assert post >= 15, f"held-out success {pre}/25 -> {post}/25 after imitation"
+
+
+def test_calibrated_scoring_lets_the_untrained_tiny_model_act_on_babyais_goal():
+    """Summed log-likelihood makes the untrained model take the shortest action ("turn left", about
+    7 nats a byte cheaper) wherever it is; calibrated, the copy circuit's preference for the goal's
+    words ("go to the red ball" -> "go to red ball 1") decides."""
+    env = make_environment("babyai", seed=0)
+    model, tok = build_tiny_model()
+    peft_model = add_lora(model)
+    fmt = PlainFormat(1, TINY_MAX_PROMPT_TOKENS)
+    test = env.tasks("test")[:20]
+    wins = {}
+    for scoring in ("sum", "calibrated"):
+        scorer = ActionScorer(peft_model, tok, fmt=fmt, scoring=scoring)
+        wins[scoring], _ = play(env, test, lambda p, c: scorer.choose(p, c, greedy=True), fmt)
+    # Measured: 0/20 summed, 7/20 calibrated.
+    assert wins["calibrated"] >= 4 and wins["calibrated"] >= wins["sum"] + 3, wins
 
 
 def test_micro_batches_stay_within_the_token_budget():

@@ -12,7 +12,7 @@ import pytest
 
 from fedse import adapter as ad
 from fedse.config import ConfigError
-from apps.launcher import RunConfig, collect, plan, read_metrics, run
+from apps.launcher import RunConfig, collect, plan, read_metrics, run, scoring_for
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
 
@@ -60,6 +60,7 @@ def test_client_config_accepts_the_methods_settings():
     (dict(explore_tasks=-1), "--explore-tasks must not be negative"),
     (dict(env=" , "), "--env is empty"),
     (dict(env="maze,wordle,maze"), "names an environment twice"),
+    (dict(scoring="pmi"), "--scoring must be 'sum' or 'calibrated'"),
 ])
 def test_client_config_says_what_to_fix(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -69,6 +70,10 @@ def test_client_config_says_what_to_fix(kw, match):
 @pytest.mark.parametrize("kw,match", [
     (dict(topology="star"), "--topology must be one of federated, local, centralized"),
     (dict(explore_tasks=-1), "--explore-tasks must not be negative"),
+    (dict(scoring="pmi"), "'pmi' is not a rule; use one of sum, calibrated"),
+    (dict(scoring="babyai=pmi"), "'pmi' is not a rule"),
+    (dict(scoring="babyai:calibrated,=sum"), "write one rule .* or env=rule pairs"),
+    (dict(scoring="chess=calibrated"), "--scoring names chess: environments are maze, wordle"),
 ])
 def test_run_config_says_what_to_fix(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -83,6 +88,16 @@ def test_each_topology_plans_its_aggregators_and_clients():
     assert shape("local") == [("aggregator-maze", "local-maze", [("org-maze", ("maze",))]),
                               ("aggregator-wordle", "local-wordle", [("org-wordle", ("wordle",))])]
     assert shape("centralized") == [("aggregator", "local", [("org-central", ("maze", "wordle"))])]
+
+
+def test_scoring_is_set_per_environment_and_a_client_of_several_gets_theirs_when_they_agree():
+    assert RunConfig().scoring == "auto"
+    assert scoring_for("auto", ("babyai",)) == "calibrated"  # the default run's BabyAI client (tiny model)
+    assert scoring_for("auto", ("maze",)) == "sum"
+    assert scoring_for("auto", ("babyai",), base_model="models/smollm2-135m-instruct") == "sum"
+    assert scoring_for("calibrated", ("maze", "wordle")) == "calibrated"
+    assert scoring_for("babyai=calibrated,webshop=calibrated", ("babyai", "webshop")) == "calibrated"
+    assert scoring_for("babyai=calibrated", ("maze", "babyai")) == "sum"
 
 
 def test_results_split_a_clients_report_per_environment_and_micro_average():

@@ -187,3 +187,44 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     small = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", cache_bytes=4_000_000)
     small.score(_maze_prompts(6), [MAZE_ACTIONS] * 6)
     assert 0 < small.cache.bytes <= 4_000_000 and 1 <= len(small.cache) < 6
+
+
+def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_free_prompt():
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, scoring="calibrated")
+    null = scorer.fmt.prompt("", [], "")
+    prompts = _maze_prompts(3)
+    cands = [MAZE_ACTIONS, ["move left", "move right"], WORDS]
+    for prompt, cs, s in zip(prompts, cands, scorer.score(prompts, cands)):
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 160) - _direct_loglik(model, tok, null, c, 160)
+                               for c in cs])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+    # A constant per action does not change which action a prompt prefers, but it changes the choice:
+    # the calibrated and the summed greedy picks differ on some of these prompts.
+    summed = ActionScorer(model, tok, max_prompt_tokens=160)
+    prompts = _maze_prompts(12)
+    assert scorer.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True) != \
+        summed.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True)
+
+
+def test_calibrated_baselines_follow_the_weights_after_forget():
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, scoring="calibrated")
+    prompt = _maze_prompts(1)[0]
+    before = scorer.baseline(MAZE_ACTIONS)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)
+    assert torch.equal(scorer.baseline(MAZE_ACTIONS), before)  # remembered until told the weights changed
+    scorer.forget()
+    after = scorer.baseline(MAZE_ACTIONS)
+    assert not torch.allclose(after, before, atol=1e-3)
+    null = scorer.fmt.prompt("", [], "")
+    assert torch.allclose(after, torch.tensor([_direct_loglik(model, tok, null, c, 160) for c in MAZE_ACTIONS]),
+                          atol=1e-3)
+    # The episode prompt's cached KV is not confused with the content-free prompt's.
+    direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 160) for c in MAZE_ACTIONS]) - after
+    assert torch.allclose(scorer.score([prompt], [MAZE_ACTIONS])[0], direct, atol=1e-3)
+    with pytest.raises(ValueError, match="scoring must be one of sum, calibrated"):
+        ActionScorer(model, tok, scoring="pmi")

@@ -134,12 +134,12 @@ class ClientAgent:
         self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens, self.tokenize)
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
                                    fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20,
-                                   tokenize=self.tokenize)
+                                   tokenize=self.tokenize, scoring=config.scoring)
         self.concurrency = config.concurrency or (4 if self.scorer.method == "reuse" else 16)
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
                                                  prompt_format=type(self.fmt).__name__,
-                                                 scoring=self.scorer.method, concurrency=self.concurrency))
+                                                 scoring=self.scorer.method, action_scores=config.scoring, concurrency=self.concurrency))
         self.buffer = Buffer(self.dir / BUFFER_NAME)
         self.history: list[dict[str, float]] = []
         self.run_id = ""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from fedse.config import ConfigError, field
+from fedse.config import SCORINGS, ConfigError, field
 from fedse.security import Security
 from fedse.tinymodel import TINY_MODEL_NAME
+
 
 # What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
 KEEP_MODES = ("successes", "all")
@@ -61,6 +62,9 @@ class ClientConfig(Security):
                                 "from its cached previous turn, so that those caches stay in --score-cache-mb)")
     temperature: float = field(1.0, "sampling temperature during exploration")
     policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text")
+    scoring: str = field("sum", "with --policy score, what ranks the admissible actions: 'sum' (their "
+                                "log-likelihood) or 'calibrated' (less their log-likelihood after an empty prompt "
+                                "under the same weights: no preference for short actions)")
     seed: int = field(0, "seed for the base model (tiny), LoRA init, task sampling and training")
     torch_threads: int = field(0, "torch CPU threads (0 = the cores this process may run on: its CPU affinity "
                                   "and cgroup quota)")
@@ -98,6 +102,8 @@ class ClientConfig(Security):
             raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.policy not in ("score", "generate"):
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
+        if self.scoring not in SCORINGS:
+            raise ConfigError(f"--scoring must be 'sum' or 'calibrated', got {self.scoring!r}")
         if self.transport_dtype not in ("", "bfloat16"):
             raise ConfigError(f"--transport-dtype must be '' (the schema's dtype) or 'bfloat16', "
                               f"got {self.transport_dtype!r}")

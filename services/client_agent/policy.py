@@ -16,6 +16,8 @@ Two ways to act:
     candidates (maze) each row holds the prompt followed by every candidate's distinct tokens
     ("packed"); with many (Wordle's 100 words) the prompts run first and the candidates then run in
     groups on copies of their prompt's KV cache ("cached").
+  With `scoring="calibrated"` the agent acts on each action's log-likelihood less its log-likelihood
+  after the content-free prompt (see ActionScorer.score).
 - Generation: generate the agent's text and match the action to an admissible one (see
   parse_action); a row stops at the end of the action line or the chat template's end of turn, or
   after a token limit set from the longest candidate; when nothing matches, fall back to the
@@ -29,15 +31,19 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from fedse.config import SCORINGS
 from fedse.machine import release_free_memory
 
 from .model import autocast, bucket_length, pads_to_buckets
 from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, inner_model, is_tiny
+
+BASELINE_CACHE_SIZE = 200_000  # candidate texts whose content-free log-likelihood is remembered
 
 _ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
 
@@ -135,7 +141,7 @@ class ActionScorer:
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
                  method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
                  fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 512 << 20,
-                 tokenize: TokenCache | None = None, bucket: bool | None = None):
+                 tokenize: TokenCache | None = None, bucket: bool | None = None, scoring: str = "sum"):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -169,15 +175,54 @@ class ActionScorer:
         # Passes padded to bucket lengths (model.bucket_length) where oneDNN would otherwise keep a
         # compiled kernel for every prompt length it meets: bf16 on a CPU, unless told otherwise.
         self.bucket = pads_to_buckets(precision, self.device) if bucket is None else bucket
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+        self.scoring = scoring
+        self._baseline: OrderedDict[str, float] = OrderedDict()  # candidate text -> log p(it | no context)
+        self._null_scorer: ActionScorer | None = None
 
     def forget(self) -> None:
-        """Drops cached prompts: call whenever the model's weights change."""
+        """Drops cached prompts and baselines: call whenever the model's weights change."""
         self.cache.clear()
+        self._baseline.clear()
+        if self._null_scorer is not None:
+            self._null_scorer.forget()
 
     # ---- scoring -------------------------------------------------------------------------------
 
+    def baseline(self, candidates: Sequence[str]) -> torch.Tensor:
+        """log p(target(c) | the content-free prompt) for each candidate c, under the current weights
+        (adapter included); remembered per candidate text until `forget`."""
+        todo = [c for c in dict.fromkeys(candidates) if c not in self._baseline]
+        if todo:
+            if self._null_scorer is None:  # its own prefix cache: the content-free prompt is not an episode's
+                self._null_scorer = ActionScorer(self.model, self.tokenizer, self.device, self.max_prompt_tokens,
+                                                 self.max_batch_tokens, self.method, self.packed_max_candidates,
+                                                 self.group_size, self.fmt, self.precision, 16 << 20,
+                                                 self.tokenize, self.bucket)
+            (got,) = self._null_scorer.loglik([self.fmt.prompt("", [], "")], [todo])
+            self._baseline.update(zip(todo, got.tolist()))
+            while len(self._baseline) > BASELINE_CACHE_SIZE:
+                self._baseline.popitem(last=False)
+        return torch.tensor([self._baseline[c] for c in candidates], dtype=torch.float32)
+
     @torch.no_grad()
     def score(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+        """What the agent acts on, for every candidate c of every prompt (CPU fp32 tensors):
+        - "sum": log p(target(c) | prompt), summed over the target's tokens;
+        - "calibrated": that less log p(target(c) | the content-free prompt) under the same weights
+          (contextual calibration, Zhao et al. 2021): what the prompt adds to each action's likelihood.
+          An untrained model's sum prefers short actions and those its random weights happen to like
+          (the tiny model: about 7 nats per byte, so BabyAI's "turn left" beats "go to red ball 1" by
+          ~50 nats wherever it is); calibration removes what does not depend on the prompt, and with
+          it what training taught regardless of the prompt (the Maze's "mostly right and down")."""
+        out = self.loglik(prompts, candidates)
+        if self.scoring == "sum":
+            return out
+        return [s - self.baseline(cands) for s, cands in zip(out, candidates)]
+
+    @torch.no_grad()
+    def loglik(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]]) -> list[torch.Tensor]:
         """log p(format_target(c) | prompt) for every candidate c of every prompt (CPU fp32 tensors)."""
         if len(prompts) != len(candidates):
             raise ValueError(f"{len(prompts)} prompts but {len(candidates)} candidate lists")
@@ -469,8 +514,8 @@ class ActionScorer:
 
     def choose(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]], greedy: bool,
                generator: torch.Generator | None = None, temperature: float = 1.0) -> list[int]:
-        """Index of the chosen candidate for each prompt: argmax of the log-likelihood (first on ties)
-        when greedy, else a sample from softmax(log-likelihood / temperature)."""
+        """Index of the chosen candidate for each prompt: argmax of the score (first on ties) when
+        greedy, else a sample from softmax(score / temperature)."""
         if not greedy and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         picks = []
