@@ -165,7 +165,10 @@ def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient
         grads.append({n: p.grad.clone() for n, p in params.items()})
     whole, one_by_one = grads
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    assert all(torch.allclose(whole[n], one_by_one[n], rtol=1e-4, atol=1e-7) for n in whole)
+    # fp32 rounding of other summation orders: about 1.5e-6 on gradients of about 1 (a wrong scale
+    # of a micro-batch's share would move them by orders of magnitude more)
+    assert all(torch.allclose(whole[n], one_by_one[n], rtol=1e-4, atol=1e-5 * float(whole[n].abs().max()))
+               for n in whole)
     assert all(float(g.abs().max()) > 0 for g in whole.values())
 
 
