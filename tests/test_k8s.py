@@ -280,6 +280,11 @@ def test_default_is_the_whole_cpu_federation(scenario_tmp):
     assert set(by_name(docs, "PersistentVolumeClaim")) == {"aggregator", *(f"client-agent-{e}" for e in ENVS)}
     for w, c in containers(docs):
         assert c["image"] == "fedse:0.1.0", (w["metadata"]["name"], c["image"])
+    # Each client scores actions as `fedse run` scores its environment's with the tiny model.
+    from apps.launcher import scoring_for
+    for env in ENVS:
+        (c,) = pod_spec(jobs[f"client-agent-{env}"])["containers"]
+        assert env_of(c)["FEDSE_SCORING"] == scoring_for("auto", (env,)), env
 
 
 # Object kinds the schemas of kubernetes-validate do not cover, and what their controllers need.
@@ -526,6 +531,7 @@ def test_gpu_component(scenario_tmp, tmp_path):
         assert c["image"] == "fedse-gpu:0.1.0"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert cfg.policy == "generate" and cfg.base_model.startswith("/models/") and cfg.device in ("", "cuda")
+        assert cfg.scoring == "sum"  # as `fedse run --scoring auto` with a real model
         m = mount_for(w, c, cfg.base_model)
         assert m and m[1].get("readOnly") and m[2]["persistentVolumeClaim"]["claimName"] == "fedse-models"
         assert any(t.get("key") == "nvidia.com/gpu" for t in pod_spec(w).get("tolerations", []))

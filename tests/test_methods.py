@@ -60,7 +60,7 @@ def test_client_config_accepts_the_methods_settings():
     (dict(explore_tasks=-1), "--explore-tasks must not be negative"),
     (dict(env=" , "), "--env is empty"),
     (dict(env="maze,wordle,maze"), "names an environment twice"),
-    (dict(scoring="pmi"), "--scoring must be 'sum' or 'calibrated'"),
+    (dict(scoring="pmi"), "--scoring must be one of sum, calibrated"),
 ])
 def test_client_config_says_what_to_fix(kw, match):
     with pytest.raises(ConfigError, match=match):

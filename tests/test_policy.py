@@ -189,9 +189,11 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     assert 0 < small.cache.bytes <= 4_000_000 and 1 <= len(small.cache) < 6
 
 
-def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_free_prompt():
+@pytest.mark.parametrize("method", ["packed", "cached", "reuse"])
+def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_free_prompt(method):
     model, tok = _model()
-    scorer = ActionScorer(model, tok, max_prompt_tokens=160, scoring="calibrated")
+    # "reuse" keeps the content-free prompt's KV cache beside the episodes' in one prefix cache.
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, scoring="calibrated", method=method, group_size=3)
     null = scorer.fmt.prompt("", [], "")
     prompts = _maze_prompts(3)
     cands = [MAZE_ACTIONS, ["move left", "move right"], WORDS]
@@ -201,7 +203,7 @@ def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_fr
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
     # A constant per action does not change which action a prompt prefers, but it changes the choice:
     # the calibrated and the summed greedy picks differ on some of these prompts.
-    summed = ActionScorer(model, tok, max_prompt_tokens=160)
+    summed = ActionScorer(model, tok, max_prompt_tokens=160, method=method, group_size=3)
     prompts = _maze_prompts(12)
     assert scorer.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True) != \
         summed.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True)
@@ -209,7 +211,7 @@ def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_fr
 
 def test_calibrated_baselines_follow_the_weights_after_forget():
     model, tok = _model()
-    scorer = ActionScorer(model, tok, max_prompt_tokens=160, scoring="calibrated")
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, scoring="calibrated", method="reuse")
     prompt = _maze_prompts(1)[0]
     before = scorer.baseline(MAZE_ACTIONS)
     with torch.no_grad():
@@ -223,7 +225,7 @@ def test_calibrated_baselines_follow_the_weights_after_forget():
     null = scorer.fmt.prompt("", [], "")
     assert torch.allclose(after, torch.tensor([_direct_loglik(model, tok, null, c, 160) for c in MAZE_ACTIONS]),
                           atol=1e-3)
-    # The episode prompt's cached KV is not confused with the content-free prompt's.
+    # The new weights' scores, not the cached prompts' of the old ones.
     direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 160) for c in MAZE_ACTIONS]) - after
     assert torch.allclose(scorer.score([prompt], [MAZE_ACTIONS])[0], direct, atol=1e-3)
     with pytest.raises(ValueError, match="scoring must be one of sum, calibrated"):

@@ -139,7 +139,8 @@ class ClientAgent:
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
                                                  prompt_format=type(self.fmt).__name__,
-                                                 scoring=self.scorer.method, action_scores=config.scoring, concurrency=self.concurrency))
+                                                 scoring=self.scorer.method, action_scores=config.scoring,
+                                                 concurrency=self.concurrency))
         self.buffer = Buffer(self.dir / BUFFER_NAME)
         self.history: list[dict[str, float]] = []
         self.run_id = ""

@@ -8,7 +8,6 @@ from fedse.config import SCORINGS, ConfigError, field
 from fedse.security import Security
 from fedse.tinymodel import TINY_MODEL_NAME
 
-
 # What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
 KEEP_MODES = ("successes", "all")
 HISTORY_MODES = ("cumulative", "round")
@@ -103,7 +102,7 @@ class ClientConfig(Security):
         if self.policy not in ("score", "generate"):
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
         if self.scoring not in SCORINGS:
-            raise ConfigError(f"--scoring must be 'sum' or 'calibrated', got {self.scoring!r}")
+            raise ConfigError(f"--scoring must be one of {', '.join(SCORINGS)}, got {self.scoring!r}")
         if self.transport_dtype not in ("", "bfloat16"):
             raise ConfigError(f"--transport-dtype must be '' (the schema's dtype) or 'bfloat16', "
                               f"got {self.transport_dtype!r}")

@@ -179,28 +179,21 @@ class ActionScorer:
             raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
         self.scoring = scoring
         self._baseline: OrderedDict[str, float] = OrderedDict()  # candidate text -> log p(it | no context)
-        self._null_scorer: ActionScorer | None = None
 
     def forget(self) -> None:
         """Drops cached prompts and baselines: call whenever the model's weights change."""
         self.cache.clear()
         self._baseline.clear()
-        if self._null_scorer is not None:
-            self._null_scorer.forget()
 
     # ---- scoring -------------------------------------------------------------------------------
 
     def baseline(self, candidates: Sequence[str]) -> torch.Tensor:
         """log p(target(c) | the content-free prompt) for each candidate c, under the current weights
-        (adapter included); remembered per candidate text until `forget`."""
+        (adapter included); remembered per candidate text until `forget`. The content-free prompt is
+        scored like any other (the prefix cache is keyed by token ids, so sharing it is exact)."""
         todo = [c for c in dict.fromkeys(candidates) if c not in self._baseline]
         if todo:
-            if self._null_scorer is None:  # its own prefix cache: the content-free prompt is not an episode's
-                self._null_scorer = ActionScorer(self.model, self.tokenizer, self.device, self.max_prompt_tokens,
-                                                 self.max_batch_tokens, self.method, self.packed_max_candidates,
-                                                 self.group_size, self.fmt, self.precision, 16 << 20,
-                                                 self.tokenize, self.bucket)
-            (got,) = self._null_scorer.loglik([self.fmt.prompt("", [], "")], [todo])
+            (got,) = self.loglik([self.fmt.prompt("", [], "")], [todo])
             self._baseline.update(zip(todo, got.tolist()))
             while len(self._baseline) > BASELINE_CACHE_SIZE:
                 self._baseline.popitem(last=False)
