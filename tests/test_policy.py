@@ -1,11 +1,13 @@
 """Prompt format, likelihood scoring of admissible actions, and generation-mode parsing."""
 
+import os
+
 import pytest
 import torch
 
 from fedse.tinymodel import build_tiny_model
 from services.client_agent.model import add_lora
-from services.client_agent.policy import ActionScorer, parse_action
+from services.client_agent.policy import ActionScorer, PrefixTree, parse_action
 from services.client_agent.prompts import format_prompt, format_target
 from services.env_server.envs.maze import MazeEnv
 
@@ -100,6 +102,54 @@ def test_batching_and_truncation_do_not_change_scores(method):
         for p, c, s in zip(prompts, cands, batched):
             one = small.score([p], [c])[0]
             assert torch.allclose(s, one, atol=1e-4), (limit, s, one)
+
+
+CRAFTS = ["craft 1 iron boots using 4 iron ingot", "craft 1 iron leggings using 7 iron ingot", "get 4 iron ingot",
+          "get 7 iron ingot", "get 1 redstone", "inventory", "craft 1 iron boots using 4 iron ingot",
+          "craft 16 iron bars using 6 iron ingot", "craft 1 compass using 4 iron ingot, 1 redstone"]
+
+
+def test_a_prefix_tree_gives_each_distinct_start_one_column():
+    # Each suffix's tokens but its last are inputs; starts shared by several suffixes get one column.
+    tree = PrefixTree([(0, [5, 6, 7]), (1, [5, 6, 8]), (2, [5, 9, 3]), (3, [5, 6, 7]), (4, [4])])
+    assert tree.tokens == [5, 6, 9] and tree.depths == [0, 1, 1] and tree.width == 3
+    assert tree.paths == [[0, 1], [0, 1], [0, 2], [0, 1], []]
+    assert tree.added_width([5, 6, 7, 1, 2]) == 2 and tree.added_width([5, 6, 8]) == 0
+    ids, pos = torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long)
+    among = torch.zeros((5, 5), dtype=torch.bool)
+    scored = tree.pack(10, ids, pos, among)
+    assert ids[:3].tolist() == [5, 6, 9] and pos[:3].tolist() == [10, 11, 11]
+    # Each column sees itself and its own start: never a sibling branch.
+    assert among[:3, :3].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+    assert scored == [(0, 6, 0), (1, 7, 0), (0, 6, 1), (1, 8, 1), (0, 9, 2), (2, 3, 2), (0, 6, 3), (1, 7, 3)]
+
+
+@pytest.mark.parametrize("method", ["packed", "cached", "reuse"])
+def test_candidates_that_begin_alike_are_scored_as_a_direct_pass_in_fewer_columns(method):
+    """Actions sharing long starts (TextCraft's) are scored as a direct pass scores them, while the
+    model runs fewer candidate tokens than the candidates hold (their starts computed once)."""
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, method=method, group_size=4, max_batch_tokens=4096)
+    prompts = _maze_prompts(1) * 2
+    cands = [CRAFTS, CRAFTS[::-1]]  # the order of the candidates changes nothing
+    ran: list[int] = []  # tokens each pass ran, padding (token 0) not counted
+    hook = model.get_base_model().get_input_embeddings().register_forward_hook(
+        lambda module, args, out: ran.append(int((args[0] != tok.pad_token_id).sum())))
+    try:
+        scores = scorer.score(prompts, cands)
+    finally:
+        hook.remove()
+    for prompt, cs, s in zip(prompts, cands, scores):
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 160) for c in cs])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+    assert torch.allclose(scores[0], scores[1].flip(0), atol=1e-4)
+    # Side by side, the passes would run each prompt with the text all candidates share ("Action: "),
+    # then every candidate's later tokens but its last.
+    targets = [tok(format_target(c), add_special_tokens=False)["input_ids"] for c in CRAFTS]
+    shared = len(os.path.commonprefix(targets))
+    prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"][-160:]) + shared for p in prompts)
+    later = 2 * sum(len(t) - shared - 1 for t in targets)
+    assert sum(ran) < prompt_tokens + 0.8 * later, (sum(ran), prompt_tokens, later)
 
 
 def test_sampling_follows_the_softmax_over_candidates():

@@ -5,17 +5,19 @@ Two ways to act:
   by log p(target(action) | prompt), summed over its tokens, where prompt and target come from the
   client's prompts.PromptFormat; exploration samples from the softmax over candidates (temperature
   1.0), evaluation takes the argmax. Tokens shared by all candidates of a prompt ("Action: ", and
-  "move " in the maze) are appended to the prompt and scored once; the output layer runs only
-  where a scored token is predicted, in the weights' dtype. How the passes are laid out:
+  "move " in the maze) are appended to the prompt and scored once; the candidates' later tokens
+  run as a prefix tree (PrefixTree), so a start several of them share ("craft 1 iron ") is
+  computed once too; the output layer runs only where a scored token is predicted, in the
+  weights' dtype. How the passes are laid out:
   - real models ("reuse"): a prompt starts from the KV cache of the longest recent prompt it
     begins with (PrefixCache: the same episode's previous turn, whose prompt it extends in the chat
     format, or another episode with the same instruction), so a step computes only the new
     observation's tokens; its candidates then run packed in rows on that cache, each seeing the
     prompt and its own earlier tokens (a 4D mask), without copying the cache;
   - the tiny model, where a call costs more than its arithmetic, batches prompts: with few
-    candidates (maze) each row holds the prompt followed by every candidate's distinct tokens
-    ("packed"); with many (Wordle's 100 words) the prompts run first and the candidates then run in
-    groups on copies of their prompt's KV cache ("cached").
+    candidates (maze) each row holds the prompt followed by its candidates' prefix tree
+    ("packed"); with many (Wordle's 100 words, TextCraft's 19-40 commands) the prompts run first
+    and the candidates then run in groups on copies of their prompt's KV cache ("cached").
   With `scoring="calibrated"` the agent acts on each action's log-likelihood less its log-likelihood
   after the content-free prompt (see ActionScorer.score).
 - Generation: generate the agent's text and match the action to an admissible one (see
@@ -132,6 +134,70 @@ class PrefixCache:
         self.bytes += size
         while self.bytes > self.max_bytes:
             self.bytes -= self._entries.pop(0)[2]
+
+
+class PrefixTree:
+    """The later tokens of candidates (j, suffix) laid out as a prefix tree: one column for each
+    distinct start suffix[:k + 1] with k < len(suffix) - 1, holding its last token, at depth k.
+    Candidates that begin alike (TextCraft's "craft 1 iron ...", "get 4 iron ingot" and "get 6 iron
+    ingot") share the columns of their common start, so a pass computes it once: on the first three
+    steps of 20 test tasks the columns are 63% of the candidates' tokens in TextCraft, 56% in BabyAI,
+    55% in WebShop and 42% in Wordle (all 100 words in one tree).
+    `paths[i]`: the columns of part[i]'s suffix[:1], suffix[:2], ..., suffix[:-1], in order."""
+
+    def __init__(self, part: Sequence[tuple[int, Sequence[int]]] = ()):
+        self.tokens: list[int] = []
+        self.depths: list[int] = []
+        self.part: list[tuple[int, Sequence[int]]] = []
+        self.paths: list[list[int]] = []
+        self._column: dict[tuple[int, int], int] = {}  # (parent column or -1, token) -> column
+        for j, suf in part:
+            self.add(j, suf)
+
+    def added_width(self, suf: Sequence[int]) -> int:
+        """The columns add(_, suf) would add."""
+        parent = -1
+        for k in range(len(suf) - 1):
+            c = self._column.get((parent, suf[k]))
+            if c is None:
+                return len(suf) - 1 - k
+            parent = c
+        return 0
+
+    def add(self, j: int, suf: Sequence[int]) -> None:
+        path, parent = [], -1
+        for k in range(len(suf) - 1):
+            c = self._column.get((parent, suf[k]))
+            if c is None:
+                c = self._column[(parent, suf[k])] = len(self.tokens)
+                self.tokens.append(suf[k])
+                self.depths.append(k)
+            path.append(c)
+            parent = c
+        self.part.append((j, suf))
+        self.paths.append(path)
+
+    @property
+    def width(self) -> int:
+        return len(self.tokens)
+
+    def pack(self, n: int, ids_row: torch.Tensor, pos_row: torch.Tensor,
+             among: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Writes the tree from column 0 of one row that follows an n-token prompt: its tokens, their
+        positions (n + depth) and, in `among` (the row's mask block over its own columns), each
+        column seeing itself and the columns of its shorter starts. Returns (column whose hidden
+        state predicts it, target token, j) for every suffix token after the first."""
+        w = self.width
+        ids_row[:w] = torch.tensor(self.tokens, dtype=torch.long)
+        pos_row[:w] = n + torch.tensor(self.depths, dtype=torch.long)
+        scored = []
+        for (j, suf), path in zip(self.part, self.paths):
+            if path:
+                cols = torch.tensor(path)
+                r, c = torch.tril_indices(len(path), len(path))
+                among[cols[r], cols[c]] = True
+            scored += [(path[k - 1], suf[k], j) for k in range(1, len(suf))]
+        return scored
 
 
 class ActionScorer:
@@ -252,8 +318,9 @@ class ActionScorer:
             shared = k
         shared = max(shared, 0)
         suffixes = [t[shared:] for t in targets]
+        tree = PrefixTree(list(enumerate(suffixes)))
         return {"prompt": p + first[:shared], "n_prompt": len(p), "shared": shared, "suffixes": suffixes,
-                "length": len(p) + shared + sum(len(s) for s in suffixes)}
+                "tree": tree, "length": len(p) + shared + tree.width}
 
     def _score_batch(self, items: list[dict], out: list, where: list[int]) -> None:
         with autocast(self.precision, self.device):
@@ -268,17 +335,17 @@ class ActionScorer:
         return self._score_cached(items, out, where)
 
     def _score_packed(self, items: list[dict], out: list, where: list[int]) -> None:
-        """One forward pass: each row is [prompt | suffix 1 | suffix 2 | ...] with a 4D mask."""
+        """One forward pass: each row is [prompt | its candidates' prefix tree] with a 4D mask."""
         dev = self.device
         P = max(len(it["prompt"]) for it in items)  # prompt block width (left padded)
-        T = max(P + sum(len(s) for s in it["suffixes"]) for it in items)
+        T = P + max(it["tree"].width for it in items)
         B = len(items)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         pos = torch.zeros((B, T), dtype=torch.long)
         allowed = torch.zeros((B, T, T), dtype=torch.bool)
         # (row, predicting position, target token, candidate index or -1 for the shared prefix)
         rows, src, tgt, cand = [], [], [], []
-        causal = torch.ones((T, T), dtype=torch.bool).tril()
+        causal = torch.ones((P, P), dtype=torch.bool).tril()
         for b, it in enumerate(items):
             prompt = it["prompt"]
             n = len(prompt)
@@ -286,22 +353,16 @@ class ActionScorer:
             ids[b, start:P] = torch.tensor(prompt, dtype=torch.long)
             pos[b, start:P] = torch.arange(n)
             allowed[b, start:P, start:P] = causal[:n, :n]
-            for k in range(it["shared"]):  # shared target tokens: last `shared` tokens of the prompt block
-                p_tok = P - it["shared"] + k
-                rows.append(b); src.append(p_tok - 1); tgt.append(prompt[n - it["shared"] + k]); cand.append(-1)
-            cursor = P
-            for j, suf in enumerate(it["suffixes"]):
-                m = len(suf)
-                ids[b, cursor:cursor + m] = torch.tensor(suf, dtype=torch.long)
-                pos[b, cursor:cursor + m] = torch.arange(n, n + m)
-                allowed[b, cursor:cursor + m, start:P] = True
-                allowed[b, cursor:cursor + m, cursor:cursor + m] = causal[:m, :m]
-                for k in range(m):
-                    rows.append(b); src.append(P - 1 if k == 0 else cursor + k - 1); tgt.append(suf[k]); cand.append(j)
-                cursor += m
+            # The shared tokens and every candidate's first are predicted in the prompt block.
+            self._first_tokens(it, b, P - 1, rows, src, tgt, cand)
+            tree = it["tree"]
+            for col, token, j in tree.pack(n, ids[b, P:], pos[b, P:], allowed[b, P:, P:]):
+                rows.append(b); src.append(P + col); tgt.append(token); cand.append(j)
+            used = P + tree.width
+            allowed[b, P:used, start:P] = True
             # Padding positions attend to themselves only (keeps softmax finite; never read).
             idle = torch.ones(T, dtype=torch.bool)
-            idle[start:cursor] = False
+            idle[start:used] = False
             idle_pos = idle.nonzero().squeeze(1)
             allowed[b, idle_pos, idle_pos] = True
         param_dtype = next(self.model.parameters()).dtype
@@ -341,14 +402,17 @@ class ActionScorer:
         self._collect(items, out, where, lm, h, rows, tgt, cand)
         if not pairs:
             return
-        # Later suffix tokens: rows of up to `group_size` candidates of one prompt, packed after a copy
-        # of that prompt's cache, each candidate seeing the prompt and its own earlier tokens only.
+        # Later suffix tokens: rows of up to `group_size` candidates of one prompt (in token order, so
+        # that those beginning alike share a row), each row the prefix tree of its candidates
+        # (PrefixTree) after a copy of that prompt's cache, each column seeing the prompt and its
+        # own start only.
         by_prompt: dict[int, list[tuple[int, int, list[int]]]] = {}
-        for pr in pairs:
+        for pr in sorted(pairs, key=lambda pr: (pr[0], pr[2])):
             by_prompt.setdefault(pr[0], []).append(pr)
         groups = [mine[g:g + self.group_size] for mine in by_prompt.values()
                   for g in range(0, len(mine), self.group_size)]
-        widths = [sum(len(suf) - 1 for _, _, suf in grp) for grp in groups]
+        trees = [PrefixTree([(j, suf) for _, j, suf in grp]) for grp in groups]
+        widths = [tree.width for tree in trees]
         order = sorted(range(len(groups)), key=lambda g: widths[g])
         param_dtype = next(self.model.parameters()).dtype
         from transformers import DynamicCache
@@ -360,6 +424,7 @@ class ActionScorer:
             while c1 < len(order) and (c1 + 1 - c0) * (P + widths[order[c1]]) <= self.max_batch_tokens:
                 c1 += 1
             part = [groups[g] for g in order[c0:c1]]
+            part_trees = [trees[g] for g in order[c0:c1]]
             W = max(widths[g] for g in order[c0:c1])
             c0 = c1
             R = len(part)
@@ -369,13 +434,11 @@ class ActionScorer:
             allowed = torch.zeros((R, W, P + W), dtype=torch.bool)
             allowed[:, :, :P] = att.index_select(0, sel).bool().unsqueeze(1)
             rows, src, tgt, cand, owner = [], [], [], [], []
-            for r, grp in enumerate(part):
+            for r, (grp, tree) in enumerate(zip(part, part_trees)):
                 b = grp[0][0]
-                scored, cursor = self._pack_row([(j, suf) for _, j, suf in grp], len(items[b]["prompt"]),
-                                                s_ids[r], s_pos[r], allowed[r, :, P:])
-                for col, token, j in scored:
+                for col, token, j in tree.pack(len(items[b]["prompt"]), s_ids[r], s_pos[r], allowed[r, :, P:]):
                     rows.append(r); src.append(col); tgt.append(token); cand.append(j); owner.append(b)
-                pad = torch.arange(cursor, W)
+                pad = torch.arange(tree.width, W)
                 allowed[r, pad, P + pad] = True  # padding attends to itself only (finite, never read)
             mask = torch.zeros((R, 1, W, P + W), dtype=param_dtype)
             mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(param_dtype).min)
@@ -429,20 +492,20 @@ class ActionScorer:
             rows, src, tgt, cand = [], [], [], []
             self._first_tokens(it, b, n - 1 - start, rows, src, tgt, cand)
             self._collect(items, out, where, lm, hidden[torch.tensor(src, device=dev)], rows, tgt, cand)
-            later = [(j, suf) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1]
+            # Rows of candidates in token order (those beginning alike share a row's prefix tree).
+            later = sorted(((j, suf) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1), key=lambda c: c[1])
             row_cap = max(16, self.max_batch_tokens // 4)
             while later:
-                part, width = [], 0
-                while later and (not part or width + len(later[0][1]) - 1 <= row_cap):
-                    part.append(later.pop(0))
-                    width += len(part[-1][1]) - 1
-                # Columns past `width` (bucket padding) see only the prompt; no candidate sees them.
-                padded = bucket_length(width) if self.bucket else width
+                tree = PrefixTree()
+                while later and (not tree.part or tree.width + tree.added_width(later[0][1]) <= row_cap):
+                    tree.add(*later.pop(0))
+                # Columns past the tree's (bucket padding) see only the prompt; no candidate sees them.
+                padded = bucket_length(tree.width) if self.bucket else tree.width
                 s_ids = torch.full((1, padded), self.pad_id, dtype=torch.long)
                 s_pos = torch.full((1, padded), n, dtype=torch.long)
                 allowed = torch.zeros((1, 1, padded, n + padded), dtype=torch.bool)
                 allowed[..., :n] = True
-                scored, _ = self._pack_row(part, n, s_ids[0], s_pos[0], allowed[0, 0, :, n:])
+                scored = tree.pack(n, s_ids[0], s_pos[0], allowed[0, 0, :, n:])
                 src = [col for col, _, _ in scored]
                 tgt = [token for _, token, _ in scored]
                 cand = [j for _, _, j in scored]
@@ -466,24 +529,6 @@ class ActionScorer:
             rows.append(b); src.append(last - k_sh + k); tgt.append(ids[len(ids) - k_sh + k]); cand.append(-1)
         for j, suf in enumerate(it["suffixes"]):
             rows.append(b); src.append(last); tgt.append(suf[0]); cand.append(j)
-
-    @staticmethod
-    def _pack_row(part: list[tuple[int, list[int]]], n: int, ids_row: torch.Tensor, pos_row: torch.Tensor,
-                  among: torch.Tensor) -> tuple[list[tuple[int, int, int]], int]:
-        """Lays the later tokens of candidates (j, suffix) side by side from column 0 of one row that
-        follows an n-token prompt: their ids, positions n, n + 1, ... for each, and in `among` (the
-        row's mask block over its own columns) each candidate seeing only its own earlier tokens.
-        Returns (column whose hidden state predicts it, target token, j) per scored token, and the
-        columns used."""
-        scored, cursor = [], 0
-        for j, suf in part:
-            m = len(suf) - 1
-            ids_row[cursor:cursor + m] = torch.tensor(suf[:-1], dtype=torch.long)
-            pos_row[cursor:cursor + m] = torch.arange(n, n + m)
-            among[cursor:cursor + m, cursor:cursor + m] = torch.ones((m, m), dtype=torch.bool).tril()
-            scored += [(cursor + k - 1, suf[k], j) for k in range(1, len(suf))]
-            cursor += m
-        return scored, cursor
 
     @staticmethod
     def _collect(items, out, where, lm, h, rows, tgt, cand) -> None:
