@@ -42,6 +42,7 @@ from fedse.config import SCORINGS, ConfigError, field
 from fedse.machine import available_cores
 from fedse.progress import EVERY_S as PROGRESS_EVERY_S, describe, last_progress, tail_lines
 from fedse.pretrained import check_base_model
+from fedse.tinymodel import names_tiny_model
 
 SERVICE_START_S = 120.0
 TOPOLOGIES = ("federated", "local", "centralized")
@@ -371,7 +372,7 @@ TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded
 def scoring_rules(spec: str, base_model: str = "fedse-tiny") -> dict[str, str]:
     """--scoring as {environment: rule}; the key "" holds the rule of environments not named."""
     if spec.strip() == "auto":
-        spec = TINY_SCORING if base_model == "fedse-tiny" else "sum"
+        spec = TINY_SCORING if names_tiny_model(base_model) else "sum"
     if "=" not in spec:
         rules = {"": spec.strip()}
     else:

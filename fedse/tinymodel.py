@@ -248,6 +248,19 @@ def tiny_config_json(seed: int = 0, **overrides: Any) -> str:
     return json.dumps(d, indent=2, sort_keys=True)
 
 
+def names_tiny_model(base_model: str) -> bool:
+    """True for TINY_MODEL_NAME and for a directory export_tiny_model wrote (its config.json says
+    how to rebuild the model: "fedse_tiny"); False for anything else, existing or not."""
+    if base_model == TINY_MODEL_NAME:
+        return True
+    try:
+        with open(os.path.join(base_model, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "fedse_tiny" in config
+
+
 def export_tiny_model(directory: str, seed: int = 0, **overrides: Any) -> str:
     """Writes the tiny model as a standard Hugging Face model directory (config.json, safetensors,
     tokenizer files), so tools without fedse can load it with AutoModelForCausalLM.from_pretrained

@@ -90,11 +90,18 @@ def test_each_topology_plans_its_aggregators_and_clients():
     assert shape("centralized") == [("aggregator", "local", [("org-central", ("maze", "wordle"))])]
 
 
-def test_scoring_is_set_per_environment_and_a_client_of_several_gets_theirs_when_they_agree():
+def test_scoring_is_set_per_environment_and_a_client_of_several_gets_theirs_when_they_agree(tmp_path):
     assert RunConfig().scoring == "auto"
     assert scoring_for("auto", ("babyai",)) == "calibrated"  # the default run's BabyAI client (tiny model)
     assert scoring_for("auto", ("maze",)) == "sum"
     assert scoring_for("auto", ("babyai",), base_model="models/smollm2-135m-instruct") == "sum"
+    # The tiny model exported as a directory is still the tiny model; another model's directory is not.
+    from fedse.tinymodel import export_tiny_model, tiny_config
+
+    assert scoring_for("auto", ("babyai",), base_model=export_tiny_model(str(tmp_path / "tiny"))) == "calibrated"
+    (tmp_path / "other").mkdir()
+    tiny_config().to_json_file(str(tmp_path / "other" / "config.json"))
+    assert scoring_for("auto", ("babyai",), base_model=str(tmp_path / "other")) == "sum"
     assert scoring_for("calibrated", ("maze", "wordle")) == "calibrated"
     assert scoring_for("babyai=calibrated,webshop=calibrated", ("babyai", "webshop")) == "calibrated"
     assert scoring_for("babyai=calibrated", ("maze", "babyai")) == "sum"
