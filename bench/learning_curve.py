@@ -38,6 +38,7 @@ class Trajectory:
     steps: list[tuple[str, str]] = field(default_factory=list)  # (prompt, action)
     success: bool = False
     agree: int = 0  # steps where the action equals the expert's (diagnostic)
+    agreed: list[bool] = field(default_factory=list)  # ... step by step
 
 
 def make_env(name: str):
@@ -72,7 +73,8 @@ def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = Non
             actions = [c[k] for c, k in zip(cands, choose(prompts, cands))]
         for i, prompt, action in zip(active, prompts, actions):
             obs = eps[i].observation
-            trajs[i].agree += int(action == eps[i].expert_action())
+            trajs[i].agreed.append(action == eps[i].expert_action())
+            trajs[i].agree += int(trajs[i].agreed[-1])
             result = eps[i].step(action)
             trajs[i].steps.append((prompt, action))
             history[i].append((obs, action))
