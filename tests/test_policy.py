@@ -133,12 +133,16 @@ def test_candidates_that_begin_alike_are_scored_as_a_direct_pass_in_fewer_column
     prompts = _maze_prompts(1) * 2
     cands = [CRAFTS, CRAFTS[::-1]]  # the order of the candidates changes nothing
     ran: list[int] = []  # tokens each pass ran, padding (token 0) not counted
-    hook = model.get_base_model().get_input_embeddings().register_forward_hook(
-        lambda module, args, out: ran.append(int((args[0] != tok.pad_token_id).sum())))
+    heads: list[int] = []  # hidden states the output layer ran on
+    hooks = [model.get_base_model().get_input_embeddings().register_forward_hook(
+                 lambda module, args, out: ran.append(int((args[0] != tok.pad_token_id).sum()))),
+             model.get_base_model().get_output_embeddings().register_forward_hook(
+                 lambda module, args, out: heads.append(int(args[0].shape[0])))]
     try:
         scores = scorer.score(prompts, cands)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     for prompt, cs, s in zip(prompts, cands, scores):
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 160) for c in cs])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
@@ -150,6 +154,10 @@ def test_candidates_that_begin_alike_are_scored_as_a_direct_pass_in_fewer_column
     prompt_tokens = sum(len(tok(p, add_special_tokens=False)["input_ids"][-160:]) + shared for p in prompts)
     later = 2 * sum(len(t) - shared - 1 for t in targets)
     assert sum(ran) < prompt_tokens + 0.8 * later, (sum(ran), prompt_tokens, later)
+    # The output layer runs once per state that predicts something: every candidate's first token
+    # comes from the prompt's last state, and a shared start's state predicts all that follow it.
+    scored = 2 * sum(len(t) for t in targets)
+    assert sum(heads) < 0.7 * scored, (sum(heads), scored)
 
 
 def test_sampling_follows_the_softmax_over_candidates():

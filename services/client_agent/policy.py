@@ -371,8 +371,8 @@ class ActionScorer:
         lm = inner_model(self.model)
         hidden = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                                   use_cache=False).last_hidden_state
-        h = hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
-        self._collect(items, out, where, lm, h, rows, tgt, cand)
+        self._collect(items, out, where, lm, hidden.flatten(0, 1), [r * T + c for r, c in zip(rows, src)],
+                      rows, tgt, cand)
 
     def _score_cached(self, items: list[dict], out: list, where: list[int]) -> None:
         """The prompts once (keeping their KV cache), then the candidates' later tokens in rows of up to
@@ -398,8 +398,8 @@ class ActionScorer:
         for b, it in enumerate(items):
             self._first_tokens(it, b, P - 1, rows, src, tgt, cand)
         pairs = [(b, j, suf) for b, it in enumerate(items) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1]
-        h = prompt_hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
-        self._collect(items, out, where, lm, h, rows, tgt, cand)
+        self._collect(items, out, where, lm, prompt_hidden.flatten(0, 1), [r * P + c for r, c in zip(rows, src)],
+                      rows, tgt, cand)
         if not pairs:
             return
         # Later suffix tokens: rows of up to `group_size` candidates of one prompt (in token order, so
@@ -446,8 +446,8 @@ class ActionScorer:
             past = DynamicCache(ddp_cache_data=[(k.index_select(0, sel_d), v.index_select(0, sel_d)) for k, v in layers])
             hidden = decoder(input_ids=s_ids.to(dev), attention_mask=mask.to(dev), position_ids=s_pos.to(dev),
                              past_key_values=past, use_cache=True).last_hidden_state
-            h = hidden[torch.tensor(rows, device=dev), torch.tensor(src, device=dev)]
-            self._collect(items, out, where, lm, h, owner, tgt, cand)
+            self._collect(items, out, where, lm, hidden.flatten(0, 1), [r * W + c for r, c in zip(rows, src)],
+                          owner, tgt, cand)
 
     def _score_reuse(self, items: list[dict], out: list, where: list[int]) -> None:
         """One prompt at a time: its tokens after the longest cached prefix run on that prefix's KV
@@ -491,7 +491,7 @@ class ActionScorer:
             n = len(ids)
             rows, src, tgt, cand = [], [], [], []
             self._first_tokens(it, b, n - 1 - start, rows, src, tgt, cand)
-            self._collect(items, out, where, lm, hidden[torch.tensor(src, device=dev)], rows, tgt, cand)
+            self._collect(items, out, where, lm, hidden, src, rows, tgt, cand)
             # Rows of candidates in token order (those beginning alike share a row's prefix tree).
             later = sorted(((j, suf) for j, suf in enumerate(it["suffixes"]) if len(suf) > 1), key=lambda c: c[1])
             row_cap = max(16, self.max_batch_tokens // 4)
@@ -513,7 +513,7 @@ class ActionScorer:
                 past = DynamicCache(ddp_cache_data=layers)
                 h = decoder(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev), position_ids=s_pos.to(dev),
                             past_key_values=past, use_cache=True).last_hidden_state[0]
-                self._collect(items, out, where, lm, h[torch.tensor(src, device=dev)], rows, tgt, cand)
+                self._collect(items, out, where, lm, h, src, rows, tgt, cand)
             del run, hidden
             # A prompt's passes free tensors of many sizes; glibc would keep most of them resident
             # (measured: a WebShop evaluation held 3.9 GB with the cache at 441 MB; 2.1 GB returned so).
@@ -531,12 +531,18 @@ class ActionScorer:
             rows.append(b); src.append(last); tgt.append(suf[0]); cand.append(j)
 
     @staticmethod
-    def _collect(items, out, where, lm, h, rows, tgt, cand) -> None:
-        """Adds log p(tgt) at hidden states h (one per (prompt row, candidate or -1 = shared)) to out."""
+    def _collect(items, out, where, lm, hidden, at, rows, tgt, cand) -> None:
+        """Adds log p(tgt) to out for each scored token, predicted from hidden[at] (hidden: [N, d]), by
+        prompt row and candidate (-1 = shared by all). The output layer runs once per distinct state:
+        a start several candidates share predicts all their next tokens from one (so its logits never
+        outnumber a pass's columns)."""
+        states, which = torch.unique(torch.tensor(at), return_inverse=True)
+        h = hidden[states.to(hidden.device)]
         head = lm.get_output_embeddings()
         with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
             logits = head(h.to(head.weight.dtype)).float()
-        logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tgt, device=h.device).unsqueeze(1)).squeeze(1)
+        logp = torch.log_softmax(logits, dim=-1)[which.to(h.device), torch.tensor(tgt, device=h.device)]
+        del logits
         logp = logp.cpu()
         rows_c, cand_c = torch.tensor(rows), torch.tensor(cand)
         for b in set(rows):
