@@ -34,6 +34,8 @@ class PhaseProgress:
         self.log, self.phase, self.total, self.unit = log, phase, total, unit
         self.every_s, self.clock, self.fields = every_s, clock, fields
         self.done = 0
+        self.steps_done = 0
+        self.steps_left: int | None = None
         self.started = self.last = clock()
         self._emit()
 
@@ -44,9 +46,20 @@ class PhaseProgress:
             self.last = now
             self._emit()
 
+    def steps(self, done: int, most_left: int) -> None:
+        """For units made of steps that run side by side (episodes of turns, played concurrently):
+        the steps taken so far and the most that can be left. The first episodes to end are the
+        short ones, while the others are well under way: "1 of 20 episodes in 45 s" alone foretells
+        14 more minutes for an evaluation that ends within the next one. The time left is then the
+        lesser of the two rates' estimates (the steps' is an upper bound: episodes may end early)."""
+        self.steps_done, self.steps_left = done, most_left
+
     def _emit(self) -> None:
         elapsed = self.clock() - self.started
         left = elapsed * (self.total - self.done) / self.done if 0 < self.done < self.total else None
+        if self.steps_left is not None and self.steps_done > 0 and self.done < self.total:
+            by_steps = elapsed * self.steps_left / self.steps_done
+            left = by_steps if left is None else min(left, by_steps)
         self.log.info(PROGRESS_MSG, extra=log_fields(
             phase=self.phase, **self.fields, done=self.done, total=self.total, unit=self.unit,
             elapsed_s=round(elapsed, 1), **({"left_s": round(left, 1)} if left is not None else {})))

@@ -15,6 +15,7 @@ from fedse.serving import Service
 from fedse.v1 import env_pb2_grpc
 from services.client_agent.envclient import EnvClient, Session, SessionLost
 from services.client_agent.rollout import run_episodes
+from services.env_server.envs.maze import MazeEnv
 from services.env_server.envs import make_environment
 from services.env_server.servicer import SERVICE_NAME, EnvServicer
 from services.env_server.sessions import SessionManager
@@ -62,9 +63,16 @@ def test_an_action_retried_after_its_reply_was_lost_is_caught_and_nothing_is_kep
         with pytest.raises(SessionLost, match="applied twice"):
             run_episodes(env, [0, 1, 2], first_moves, concurrency=3, round_=0, source="explore")
         assert manager.open_sessions == 0  # every live session was closed, none left to expire
-        # Without lost replies the same episodes play to their end.
-        trajs = run_episodes(env, [0, 1, 2], first_moves, concurrency=3, round_=0, source="explore")
+        # Without lost replies the same episodes play to their end, two at a time, and after every step
+        # the rollout tells how many turns were played and how many can be left at most.
+        turns: list[tuple[int, int]] = []
+        trajs = run_episodes(env, [0, 1, 2], first_moves, concurrency=2, round_=0, source="explore",
+                             on_turns=lambda played, most_left: turns.append((played, most_left)))
         assert [t.task_id for t in trajs] and all(t.turns for t in trajs)
+        limit = MazeEnv.max_turns
+        assert turns[0] == (2, 2 * (limit - 1) + limit)  # two live episodes one turn in, one task to start
+        assert turns[-1] == (sum(len(t.turns) for t in trajs), 0)
+        assert all(b[0] > a[0] and b[1] < a[1] for a, b in zip(turns, turns[1:]))
     finally:
         env.close_channel()
         server.stop(0)

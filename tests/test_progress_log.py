@@ -52,6 +52,24 @@ def test_a_phase_logs_its_start_then_at_most_every_interval_and_its_end(tmp_path
     assert last_progress(path)["done"] == 10
 
 
+def test_episodes_played_side_by_side_foretell_the_time_left_from_their_turns(tmp_path):
+    path = tmp_path / "client.log"
+    log, clock = json_logger(path, "progress-test-steps"), Clock()
+    p = PhaseProgress(log, "evaluating", 20, "episodes", every_s=30.0, clock=clock, round=2)
+    # 16 episodes side by side, 15 turns each in 45 s, and the first (a short one) has ended: by
+    # episodes 19 x 45 s would be left; by turns at most 15 x 5 + 4 x 20 = 155 of 240 played.
+    p.steps(16 * 15, 15 * 5 + 4 * 20)
+    clock.now += 45.0
+    p.advance()
+    entry = last_progress(path)
+    assert abs(entry["left_s"] - 45.0 * 155 / 240) < 0.2, entry
+    # Late in a phase the episodes' own rate can be the lower estimate, and then it counts.
+    p.steps(300, 400)
+    clock.now += 30.0
+    p.advance(15)
+    assert abs(last_progress(path)["left_s"] - 75.0 * 4 / 16) < 0.2
+
+
 def test_words_for_a_progress_line():
     assert duration(5) == "5s" and duration(123) == "2m03s" and duration(3900) == "1h05m"
     entry = {"phase": "exploring", "env": "maze", "round": 0, "done": 3, "total": 16, "unit": "episodes",

@@ -176,7 +176,8 @@ class ClientAgent:
             progress = PhaseProgress(log, PHASE_WORDS.get(phase, phase), len(task_ids), "episodes", env=env.env,
                                      round=round_)
             try:
-                return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count)
+                return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count,
+                                    on_turns=lambda played, most_left: progress.steps(played, most_left))
             except SessionLost as exc:
                 restarts += 1
                 if restarts > MAX_EPISODE_RESTARTS:

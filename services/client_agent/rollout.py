@@ -30,10 +30,16 @@ Policy = Callable[[Sequence[Live]], list[str]]
 
 
 def run_episodes(env: EnvClient, task_ids: Sequence[int], policy: Policy, concurrency: int, round_: int,
-                 source: str, on_episode: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+                 source: str, on_episode: Callable[[Trajectory], None] | None = None,
+                 on_turns: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+    """Plays the tasks, `concurrency` at a time; each finished episode goes to on_episode, and after
+    every step of the live sessions on_turns gets the turns played so far and the most that can be
+    left (the live episodes' turns left to their limit, and whole episodes for the tasks not yet
+    started)."""
     pending = list(task_ids)[::-1]
     live: list[Live] = []
     done: list[Trajectory] = []
+    played = 0
 
     def refill() -> None:
         while pending and len(live) < concurrency:
@@ -65,8 +71,12 @@ def run_episodes(env: EnvClient, task_ids: Sequence[int], policy: Policy, concur
         refill()
         while live:
             actions = policy(live)
+            played += len(live)
+            limit = live[0].session.max_turns
             live[:] = [state for state, action in zip(live, actions) if not step(state, action)]
             refill()
+            if on_turns and limit > 0:
+                on_turns(played, sum(max(limit - len(s.turns), 0) for s in live) + len(pending) * limit)
     except SessionLost:
         for state in live:
             env.abandon(state.session)
