@@ -42,7 +42,7 @@ from fedse.config import SCORINGS, ConfigError, field
 from fedse.machine import available_cores
 from fedse.progress import EVERY_S as PROGRESS_EVERY_S, describe, last_progress, tail_lines
 from fedse.pretrained import check_base_model
-from fedse.tinymodel import names_tiny_model
+from fedse.tinymodel import TINY_MODEL_NAME, names_tiny_model
 
 SERVICE_START_S = 120.0
 TOPOLOGIES = ("federated", "local", "centralized")
@@ -369,7 +369,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
 TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (README)
 
 
-def scoring_rules(spec: str, base_model: str = "fedse-tiny") -> dict[str, str]:
+def scoring_rules(spec: str, base_model: str = TINY_MODEL_NAME) -> dict[str, str]:
     """--scoring as {environment: rule}; the key "" holds the rule of environments not named."""
     if spec.strip() == "auto":
         spec = TINY_SCORING if names_tiny_model(base_model) else "sum"
@@ -389,7 +389,7 @@ def scoring_rules(spec: str, base_model: str = "fedse-tiny") -> dict[str, str]:
     return rules
 
 
-def scoring_for(spec: str, envs: Sequence[str], base_model: str = "fedse-tiny") -> str:
+def scoring_for(spec: str, envs: Sequence[str], base_model: str = TINY_MODEL_NAME) -> str:
     """The --scoring rule of a client holding `envs`: theirs where they all have the same, else sum."""
     rules = scoring_rules(spec, base_model)
     chosen = {rules.get(e, rules[""]) for e in envs}

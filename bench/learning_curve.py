@@ -37,8 +37,11 @@ class Trajectory:
     task_id: int
     steps: list[tuple[str, str]] = field(default_factory=list)  # (prompt, action)
     success: bool = False
-    agree: int = 0  # steps where the action equals the expert's (diagnostic)
-    agreed: list[bool] = field(default_factory=list)  # ... step by step
+    agreed: list[bool] = field(default_factory=list)  # per step: the action was the expert's (diagnostic)
+
+    @property
+    def agree(self) -> int:
+        return sum(self.agreed)
 
 
 def make_env(name: str):
@@ -74,7 +77,6 @@ def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = Non
         for i, prompt, action in zip(active, prompts, actions):
             obs = eps[i].observation
             trajs[i].agreed.append(action == eps[i].expert_action())
-            trajs[i].agree += int(trajs[i].agreed[-1])
             result = eps[i].step(action)
             trajs[i].steps.append((prompt, action))
             history[i].append((obs, action))

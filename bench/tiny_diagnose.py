@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import learning_curve  # noqa: E402
+from tiny_envs import per_byte  # noqa: E402
 from fedse.config import SCORINGS  # noqa: E402
 from fedse.tinymodel import build_tiny_model  # noqa: E402
 from services.client_agent.model import add_lora  # noqa: E402
@@ -64,9 +65,7 @@ def main(argv=None) -> None:
 
     def scored(prompts, cands) -> list[torch.Tensor]:
         scores = scorer.score(prompts, cands)
-        if a.per_byte:
-            scores = [s / torch.tensor([len(fmt.target(c).encode()) for c in cs]) for s, cs in zip(scores, cands)]
-        return scores
+        return per_byte(fmt, scores, cands) if a.per_byte else scores
 
     def choose(prompts, cands) -> list[int]:
         return [int(torch.argmax(s)) for s in scored(prompts, cands)]

@@ -42,6 +42,12 @@ from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
 from services.env_server.envs import KNOWN_ENVS, make_environment  # noqa: E402
 
 
+def per_byte(fmt, scores, candidates) -> list[torch.Tensor]:
+    """Each candidate's score divided by its agent text's bytes (lm-eval's acc_norm)."""
+    return [s / torch.tensor([len(fmt.target(c).encode()) for c in cands], dtype=s.dtype)
+            for s, cands in zip(scores, candidates)]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", default="babyai", choices=KNOWN_ENVS)
@@ -73,12 +79,7 @@ def main(argv=None) -> None:
 
     if a.per_byte:
         summed = scorer.score
-
-        def per_byte(prompts, candidates):
-            return [s / torch.tensor([len(fmt.target(c).encode()) for c in cands], dtype=s.dtype)
-                    for s, cands in zip(summed(prompts, candidates), candidates)]
-
-        scorer.score = per_byte
+        scorer.score = lambda prompts, candidates: per_byte(fmt, summed(prompts, candidates), candidates)
 
     def greedy(prompts, cands):
         return scorer.choose(prompts, cands, greedy=True)

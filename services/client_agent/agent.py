@@ -177,7 +177,7 @@ class ClientAgent:
                                      round=round_)
             try:
                 return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count,
-                                    on_turns=lambda played, most_left: progress.steps(played, most_left))
+                                    on_turns=progress.steps)
             except SessionLost as exc:
                 restarts += 1
                 if restarts > MAX_EPISODE_RESTARTS:

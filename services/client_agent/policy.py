@@ -154,26 +154,27 @@ class PrefixTree:
         for j, suf in part:
             self.add(j, suf)
 
+    def _known(self, suf: Sequence[int]) -> list[int]:
+        """The columns of suf's starts that the tree already has (its longest known start's path)."""
+        path: list[int] = []
+        for k in range(len(suf) - 1):
+            c = self._column.get((path[-1] if path else -1, suf[k]))
+            if c is None:
+                break
+            path.append(c)
+        return path
+
     def added_width(self, suf: Sequence[int]) -> int:
         """The columns add(_, suf) would add."""
-        parent = -1
-        for k in range(len(suf) - 1):
-            c = self._column.get((parent, suf[k]))
-            if c is None:
-                return len(suf) - 1 - k
-            parent = c
-        return 0
+        return max(len(suf) - 1, 0) - len(self._known(suf))
 
     def add(self, j: int, suf: Sequence[int]) -> None:
-        path, parent = [], -1
-        for k in range(len(suf) - 1):
-            c = self._column.get((parent, suf[k]))
-            if c is None:
-                c = self._column[(parent, suf[k])] = len(self.tokens)
-                self.tokens.append(suf[k])
-                self.depths.append(k)
+        path = self._known(suf)
+        for k in range(len(path), len(suf) - 1):
+            c = self._column[(path[-1] if path else -1, suf[k])] = len(self.tokens)
+            self.tokens.append(suf[k])
+            self.depths.append(k)
             path.append(c)
-            parent = c
         self.part.append((j, suf))
         self.paths.append(path)
 
