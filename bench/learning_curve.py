@@ -20,7 +20,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,18 +29,7 @@ from services.client_agent.model import add_lora, load_base  # noqa: E402
 from services.client_agent.policy import ActionScorer  # noqa: E402
 from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, format_prompt  # noqa: E402
 from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
-
-
-@dataclass
-class Trajectory:
-    task_id: int
-    steps: list[tuple[str, str]] = field(default_factory=list)  # (prompt, action)
-    success: bool = False
-    agreed: list[bool] = field(default_factory=list)  # per step: the action was the expert's (diagnostic)
-
-    @property
-    def agree(self) -> int:
-        return sum(self.agreed)
+from services.env_server.envs.base import Played, play_side_by_side  # noqa: E402
 
 
 def make_env(name: str):
@@ -54,47 +42,23 @@ def make_env(name: str):
     raise SystemExit(f"unknown env {name!r}")
 
 
-def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = None, fmt=None) -> list[Trajectory]:
-    """Plays all tasks concurrently in lock step; `choose(prompts, candidate lists) -> indices`, or None
-    for the expert. Prompts are format_prompt's with `max_history` turns, or `fmt.prompt`'s where a
-    prompts.PromptFormat is given (the client's). Returns one trajectory per task."""
-    max_turns = max_turns or env.max_turns
-    eps = [env.reset(t) for t in task_ids]
-    trajs = [Trajectory(t) for t in task_ids]
-    history: list[list[tuple[str, str]]] = [[] for _ in task_ids]
-    done = [False] * len(task_ids)
-    for _ in range(max_turns):
-        active = [i for i in range(len(eps)) if not done[i]]
-        if not active:
-            break
-        prompts = [fmt.prompt(eps[i].instruction, history[i], eps[i].observation) if fmt else
-                   format_prompt(eps[i].instruction, history[i], eps[i].observation, max_history) for i in active]
-        cands = [eps[i].available_actions() for i in active]
-        if choose is None:
-            actions = [eps[i].expert_action() for i in active]
-        else:
-            actions = [c[k] for c, k in zip(cands, choose(prompts, cands))]
-        for i, prompt, action in zip(active, prompts, actions):
-            obs = eps[i].observation
-            trajs[i].agreed.append(action == eps[i].expert_action())
-            result = eps[i].step(action)
-            trajs[i].steps.append((prompt, action))
-            history[i].append((obs, action))
-            if result.done:
-                done[i] = True
-                trajs[i].success = bool(result.success)
-    return trajs
+def rollout(env, task_ids, choose, max_history: int, max_turns: int | None = None, fmt=None) -> list[Played]:
+    """Plays all tasks in lock step (`play_side_by_side`); `choose(prompts, candidate lists) -> indices`, or
+    None for the expert. Prompts are format_prompt's with `max_history` turns, or `fmt.prompt`'s where a
+    prompts.PromptFormat is given (the client's)."""
+    prompt = fmt.prompt if fmt else (lambda instruction, turns, obs: format_prompt(instruction, turns, obs, max_history))
+    return play_side_by_side(env, task_ids, choose, prompt, max_turns)
 
 
-def success_rate(trajs: list[Trajectory]) -> float:
+def success_rate(trajs: list[Played]) -> float:
     return sum(t.success for t in trajs) / max(len(trajs), 1)
 
 
-def agreement(trajs: list[Trajectory]) -> float:
+def agreement(trajs: list[Played]) -> float:
     return sum(t.agree for t in trajs) / max(sum(len(t.steps) for t in trajs), 1)
 
 
-def maze_wrong_cells(trajs: list[Trajectory]) -> list:
+def maze_wrong_cells(trajs: list[Played]) -> list:
     """Diagnostic: the test starts whose first greedy action is not the expert's."""
     from services.env_server.envs.maze import STARTS, shortest_path_actions
     return [STARTS[t.task_id] for t in trajs if t.steps and t.steps[0][1] != shortest_path_actions(STARTS[t.task_id])[0]]

@@ -14,6 +14,7 @@ upper bound on what a round of `make run` can teach an environment:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -45,11 +46,12 @@ def main(argv=None) -> None:
     ap.add_argument("--test", type=int, default=20, help="held-out test tasks (the first N)")
     ap.add_argument("--show", type=int, default=0, help="print the steps of the first N episodes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overrides", default="", help="JSON settings of the tiny model (e.g. a larger one)")
     a = ap.parse_args(argv)
 
     torch.set_num_threads(1)
     env = make_environment(a.env, seed=0)
-    base, tok = build_tiny_model(0)
+    base, tok = build_tiny_model(0, **(json.loads(a.overrides) if a.overrides else {}))
     for p in base.parameters():
         p.requires_grad_(False)
     model = add_lora(base, seed=a.seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.env_server.envs.base import play_side_by_side
 from services.env_server.envs.maze import GOAL, NUM_TEST, NUM_TRAIN, STARTS, MazeEnv, describe, shortest_path_actions
 from services.env_server.sessions import Outcome, SessionManager
 
@@ -101,3 +102,28 @@ def test_tasks_are_deterministic_per_seed():
     starts = lambda env: [env.reset(t).position for t in env.tasks("train")]  # noqa: E731
     assert starts(a) == starts(b)
     assert starts(a) != starts(c)
+
+
+def test_play_side_by_side_records_every_turn_and_whether_it_was_the_experts_choice():
+    env = MazeEnv()
+    tasks = env.tasks("test")[:6]
+    expert = play_side_by_side(env, tasks, None, lambda instruction, turns, obs: obs)
+    assert [p.task_id for p in expert] == tasks and all(p.success and p.agree == len(p.steps) for p in expert)
+
+    calls = []
+
+    def each_in_turn(prompts, cands):  # turn k: the k-th candidate
+        calls.append(len(prompts))
+        return [(len(calls) - 1) % len(c) for c in cands]
+
+    played = play_side_by_side(env, tasks, each_in_turn, lambda instruction, turns, obs: f"{len(turns)}|{obs}", max_turns=4)
+    assert calls[0] == len(tasks) and len(calls) <= 4
+    for p in played:
+        episode = env.reset(p.task_id)
+        assert 1 <= len(p.steps) <= 4 and len(p.agreed) == len(p.steps)
+        for k, (prompt, action) in enumerate(p.steps):
+            assert prompt == f"{k}|{episode.observation}" and action == episode.available_actions()[k % 4]
+            assert p.agreed[k] == (action == episode.expert_action())
+            result = episode.step(action)
+        assert p.success == result.success
+    assert 0 < sum(p.agree for p in played) < sum(len(p.steps) for p in played)

@@ -12,6 +12,7 @@ from services.client_agent.policy import ActionScorer
 from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat, format_prompt
 from services.client_agent.trainer import train_lora
 from services.env_server.envs import make_environment
+from services.env_server.envs.base import play_side_by_side
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)
@@ -23,28 +24,9 @@ def play(env, task_ids, choose, fmt=None):
     """Plays the tasks in lock step; choose(prompts, candidate lists) -> indices, or None for the
     expert; prompts in the given format (default: format_prompt with MAX_HISTORY turns, no window).
     Returns (successes, [(prompt, action) of each successful episode])."""
-    eps = [env.reset(t) for t in task_ids]
-    turns = [[] for _ in task_ids]
-    steps = [[] for _ in task_ids]
-    done, success = [False] * len(eps), [False] * len(eps)
-    for _ in range(env.max_turns):
-        live = [i for i in range(len(eps)) if not done[i]]
-        if not live:
-            break
-        prompts = [fmt.prompt(eps[i].instruction, turns[i], eps[i].observation) if fmt else
-                   format_prompt(eps[i].instruction, turns[i], eps[i].observation, MAX_HISTORY) for i in live]
-        cands = [eps[i].available_actions() for i in live]
-        if choose is None:
-            actions = [eps[i].expert_action() for i in live]
-        else:
-            actions = [c[k] for c, k in zip(cands, choose(prompts, cands))]
-        for i, prompt, action in zip(live, prompts, actions):
-            turns[i].append((eps[i].observation, action))
-            steps[i].append((prompt, action))
-            result = eps[i].step(action)
-            if result.done:
-                done[i], success[i] = True, result.success
-    return sum(success), [s for ok, traj in zip(success, steps) if ok for s in traj]
+    prompt = fmt.prompt if fmt else (lambda instruction, turns, obs: format_prompt(instruction, turns, obs, MAX_HISTORY))
+    played = play_side_by_side(env, task_ids, choose, prompt)
+    return sum(p.success for p in played), [s for p in played if p.success for s in p.steps]
 
 
 def _examples(n=24):
