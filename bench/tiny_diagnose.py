@@ -14,7 +14,6 @@ upper bound on what a round of `make run` can teach an environment:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -25,14 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import learning_curve  # noqa: E402
-from tiny_envs import per_byte  # noqa: E402
+from tiny_envs import per_byte, tiny_client  # noqa: E402
 from fedse.config import SCORINGS  # noqa: E402
-from fedse.tinymodel import build_tiny_model  # noqa: E402
-from services.client_agent.model import add_lora  # noqa: E402
-from services.client_agent.policy import ActionScorer  # noqa: E402
-from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat  # noqa: E402
+from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS  # noqa: E402
 from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
-from services.env_server.envs import KNOWN_ENVS, make_environment  # noqa: E402
+from services.env_server.envs import KNOWN_ENVS  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -50,13 +46,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     torch.set_num_threads(1)
-    env = make_environment(a.env, seed=0)
-    base, tok = build_tiny_model(0, **(json.loads(a.overrides) if a.overrides else {}))
-    for p in base.parameters():
-        p.requires_grad_(False)
-    model = add_lora(base, seed=a.seed)
-    fmt = PlainFormat(1, a.window)
-    scorer = ActionScorer(model, tok, "cpu", max_prompt_tokens=a.window, fmt=fmt, scoring=a.scoring)
+    env, tok, model, fmt, scorer = tiny_client(a)
     demos = learning_curve.rollout(env, random.Random(a.seed).sample(env.tasks("train"), a.demos), None, 1, fmt=fmt)
     buffer = [s for t in demos if t.success for s in t.steps]
     stats = train_lora(model, tok, buffer, epochs=a.epochs, lr=TINY_LR, seed=a.seed + 1, max_prompt_tokens=a.window)

@@ -48,6 +48,18 @@ def per_byte(fmt, scores, candidates) -> list[torch.Tensor]:
             for s, cands in zip(scores, candidates)]
 
 
+def tiny_client(a: argparse.Namespace) -> tuple:
+    """One tiny-model client as a's --env, --overrides, --seed, --window and --scoring ask: (the
+    environment, the tokenizer, the model with a fresh LoRA, the client's prompt format, its scorer)."""
+    env = make_environment(a.env, seed=0)
+    base, tok = build_tiny_model(0, **(json.loads(a.overrides) if a.overrides else {}))
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, seed=a.seed)
+    fmt = PlainFormat(1, a.window)
+    return env, tok, model, fmt, ActionScorer(model, tok, "cpu", max_prompt_tokens=a.window, fmt=fmt, scoring=a.scoring)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", default="babyai", choices=KNOWN_ENVS)
@@ -68,13 +80,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     torch.set_num_threads(a.threads)
-    env = make_environment(a.env, seed=0)
-    base, tok = build_tiny_model(0, **(json.loads(a.overrides) if a.overrides else {}))
-    for p in base.parameters():
-        p.requires_grad_(False)
-    model = add_lora(base, seed=a.seed)
-    fmt = PlainFormat(1, a.window)
-    scorer = ActionScorer(model, tok, "cpu", max_prompt_tokens=a.window, fmt=fmt, scoring=a.scoring)
+    env, tok, model, fmt, scorer = tiny_client(a)
     gen = torch.Generator().manual_seed(a.seed)
 
     if a.per_byte:

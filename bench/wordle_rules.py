@@ -9,8 +9,9 @@ information the expert has.
 
     .venv/bin/python bench/wordle_rules.py [--games 20] [--seed 1]
 
-The random choices come from random.Random(seed + game); seed 0 is avoided by default because
-WordleEnv(seed=0) draws the held-out words from random.Random(0).
+Each game's random choices come from its own generator, seeded from --seed, the game's number and
+the word's; --seed 0 is not the default because WordleEnv(seed=0) draws the held-out words from
+random.Random(0).
 """
 
 from __future__ import annotations
