@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: fedse run [options]            run a whole federation locally (fedse run --help)\n"
               "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
               "plots\n"
-              "       fedse tasks [--env-server ADDR]  task counts per environment and split, from ListTasks\n"
+              "       fedse tasks [--env-server ADDR | --envs SPECS]  each environment's task counts, turn limit "
+              "and capabilities\n"
               "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state\n"
               "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
               "directory, offline (fedse model --help)")
@@ -73,35 +74,51 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tasks(argv: list[str]) -> int:
-    """Prints, via ListTasks, the task counts of every environment of an env server (by default
-    one started here on a free loopback port, hosting every built-in environment)."""
+    """Prints, via ListEnvironments and ListTasks, every environment of an env server: its task counts,
+    turn limit and capabilities (an expert; listed admissible actions). Without --env-server, an env
+    server started here on a free loopback port hosts --envs (default: every registered environment)."""
     import argparse
+
+    import grpc
 
     from fedse.serving import insecure_channel
     from fedse.v1 import env_pb2 as epb
     from fedse.v1 import env_pb2_grpc as epb_grpc
 
     parser = argparse.ArgumentParser(prog="fedse tasks", description=tasks.__doc__)
-    parser.add_argument("--env-server", default="", help="address of a running env server")
+    parser.add_argument("--env-server", default="", help="address of a running env server (plain gRPC)")
+    parser.add_argument("--envs", default="", help="environment specs to host here, as the env server's --envs "
+                                                   "(default: the built-ins and installed plugins)")
     ns = parser.parse_args(argv)
     server = None
     target = ns.env_server
     if not target:
-        from services.env_server.envs import KNOWN_ENVS
+        from fedse.config import ConfigError
+        from services.env_server import registry
         from services.env_server.server import EnvServerConfig, create_server
 
-        server, port = create_server(EnvServerConfig(address="127.0.0.1:0", envs=",".join(KNOWN_ENVS),
-                                                     metrics_port=-1))
+        try:
+            server, port = create_server(EnvServerConfig(address="127.0.0.1:0", metrics_port=-1,
+                                                         envs=ns.envs or ",".join(registry.known_names())))
+        except (ConfigError, registry.RegistryError) as exc:
+            print(f"fedse tasks: {exc}", file=sys.stderr)
+            return 2
         server.start()
         target = f"127.0.0.1:{port}"
     try:
         with insecure_channel(target) as channel:
             stub = epb_grpc.EnvServiceStub(channel)
-            print(f"{'env':<10} {'train':>6} {'test':>6} {'max turns':>9}")
-            for env in stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=30, wait_for_ready=True).envs:
-                train = stub.ListTasks(epb.ListTasksRequest(env=env, split="train"), timeout=30)
-                test = stub.ListTasks(epb.ListTasksRequest(env=env, split="test"), timeout=30)
-                print(f"{env:<10} {len(train.task_ids):>6} {len(test.task_ids):>6} {train.max_turns:>9}")
+            envs = stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=30, wait_for_ready=True).environments
+            width = max([10, *(len(e.name) for e in envs)])
+            print(f"{'env':<{width}} {'train':>6} {'test':>6} {'max turns':>9} {'expert':>6} {'actions':>7}")
+            for e in envs:
+                train = stub.ListTasks(epb.ListTasksRequest(env=e.name, split="train"), timeout=30)
+                test = stub.ListTasks(epb.ListTasksRequest(env=e.name, split="test"), timeout=30)
+                print(f"{e.name:<{width}} {len(train.task_ids):>6} {len(test.task_ids):>6} {train.max_turns:>9} "
+                      f"{'yes' if e.has_expert else 'no':>6} {'listed' if e.lists_actions else 'written':>7}")
+    except grpc.RpcError as exc:
+        print(f"fedse tasks: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             server.stop(0)

@@ -71,17 +71,14 @@ PRETRAINED = "Pre-trained"
 # paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about 30 minutes; "full" is for a
 # GPU machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
 BUDGETS: dict[str, dict[str, Any]] = {
-    "quick": {"envs": "maze,wordle", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
-              "explore_tasks": 16, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 30, "lr": 3e-3},
+    "quick": {"envs": "maze,wordle?vocab_size=30", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
+              "explore_tasks": 16, "eval_tasks": 0, "epochs": 2, "lr": 3e-3},
     "cpu-real": {"envs": "maze,babyai", "methods": "local,centralized,fedit,fedse", "seeds": 1, "rounds": 1,
-                 "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 10, "epochs": 2, "wordle_vocab_size": 30,
-                 "lr": 2e-3},
+                 "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 10, "epochs": 2, "lr": 2e-3},
     "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "methods": "all", "seeds": 3, "rounds": 5,
-             "expert_demos": 20, "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "wordle_vocab_size": 100,
-             "lr": 3e-3},
+             "expert_demos": 20, "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "lr": 3e-3},
 }
-BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs",
-                 "wordle_vocab_size")
+BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +95,13 @@ class ExperimentConfig:
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
                                           "(`make model` writes models/smollm2-135m-instruct)")
     lr: float = field(-1.0, "client learning rate (the paper's 5e-5 suits 7B models; -1 = the budget's)")
-    envs: str = field("", "environments, one client each ('' = the budget's)")
+    envs: str = field("", "environment specs, one client each, as fedse run --envs takes them ('' = the budget's)")
     seeds: int = field(-1, "repeats with seeds 0..N-1 (-1 = the budget's)")
     rounds: int = field(-1, "federated rounds T (-1 = the budget's)")
     expert_demos: int = field(-1, "expert demonstrations per environment (-1 = the budget's)")
     explore_tasks: int = field(-1, "Fed-SE's exploration tasks per client and round (-1 = the budget's)")
     eval_tasks: int = field(-1, "held-out test tasks per environment, 0 = all (-1 = the budget's)")
     epochs: int = field(-1, "training epochs per round (-1 = the budget's)")
-    wordle_vocab_size: int = field(-1, "Wordle's guessable vocabulary size (-1 = the budget's)")
     fresh: bool = field(False, "run every method again even where a finished run with the same settings exists")
 
     def __post_init__(self) -> None:
@@ -139,7 +135,13 @@ class ExperimentConfig:
         return BUDGETS[self.budget][name] if value in (-1, "") else value
 
     def env_list(self) -> list[str]:
-        return [e.strip() for e in self.setting("envs").split(",") if e.strip()]
+        """The environments' names (a spec's options are not part of its name)."""
+        from services.env_server.registry import RegistryError, parse_specs
+
+        try:
+            return [spec.name for spec in parse_specs(self.setting("envs"))]
+        except RegistryError as exc:
+            raise ConfigError(f"--envs: {exc}") from None
 
     def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
         common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}

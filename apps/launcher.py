@@ -58,8 +58,14 @@ LOG_TAIL_BYTES = 64 * 1024  # how much of a failed client's log is read for its 
 class RunConfig:
     """Run a whole Fed-SE federation locally (the embedded tiny model unless --base-model is a path)."""
 
-    envs: str = field("maze,wordle,babyai,textcraft,webshop", "environments (one client each; one for all of them "
-                                                              "with --topology centralized)")
+    envs: str = field("maze,wordle,babyai,textcraft,webshop", "environment specs, comma-separated (one client each; "
+                                                              "one for all of them with --topology centralized): a "
+                                                              "built-in or installed plugin by name, "
+                                                              "NAME=package.module:factory or "
+                                                              "NAME=agentgym:PROFILE@URL, each with ?KEY=VALUE&... "
+                                                              "options (e.g. wordle?vocab_size=30)")
+    demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
+                           "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
     rounds: int = field(5, "federated rounds T")
     results: str = field("results", "folder for results.json, success.png, logs and state")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
@@ -87,7 +93,6 @@ class RunConfig:
                                  "(less the log-likelihood after an empty prompt), for all, or per environment as "
                                  "env=rule pairs (the others: sum); 'auto' = babyai=calibrated with the embedded "
                                  "tiny model, sum with a real one")
-    wordle_vocab_size: int = field(100, "Wordle's guessable vocabulary size")
     seed: int = field(0, "seed of everything")
     round_deadline_s: float = field(1800.0, "round deadline at the aggregator: a round closes then without the "
                                             "clients that have not uploaded")
@@ -105,16 +110,48 @@ class RunConfig:
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
-        from services.env_server.envs import KNOWN_ENVS
+        specs = self.env_specs()  # checked here (each factory imports and takes its options), not in each server
+        from services.env_server.registry import known_names
 
-        unknown = set(scoring_rules(self.scoring)) - {"", *KNOWN_ENVS}
+        unknown = set(scoring_rules(self.scoring)) - {"", *specs, *known_names()}
         if unknown:
             raise ConfigError(f"--scoring names {', '.join(sorted(unknown))}: environments are "
-                              f"{', '.join(KNOWN_ENVS)}")
+                              f"{', '.join(specs)}")
+        demos = self.demo_files()
+        if set(demos) - set(specs):
+            raise ConfigError(f"--demos names {', '.join(sorted(set(demos) - set(specs)))}: this run's environments "
+                              f"are {', '.join(specs)}")
+        for env, paths in demos.items():
+            for path in paths:
+                if not pathlib.Path(path).is_file():
+                    raise ConfigError(f"--demos {env}={path}: no such file")
         check_base_model(self.base_model)  # here, not in each client process after the others have started
 
+    def env_specs(self) -> dict[str, str]:
+        """Each environment's name and its spec as the env server takes it; ConfigError if one cannot be served."""
+        from services.env_server import registry
+
+        try:
+            specs = registry.parse_specs(self.envs)
+            for spec in specs:
+                registry.check(spec, self.seed)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"--envs: {exc}") from None
+        return {spec.name: spec.text for spec in specs}
+
     def env_list(self) -> list[str]:
-        return [e.strip() for e in self.envs.split(",") if e.strip()]
+        return list(self.env_specs()) if self.envs.strip() else []
+
+    def demo_files(self) -> dict[str, list[str]]:
+        """ENV -> its demonstration files, in the order given."""
+        out: dict[str, list[str]] = {}
+        for part in (p.strip() for p in self.demos.split(",") if p.strip()):
+            env, sep, path = part.partition("=")
+            if not sep or not env.strip() or not path.strip():
+                raise ConfigError(f"--demos {part!r}: write ENV=PATH pairs separated by commas, e.g. "
+                                  "maze=demos/maze.json")
+            out.setdefault(env.strip(), []).append(path.strip())
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,11 +554,12 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     def reports() -> list[dict[str, Any]]:
         return [r for path in metrics_paths for r in read_metrics(path)]
 
+    specs, demos = cfg.env_specs(), cfg.demo_files()
     try:
         env_servers = {
             c: start(f"env_server-{c.label}", [
-                "services.env_server", "--address", "127.0.0.1:0", "--envs", ",".join(c.envs), "--metrics-port", "-1",
-                "--seed", str(cfg.seed), "--wordle-vocab-size", str(cfg.wordle_vocab_size)])
+                "services.env_server", "--address", "127.0.0.1:0", "--envs", ",".join(specs[e] for e in c.envs),
+                "--metrics-port", "-1", "--seed", str(cfg.seed)])
             for _, c in members}
         # Round 0 waits for every client to join; a round closes once every client still heard from
         # has uploaded, so without one that died; the deadline alone cuts a healthy round short.
@@ -550,7 +588,8 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
             "--policy", cfg.policy, "--precision", cfg.precision,
             "--scoring", scoring_for(cfg.scoring, c.envs, cfg.base_model),
-            "--seed", str(cfg.seed), "--torch-threads", str(threads)]) for f, c in members}
+            "--seed", str(cfg.seed), "--torch-threads", str(threads),
+            *[arg for e in c.envs for path in demos.get(e, []) for arg in ("--demos", path)]]) for f, c in members}
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
 
         shown = -1

@@ -19,7 +19,7 @@ from apps.launcher import exit_reason, log_summary
 from fedse.serving import JsonFormatter, log_fields
 from support import child_running, wait_for
 
-SMALL = ["--expert-demos", "2", "--explore-tasks", "2", "--eval-tasks", "2", "--wordle-vocab-size", "30"]
+SMALL = ["--expert-demos", "2", "--explore-tasks", "2", "--eval-tasks", "2"]
 
 
 def test_exit_reason_names_the_signal_and_suspects_the_oom_killer():
@@ -78,7 +78,7 @@ def reports(run_dir) -> list[dict]:
 def test_a_client_killed_mid_run_is_reported_and_the_others_finish_every_round(tmp_path):
     results = tmp_path / "results"
     run_dir = results / "state" / "aggregator" / "local"
-    proc = launch(results, "--envs", "maze,wordle,babyai", "--rounds", "2")
+    proc = launch(results, "--envs", "maze,wordle?vocab_size=30,babyai", "--rounds", "2")
     try:
         # Mid-run: org-wordle has reported round 0 and round 1 is open.
         wait_for("org-wordle's round-0 report and round 1", lambda: (run_dir / "global" / "round_0001").exists()
@@ -128,7 +128,7 @@ def test_a_client_dead_before_joining_stops_the_run_cleanly(tmp_path):
     """The aggregator opens round 0 only once every client has joined: with one dead before it
     joined, the launcher stops the others, says why, and still writes its results."""
     results = tmp_path / "results"
-    proc = launch(results, "--envs", "maze,wordle", "--rounds", "2")
+    proc = launch(results, "--envs", "maze,wordle?vocab_size=30", "--rounds", "2")
     try:
         pid = wait_for("org-wordle's process", lambda: child_running(proc.pid, "--client-id", "org-wordle"),
                        timeout=120)

@@ -15,7 +15,8 @@ from support import children_of
 def test_local_federation_runs_every_round(tmp_path):
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "apps.cli", "run", "--rounds", "1", "--results", str(results),
-           "--expert-demos", "4", "--explore-tasks", "4", "--eval-tasks", "2", "--wordle-vocab-size", "30"]
+           "--expert-demos", "4", "--explore-tasks", "4", "--eval-tasks", "2",
+           "--envs", "maze,wordle?vocab_size=30,babyai,textcraft,webshop"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout

@@ -118,13 +118,17 @@ def test_config_from_flags_and_environment():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"envs": "maze,chess"}, "envs: unknown chess"),
+    ({"envs": "maze,chess"}, "envs: environment chess: unknown environment 'chess'"),
+    ({"envs": "maze,maze"}, "envs: environments maze named twice"),
+    ({"envs": "maze?size=3"}, "envs: environment maze: no option 'size'; it takes none"),
+    ({"envs": "wordle?vocab_size=ten"}, "envs: environment wordle: option vocab_size='ten' is not an int"),
+    ({"envs": "x=no_such_module:make"}, "envs: environment x: cannot import no_such_module:make: ModuleNotFoundError"),
+    ({"envs": "x=agentgym:textcraft"}, "envs: environment spec 'x=agentgym:textcraft': an AgentGym bridge is"),
     ({"envs": ""}, "envs: name at least one"),
     ({"address": "localhost"}, "address: expected host:port"),
     ({"metrics_port": -2}, "metrics_port"),
     ({"session_ttl_s": 0.0}, "session_ttl_s"),
     ({"max_sessions": 0}, "max_sessions"),
-    ({"wordle_vocab_size": 10}, "wordle_vocab_size: expected 26..5000"),
     ({"log_level": "loud"}, "log_level"),
 ])
 def test_config_rejects_bad_settings_with_one_clear_line(kwargs, message):
@@ -365,4 +369,6 @@ def test_the_process_stops_with_one_line_on_a_bad_setting():
     result = subprocess.run([sys.executable, "-m", "services.env_server", "--envs", "chess"], cwd=REPO,
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"configuration error: envs: unknown chess; known are {', '.join(KNOWN_ENVS)}"
+    assert result.stderr.strip() == (f"configuration error: envs: environment chess: unknown environment 'chess'; "
+                                     f"known are {', '.join(KNOWN_ENVS)} (or NAME=package.module:factory, "
+                                     "NAME=agentgym:PROFILE@URL)")

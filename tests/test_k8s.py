@@ -27,13 +27,14 @@ import ipaddress
 import json
 import pathlib
 import re
+import shutil
 
 import pytest
 import yaml
 
 from support import K8S, KUBECTL, REPO, kustomize, write_scenario
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
-COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring")
+COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos")
 NAMESPACE = "fedse"
 # Schemas checked: the oldest Kubernetes release the manifests are meant for (native gRPC probes
 # are GA since 1.27) and the newest kubernetes-validate knows.
@@ -538,6 +539,16 @@ def test_gpu_component(scenario_tmp, tmp_path):
     assert by_name(docs, "PersistentVolumeClaim")["fedse-models"]["spec"]["accessModes"] == ["ReadOnlyMany"]
 
 
+def test_demos_component_mounts_the_demonstration_file_into_every_client_agent(scenario_tmp):
+    docs = list(_render("demos", scenario_tmp))
+    agents = [(w, c) for w, c in containers(docs) if module_of(c) == "services.client_agent"]
+    assert len(agents) == 5
+    for w, c in agents:
+        path = {e["name"]: e.get("value") for e in c["env"]}["FEDSE_DEMOS"]
+        m = mount_for(w, c, path)
+        assert m and m[1].get("readOnly") and m[2]["configMap"]["name"] == "fedse-demos", w["metadata"]["name"]
+
+
 def test_monitoring_component(scenario_tmp):
     docs = list(_render("monitoring", scenario_tmp))
     (monitor,) = of_kind(docs, "PodMonitor")
@@ -712,3 +723,22 @@ def test_dockerfile_multi_stage_non_root_and_pinned(scenario_tmp):
     assert "docker info" in script and "podman" in script
     assert "RUN python3 -m venv" in text and "py312_intrinsics" in text, "builds on a base without `python`"
     assert "--mount=type=secret,id=pip.conf" in text and "COPY --from=build /opt/fedse /opt/fedse" in text
+
+
+def test_the_environments_guide_runs_an_own_env_server_image_with_demos_on_prem(tmp_path):
+    """docs/environments.md's patch, added to a copy of the on-prem overlay with the demos component,
+    runs the organisation's image and spec in the env server; the client gets the demos file."""
+    guide = (REPO / "docs" / "environments.md").read_text()
+    block = re.search(r"```yaml\n# k8s/overlays/onprem/kustomization.yaml, under patches:\n(.*?)```", guide, re.S)
+    shutil.copytree(K8S, tmp_path / "k8s")
+    overlay = tmp_path / "k8s" / "overlays" / "onprem" / "kustomization.yaml"
+    config = yaml.safe_load(overlay.read_text())
+    config["patches"] += yaml.safe_load(block.group(1))
+    config["components"] = ["../../components/demos"]
+    overlay.write_text(yaml.safe_dump(config, sort_keys=False))
+    docs = kustomize(overlay.parent)
+    env_server = by_name(docs, "Deployment")["env-server-maze"]["spec"]["template"]["spec"]["containers"][0]
+    assert env_server["image"] == "registry.example.org/my-env-server:1.0"
+    assert {e["name"]: e.get("value") for e in env_server["env"]}["FEDSE_ENVS"] == "countdown?largest=20"
+    agent = by_name(docs, "Job")["client-agent-maze"]["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in agent["env"]}["FEDSE_DEMOS"] == "/etc/fedse/demos/demos.jsonl"

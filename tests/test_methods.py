@@ -16,7 +16,7 @@ from apps.launcher import RunConfig, collect, plan, read_metrics, run, scoring_f
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
 
-TINY = dict(rounds=1, expert_demos=4, explore_tasks=4, eval_tasks=4, epochs=1, wordle_vocab_size=30)
+TINY = dict(rounds=1, expert_demos=4, explore_tasks=4, eval_tasks=4, epochs=1)
 
 
 def traj(task_id: int, round_: int, success: bool = True, source: str = "explore", env: str = "maze") -> Trajectory:
@@ -117,7 +117,7 @@ def test_results_split_a_clients_report_per_environment_and_micro_average():
             "test_tasks/wordle": 8.0}},
         {"client_id": "someone-else", "round": 0, "metrics": {"test_success": 1.0}},
     ]
-    cfg = RunConfig(envs="maze,wordle", topology="centralized", rounds=1)
+    cfg = RunConfig(envs="maze,wordle?vocab_size=30", topology="centralized", rounds=1)
     results = collect(reports, {"org-central": ("maze", "wordle")}, cfg, 1.0)
     assert results["topology"] == "centralized"
     assert results["envs"]["maze"] == [
@@ -133,8 +133,8 @@ def test_a_client_holding_two_environments_keeps_all_and_trains_on_the_round(tmp
     from services.env_server.server import EnvServerConfig, create_server
     from support import FakeAggregator, serve_fake
 
-    env_server, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze,wordle", metrics_port=-1,
-                                                         wordle_vocab_size=30))
+    env_server, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze,wordle?vocab_size=30",
+                                                         metrics_port=-1))
     env_server.start()
     agg = FakeAggregator(round_=0, num_rounds=2, advance=True)
     server, target = serve_fake(agg)
@@ -196,7 +196,7 @@ def test_centralized_one_client_reports_every_environment(tmp_path):
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("local")
-    results = run(RunConfig(envs="maze,wordle", topology="local", results=str(out), **TINY), out=io.StringIO())
+    results = run(RunConfig(envs="maze,wordle?vocab_size=30", topology="local", results=str(out), **TINY), out=io.StringIO())
     return out, results
 
 

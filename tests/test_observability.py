@@ -312,8 +312,8 @@ def test_prometheus_scrapes_a_federation(tmp_path):
                                  "client_agent": [ports[cid] for cid in CLIENTS]})
     procs: list[Proc] = []
     try:
-        env = Proc("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs", "maze,wordle",
-                                  "--wordle-vocab-size", "30", "--metrics-port", str(ports["env_server"])], logs)
+        env = Proc("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs",
+                                  "maze,wordle?vocab_size=30", "--metrics-port", str(ports["env_server"])], logs)
         procs.append(env)
         agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port",
                                   str(ports["aggregator"]), "--state-dir", str(tmp_path / "aggregator"),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66\x65\x64se/v1/env.proto\x12\x08\x66\x65\x64se.v1\"\x19\n\x17ListEnvironmentsRequest\"(\n\x18ListEnvironmentsResponse\x12\x0c\n\x04\x65nvs\x18\x01 \x03(\t\".\n\x10ListTasksRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\"T\n\x11ListTasksResponse\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\x10\n\x08task_ids\x18\x03 \x03(\x03\x12\x11\n\tmax_turns\x18\x04 \x01(\x05\",\n\x0cResetRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\"{\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0binstruction\x18\x02 \x01(\t\x12\x13\n\x0bobservation\x18\x03 \x01(\t\x12\x19\n\x11\x61vailable_actions\x18\x04 \x03(\t\x12\x11\n\tmax_turns\x18\x05 \x01(\x05\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\x91\x01\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\x19\n\x11\x61vailable_actions\x18\x05 \x03(\t\x12\x0c\n\x04turn\x18\x06 \x01(\x05\x12\x14\n\x0cvalid_action\x18\x07 \x01(\x08\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\")\n\x13\x45xpertActionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x45xpertActionResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t2\xa7\x03\n\nEnvService\x12Y\n\x10ListEnvironments\x12!.fedse.v1.ListEnvironmentsRequest\x1a\".fedse.v1.ListEnvironmentsResponse\x12\x44\n\tListTasks\x12\x1a.fedse.v1.ListTasksRequest\x1a\x1b.fedse.v1.ListTasksResponse\x12\x38\n\x05Reset\x12\x16.fedse.v1.ResetRequest\x1a\x17.fedse.v1.ResetResponse\x12\x35\n\x04Step\x12\x15.fedse.v1.StepRequest\x1a\x16.fedse.v1.StepResponse\x12\x38\n\x05\x43lose\x12\x16.fedse.v1.CloseRequest\x1a\x17.fedse.v1.CloseResponse\x12M\n\x0c\x45xpertAction\x12\x1d.fedse.v1.ExpertActionRequest\x1a\x1e.fedse.v1.ExpertActionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66\x65\x64se/v1/env.proto\x12\x08\x66\x65\x64se.v1\"\x19\n\x17ListEnvironmentsRequest\"Y\n\x18ListEnvironmentsResponse\x12\x0c\n\x04\x65nvs\x18\x01 \x03(\t\x12/\n\x0c\x65nvironments\x18\x02 \x03(\x0b\x32\x19.fedse.v1.EnvironmentInfo\"]\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nhas_expert\x18\x02 \x01(\x08\x12\x15\n\rlists_actions\x18\x03 \x01(\x08\x12\x11\n\tmax_turns\x18\x04 \x01(\x05\".\n\x10ListTasksRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\"T\n\x11ListTasksResponse\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\x10\n\x08task_ids\x18\x03 \x03(\x03\x12\x11\n\tmax_turns\x18\x04 \x01(\x05\",\n\x0cResetRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\"{\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0binstruction\x18\x02 \x01(\t\x12\x13\n\x0bobservation\x18\x03 \x01(\t\x12\x19\n\x11\x61vailable_actions\x18\x04 \x03(\t\x12\x11\n\tmax_turns\x18\x05 \x01(\x05\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\x91\x01\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\x19\n\x11\x61vailable_actions\x18\x05 \x03(\t\x12\x0c\n\x04turn\x18\x06 \x01(\x05\x12\x14\n\x0cvalid_action\x18\x07 \x01(\x08\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse\")\n\x13\x45xpertActionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x45xpertActionResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t2\xa7\x03\n\nEnvService\x12Y\n\x10ListEnvironments\x12!.fedse.v1.ListEnvironmentsRequest\x1a\".fedse.v1.ListEnvironmentsResponse\x12\x44\n\tListTasks\x12\x1a.fedse.v1.ListTasksRequest\x1a\x1b.fedse.v1.ListTasksResponse\x12\x38\n\x05Reset\x12\x16.fedse.v1.ResetRequest\x1a\x17.fedse.v1.ResetResponse\x12\x35\n\x04Step\x12\x15.fedse.v1.StepRequest\x1a\x16.fedse.v1.StepResponse\x12\x38\n\x05\x43lose\x12\x16.fedse.v1.CloseRequest\x1a\x17.fedse.v1.CloseResponse\x12M\n\x0c\x45xpertAction\x12\x1d.fedse.v1.ExpertActionRequest\x1a\x1e.fedse.v1.ExpertActionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTENVIRONMENTSREQUEST']._serialized_start=32
   _globals['_LISTENVIRONMENTSREQUEST']._serialized_end=57
   _globals['_LISTENVIRONMENTSRESPONSE']._serialized_start=59
-  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=99
-  _globals['_LISTTASKSREQUEST']._serialized_start=101
-  _globals['_LISTTASKSREQUEST']._serialized_end=147
-  _globals['_LISTTASKSRESPONSE']._serialized_start=149
-  _globals['_LISTTASKSRESPONSE']._serialized_end=233
-  _globals['_RESETREQUEST']._serialized_start=235
-  _globals['_RESETREQUEST']._serialized_end=279
-  _globals['_RESETRESPONSE']._serialized_start=281
-  _globals['_RESETRESPONSE']._serialized_end=404
-  _globals['_STEPREQUEST']._serialized_start=406
-  _globals['_STEPREQUEST']._serialized_end=455
-  _globals['_STEPRESPONSE']._serialized_start=458
-  _globals['_STEPRESPONSE']._serialized_end=603
-  _globals['_CLOSEREQUEST']._serialized_start=605
-  _globals['_CLOSEREQUEST']._serialized_end=639
-  _globals['_CLOSERESPONSE']._serialized_start=641
-  _globals['_CLOSERESPONSE']._serialized_end=656
-  _globals['_EXPERTACTIONREQUEST']._serialized_start=658
-  _globals['_EXPERTACTIONREQUEST']._serialized_end=699
-  _globals['_EXPERTACTIONRESPONSE']._serialized_start=701
-  _globals['_EXPERTACTIONRESPONSE']._serialized_end=739
-  _globals['_ENVSERVICE']._serialized_start=742
-  _globals['_ENVSERVICE']._serialized_end=1165
+  _globals['_LISTENVIRONMENTSRESPONSE']._serialized_end=148
+  _globals['_ENVIRONMENTINFO']._serialized_start=150
+  _globals['_ENVIRONMENTINFO']._serialized_end=243
+  _globals['_LISTTASKSREQUEST']._serialized_start=245
+  _globals['_LISTTASKSREQUEST']._serialized_end=291
+  _globals['_LISTTASKSRESPONSE']._serialized_start=293
+  _globals['_LISTTASKSRESPONSE']._serialized_end=377
+  _globals['_RESETREQUEST']._serialized_start=379
+  _globals['_RESETREQUEST']._serialized_end=423
+  _globals['_RESETRESPONSE']._serialized_start=425
+  _globals['_RESETRESPONSE']._serialized_end=548
+  _globals['_STEPREQUEST']._serialized_start=550
+  _globals['_STEPREQUEST']._serialized_end=599
+  _globals['_STEPRESPONSE']._serialized_start=602
+  _globals['_STEPRESPONSE']._serialized_end=747
+  _globals['_CLOSEREQUEST']._serialized_start=749
+  _globals['_CLOSEREQUEST']._serialized_end=783
+  _globals['_CLOSERESPONSE']._serialized_start=785
+  _globals['_CLOSERESPONSE']._serialized_end=800
+  _globals['_EXPERTACTIONREQUEST']._serialized_start=802
+  _globals['_EXPERTACTIONREQUEST']._serialized_end=843
+  _globals['_EXPERTACTIONRESPONSE']._serialized_start=845
+  _globals['_EXPERTACTIONRESPONSE']._serialized_end=883
+  _globals['_ENVSERVICE']._serialized_start=886
+  _globals['_ENVSERVICE']._serialized_end=1309
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -11,10 +11,24 @@ class ListEnvironmentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListEnvironmentsResponse(_message.Message):
-    __slots__ = ("envs",)
+    __slots__ = ("envs", "environments")
     ENVS_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
     envs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, envs: _Optional[_Iterable[str]] = ...) -> None: ...
+    environments: _containers.RepeatedCompositeFieldContainer[EnvironmentInfo]
+    def __init__(self, envs: _Optional[_Iterable[str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentInfo, _Mapping]]] = ...) -> None: ...
+
+class EnvironmentInfo(_message.Message):
+    __slots__ = ("name", "has_expert", "lists_actions", "max_turns")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    LISTS_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    has_expert: bool
+    lists_actions: bool
+    max_turns: int
+    def __init__(self, name: _Optional[str] = ..., has_expert: _Optional[bool] = ..., lists_actions: _Optional[bool] = ..., max_turns: _Optional[int] = ...) -> None: ...
 
 class ListTasksRequest(_message.Message):
     __slots__ = ("env", "split")

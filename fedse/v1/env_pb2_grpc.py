@@ -72,7 +72,7 @@ class EnvServiceServicer:
     """
 
     def ListEnvironments(self, request, context):
-        """Environments hosted by this server.
+        """Environments hosted by this server, with what each can do.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,7 +107,8 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExpertAction(self, request, context):
-        """The expert's next action for the session (used to seed demonstrations).
+        """The expert's next action for the session (used to seed demonstrations). UNIMPLEMENTED for an
+        environment without an expert (EnvironmentInfo.has_expert false).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

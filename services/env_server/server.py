@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 from typing import Sequence
 
@@ -12,8 +13,7 @@ from fedse.security import Security, server_credentials, server_interceptors
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import env_pb2_grpc
 
-from .envs import KNOWN_ENVS, make_environment
-from .envs.wordle import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE
+from . import registry
 from .servicer import SERVICE_NAME, EnvServicer
 from .sessions import SessionManager
 
@@ -27,12 +27,13 @@ class EnvServerConfig(Security):
     """Serves text environments (AgentGym semantics) over gRPC: fedse.v1.EnvService."""
 
     address: str = field("0.0.0.0:50051", "gRPC listen address host:port (port 0 picks a free one)")
-    envs: str = field("maze,wordle", f"comma-separated environments to host, of {','.join(KNOWN_ENVS)}")
+    envs: str = field("maze,wordle", "comma-separated environment specs to host: a built-in "
+                                     f"({','.join(registry.BUILTIN_NAMES)}) or installed plugin by name, "
+                                     "NAME=package.module:factory or NAME=agentgym:PROFILE@URL, each with "
+                                     "?KEY=VALUE&... options for its factory (e.g. wordle?vocab_size=30)")
     metrics_port: int = field(9100, "Prometheus /metrics port (0 picks a free one, -1 disables)")
     session_ttl_s: float = field(600.0, "seconds a session may idle before the server closes it")
     max_sessions: int = field(1024, "most sessions open at once; Reset beyond it is RESOURCE_EXHAUSTED")
-    wordle_vocab_size: int = field(100, f"Wordle vocabulary: the N most frequent 5-letter English words "
-                                        f"({MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE})")
     seed: int = field(0, "seed of the task splits (the same seed gives the same tasks)")
     log_level: str = field("INFO", f"log level, one of {', '.join(LOG_LEVELS)}")
     health_address: str = field("", "extra plain-gRPC address serving only the health service, for Kubernetes "
@@ -42,29 +43,30 @@ class EnvServerConfig(Security):
         super().__post_init__()
         if ":" not in self.address or not self.address.rsplit(":", 1)[1].isdigit():
             raise ConfigError(f"address: expected host:port, got {self.address!r}")
-        names = self.env_names
-        if not names:
-            raise ConfigError(f"envs: name at least one of {', '.join(KNOWN_ENVS)}")
-        unknown = [n for n in names if n not in KNOWN_ENVS]
-        if unknown:
-            raise ConfigError(f"envs: unknown {', '.join(unknown)}; known are {', '.join(KNOWN_ENVS)}")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"envs: {self.envs!r} names an environment twice")
+        try:
+            specs = registry.parse_specs(self.envs)
+            if not specs:
+                raise registry.RegistryError(f"name at least one of {', '.join(registry.known_names())}")
+            for spec in specs:
+                registry.check(spec, self.seed)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"envs: {exc}") from None
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: expected -1 (off), 0 (any) or a port up to 65535, got {self.metrics_port}")
         if not self.session_ttl_s > 0:
             raise ConfigError(f"session_ttl_s: expected a positive number of seconds, got {self.session_ttl_s}")
         if self.max_sessions < 1:
             raise ConfigError(f"max_sessions: expected at least 1, got {self.max_sessions}")
-        if not MIN_VOCAB_SIZE <= self.wordle_vocab_size <= MAX_VOCAB_SIZE:
-            raise ConfigError(f"wordle_vocab_size: expected {MIN_VOCAB_SIZE}..{MAX_VOCAB_SIZE}, "
-                              f"got {self.wordle_vocab_size}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level: expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
     @property
+    def env_specs(self) -> list[registry.EnvSpec]:
+        return registry.parse_specs(self.envs)
+
+    @property
     def env_names(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in self.envs.split(",") if n.strip())
+        return tuple(s.name for s in self.env_specs)
 
 
 class EnvServer(Service):
@@ -98,9 +100,9 @@ class EnvServer(Service):
 
 
 def create_server(config: EnvServerConfig) -> tuple[EnvServer, int]:
-    """Builds the environments and a bound, not yet started server; returns it and its port."""
-    envs = {name: make_environment(name, seed=config.seed, wordle_vocab_size=config.wordle_vocab_size)
-            for name in config.env_names}
+    """Builds the environments and a bound, not yet started server; returns it and its port.
+    registry.RegistryError if an environment's factory fails."""
+    envs = {spec.name: registry.build(spec, config.seed) for spec in config.env_specs}
     manager = SessionManager(envs, ttl_s=config.session_ttl_s, max_sessions=config.max_sessions)
     server = EnvServer(config, manager)
     return server, server.port
@@ -110,10 +112,17 @@ def serve(config: EnvServerConfig) -> int:
     """Runs the env server until SIGTERM or SIGINT."""
     setup_logging("env_server", config.log_level)
     metrics_port = start_metrics(config.metrics_port)
-    server, port = create_server(config)
+    try:
+        server, port = create_server(config)
+    except registry.RegistryError as exc:
+        log.error("cannot build an environment", extra=log_fields(error=str(exc)))
+        print(f"configuration error: envs: {exc}", file=sys.stderr)
+        return 2
     server.start()
     server.ready([SERVICE_NAME])
-    log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, envs=list(config.env_names)))
+    log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, envs=[
+        {"name": e.name, "has_expert": e.has_expert, "lists_actions": e.lists_actions}
+        for e in server.manager.environments()]))
     server.wait_for_termination()
     log.info("stopped")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from fedse.env import EnvironmentFailed, EnvironmentUnavailable, EpisodeLost
 from fedse.inputs import InputError, bounded
 from fedse.serving import StatusMap
 from fedse.v1 import env_pb2, env_pb2_grpc
@@ -13,6 +14,7 @@ from .sessions import (
     BadSplit,
     EnvServerError,
     EpisodeDone,
+    NoExpertHere,
     SessionManager,
     TooManySessions,
     UnknownEnvironment,
@@ -30,6 +32,11 @@ ERRORS = StatusMap([
     (BadSplit, grpc.StatusCode.INVALID_ARGUMENT),
     (BadAction, grpc.StatusCode.INVALID_ARGUMENT),
     (EpisodeDone, grpc.StatusCode.FAILED_PRECONDITION),
+    (NoExpertHere, grpc.StatusCode.UNIMPLEMENTED),
+    # An environment that stands for an outside service (an AgentGym bridge).
+    (EnvironmentUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (EnvironmentFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (EpisodeLost, grpc.StatusCode.NOT_FOUND),
     (InputError, grpc.StatusCode.INVALID_ARGUMENT),
     (EnvServerError, grpc.StatusCode.INTERNAL),
 ])
@@ -41,7 +48,10 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
 
     @ERRORS.wrap
     def ListEnvironments(self, request, context):
-        return env_pb2.ListEnvironmentsResponse(envs=self.manager.env_names())
+        envs = self.manager.environments()
+        return env_pb2.ListEnvironmentsResponse(envs=[e.name for e in envs], environments=[
+            env_pb2.EnvironmentInfo(name=e.name, has_expert=e.has_expert, lists_actions=e.lists_actions,
+                                    max_turns=e.max_turns) for e in envs])
 
     @ERRORS.wrap
     def ListTasks(self, request, context):

@@ -20,7 +20,7 @@ from fedse.inputs import shown
 from fedse.serving import log_fields
 
 from . import metrics
-from .envs.base import Environment, Episode, UnknownTask, check_split
+from fedse.env import Environment, Episode, EpisodeLost, NoExpert, UnknownTask, check_split
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ class BadAction(EnvServerError):
 
 class BadSplit(EnvServerError):
     pass
+
+
+class NoExpertHere(EnvServerError):
+    """ExpertAction on an environment without an expert."""
 
 
 class Outcome(str, enum.Enum):
@@ -137,6 +141,9 @@ class SessionManager:
     def env_names(self) -> list[str]:
         return list(self._envs)
 
+    def environments(self) -> list[Environment]:
+        return list(self._envs.values())
+
     def environment(self, name: str) -> Environment:
         try:
             return self._envs[name]
@@ -167,14 +174,17 @@ class SessionManager:
         except UnknownTask as exc:
             raise UnknownTaskId(f"{exc.args[0] if exc.args else exc}; list them with ListTasks") from None
         with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                self._sweep_locked()
-            if len(self._sessions) >= self.max_sessions:
-                raise TooManySessions(
-                    f"{len(self._sessions)} sessions are open, the limit of this server: close finished "
-                    f"sessions with Close (idle ones expire after {self.ttl_s:g} s) or raise --max-sessions")
-            session = _Session(uuid.uuid4().hex, environment, task_id, episode, self._clock())
-            self._sessions[session.id] = session
+            expired = self._sweep_locked() if len(self._sessions) >= self.max_sessions else []
+            full = len(self._sessions) >= self.max_sessions
+            if not full:
+                session = _Session(uuid.uuid4().hex, environment, task_id, episode, self._clock())
+                self._sessions[session.id] = session
+        self._end_episodes(expired)
+        if full:
+            self._end_episodes([_Session("", environment, task_id, episode, 0.0)])
+            raise TooManySessions(
+                f"{self.max_sessions} sessions are open, the limit of this server: close finished "
+                f"sessions with Close (idle ones expire after {self.ttl_s:g} s) or raise --max-sessions")
         metrics.OPEN_SESSIONS.labels(environment.name).inc()
         return ResetResult(session.id, episode.instruction, episode.observation, episode.available_actions(),
                            environment.max_turns)
@@ -185,7 +195,11 @@ class SessionManager:
         env = session.env
         with session.lock:
             self._check_open(session)
-            result = session.episode.step(action)
+            try:
+                result = session.episode.step(action)
+            except EpisodeLost as exc:
+                self._lose(session, str(exc))
+                raise
             session.turn += 1
             outcome: Outcome | None = None
             if result.done:
@@ -206,9 +220,15 @@ class SessionManager:
 
     def expert_action(self, session_id: str) -> str:
         session = self._get(session_id)
+        if not session.env.has_expert:
+            raise NoExpertHere(f"environment {session.env.name} has no expert: seed demonstrations from files "
+                               "(the client's --demos) or explore without any (--expert-demos 0)")
         with session.lock:
             self._check_open(session)
-            return session.episode.expert_action()
+            try:
+                return session.episode.expert_action()
+            except NoExpert as exc:
+                raise NoExpertHere(f"environment {session.env.name}: {exc}") from None
 
     def close(self, session_id: str) -> None:
         with self._lock:
@@ -216,11 +236,25 @@ class SessionManager:
             if session is None:
                 raise self._unknown(session_id)
             self._forget_locked(session, "was closed")
+        self._end_episodes([session])
 
     def sweep(self) -> int:
         """Expires the sessions idle longer than the TTL; returns how many."""
         with self._lock:
-            return self._sweep_locked()
+            expired = self._sweep_locked()
+        self._end_episodes(expired)
+        return len(expired)
+
+    def _end_episodes(self, sessions: list[_Session]) -> None:
+        """Lets ended sessions' episodes free what they hold (a bridged server's session), outside the
+        manager's lock and after any call still running on the session; a failure is logged, not raised."""
+        for session in sessions:
+            try:
+                with session.lock:
+                    session.episode.close()
+            except Exception as exc:  # noqa: BLE001 - the session is gone either way
+                log.warning("closing an episode failed", extra=log_fields(
+                    session_id=session.id, env=session.env.name, error=f"{type(exc).__name__}: {exc}"[:500]))
 
     # ---- internals (the callers hold the locks the names say)
 
@@ -239,11 +273,15 @@ class SessionManager:
             if session is None:
                 raise self._unknown(session_id)
             now = self._clock()
-            if now - session.last_used > self.ttl_s:
+            expired = now - session.last_used > self.ttl_s
+            if expired:
                 self._expire_locked(session)
-                raise self._unknown(session_id)
-            session.last_used = now
-            return session
+            else:
+                session.last_used = now
+        if expired:
+            self._end_episodes([session])
+            raise self._unknown(session_id)
+        return session
 
     def _unknown(self, session_id: str) -> UnknownSession:
         why = self._ended.get(session_id)
@@ -251,6 +289,13 @@ class SessionManager:
             return UnknownSession(f"session {session_id} {why}: start a new one with Reset")
         return UnknownSession(f"no session {shown(session_id)} on this server: start one with Reset "
                               "(sessions do not survive a server restart)")
+
+    def _lose(self, session: _Session, why: str) -> None:
+        """Ends a session whose episode the service behind it lost (EpisodeLost); the caller holds
+        session.lock, so the episode is not closed again."""
+        with self._lock:
+            if self._pop_locked(session.id) is not None:
+                self._forget_locked(session, f"was lost by the service behind {session.env.name} ({why[:200]})")
 
     def _pop_locked(self, session_id: str) -> _Session | None:
         session = self._sessions.pop(session_id, None)
@@ -271,9 +316,10 @@ class SessionManager:
         log.info("session expired", extra=log_fields(session_id=session.id, env=session.env.name,
                                                      task_id=session.task_id, turn=session.turn))
 
-    def _sweep_locked(self) -> int:
+    def _sweep_locked(self) -> list[_Session]:
+        """Expires the idle sessions; the caller ends their episodes once it has let go of the lock."""
         now = self._clock()
         idle = [s for s in self._sessions.values() if now - s.last_used > self.ttl_s]
         for session in idle:
             self._expire_locked(session)
-        return len(idle)
+        return idle

@@ -746,6 +746,7 @@ class BabyAIEnv(Environment):
 
     name = "babyai"
     max_turns = MAX_TURNS
+    has_expert = lists_actions = True
 
     def __init__(self, seed: int = 0, levels: Sequence[str] | None = None, actions_in_observation: bool = True):
         levels = tuple(DEFAULT_LEVELS if levels is None else levels)

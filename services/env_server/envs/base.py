@@ -1,103 +1,17 @@
-"""What every environment provides: task splits, episodes, an expert.
-
-Environments are pure Python and know nothing of gRPC; the session layer adds ids, the turn
-limit, idle expiry and the session cap, and the servicer maps it to the EnvService protocol.
-"""
+"""The environment API (fedse.env, where it is documented) as the built-in environments import it,
+and a lock-step player for tests and benches."""
 
 from __future__ import annotations
 
-import abc
 import dataclasses
-import random
-from typing import Callable, Generic, Iterator, Sequence, TypeVar
+from typing import Callable, Sequence
 
-from fedse.inputs import shown
+from fedse.env import (SPLITS, Environment, EnvironmentFailed, EnvironmentUnavailable, Episode, EpisodeLost,
+                       NoExpert, NumberedTasks, StepResult, UnknownTask, check_split, shuffled_cycle)
 
-
-class UnknownTask(KeyError):
-    """A task id that is not in any split of the environment."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    observation: str
-    reward: float
-    done: bool
-    success: bool
-    # False when the action was not admissible; the turn is still used (AgentGym semantics).
-    valid: bool = True
-
-
-class Episode(abc.ABC):
-    """One attempt at one task. `turn` limits are enforced by the session layer, not here."""
-
-    instruction: str
-    observation: str
-
-    @abc.abstractmethod
-    def available_actions(self) -> list[str]:
-        """The admissible actions in the current state."""
-
-    @abc.abstractmethod
-    def step(self, action: str) -> StepResult:
-        """Applies one action. Never raises on a bad action: answers with an observation."""
-
-    @abc.abstractmethod
-    def expert_action(self) -> str:
-        """The expert's action in the current state."""
-
-
-class Environment(abc.ABC):
-    name: str
-    max_turns: int
-
-    @abc.abstractmethod
-    def tasks(self, split: str) -> list[int]:
-        """Task ids of a split ("train" or "test"); ids are unique across splits."""
-
-    @abc.abstractmethod
-    def reset(self, task_id: int) -> Episode:
-        """A fresh episode of a task; raises UnknownTask for an id in no split."""
-
-
-SPLITS = ("train", "test")
-
-
-def check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {shown(split)}: use one of {', '.join(SPLITS)}")
-
-
-T = TypeVar("T")
-
-
-class NumberedTasks(Generic[T]):
-    """Task ids numbered from 0: first the test split, then the training split, each id standing for
-    one value (a maze start, a hidden word, a crafting goal, a shopping goal)."""
-
-    def __init__(self, env: str, test: Sequence[T], train: Sequence[T]):
-        self.env = env
-        self.num_test = len(test)
-        self._values: list[T] = [*test, *train]
-
-    def ids(self, split: str) -> list[int]:
-        check_split(split)
-        return list(range(self.num_test)) if split == "test" else list(range(self.num_test, len(self._values)))
-
-    def __getitem__(self, task_id: int) -> T:
-        if not (isinstance(task_id, int) and 0 <= task_id < len(self._values)):
-            raise UnknownTask(f"{self.env} has no task {task_id}: ids are 0..{len(self._values) - 1}")
-        return self._values[task_id]
-
-
-def shuffled_cycle(values: Sequence[T], rng: random.Random) -> Iterator[T]:
-    """The values over and over, each pass in a new seeded order: a training split that draws every
-    value about equally often. Lazy, so draws that interleave with other uses of `rng` stay put."""
-    while True:
-        order = list(values)
-        rng.shuffle(order)
-        while order:
-            yield order.pop()
+__all__ = ["SPLITS", "Environment", "EnvironmentFailed", "EnvironmentUnavailable", "Episode", "EpisodeLost",
+           "NoExpert", "NumberedTasks", "StepResult", "UnknownTask", "check_split", "shuffled_cycle", "Played",
+           "play_side_by_side"]
 
 
 # ---- playing in one process (tests and benches; the client plays over gRPC: client_agent.rollout)

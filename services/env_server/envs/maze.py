@@ -121,6 +121,7 @@ class MazeEnv(Environment):
 
     name = "maze"
     max_turns = 15
+    has_expert = lists_actions = True
 
     def __init__(self, seed: int = 0):
         rng = random.Random(seed)

@@ -643,6 +643,7 @@ class TextCraftEnv(Environment):
 
     name = "textcraft"
     max_turns = MAX_TURNS
+    has_expert = lists_actions = True
 
     def __init__(self, seed: int = 0, game_version: str = GAME_VERSION):
         self.book = crafting_book(game_version)

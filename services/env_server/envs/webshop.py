@@ -451,6 +451,7 @@ class WebShopEnv(Environment):
 
     name = "webshop"
     max_turns = 10
+    has_expert = lists_actions = True
 
     def __init__(self, seed: int = 0):
         self.products = build_products(seed)

@@ -232,6 +232,7 @@ class WordleEnv(Environment):
 
     name = "wordle"
     max_turns = 8
+    has_expert = lists_actions = True
 
     def __init__(self, seed: int = 0, vocab_size: int = DEFAULT_VOCAB_SIZE):
         self.vocab = vocabulary(vocab_size)
