@@ -121,10 +121,10 @@ class RunConfig:
         if set(demos) - set(specs):
             raise ConfigError(f"--demos names {', '.join(sorted(set(demos) - set(specs)))}: this run's environments "
                               f"are {', '.join(specs)}")
-        for env, paths in demos.items():
-            for path in paths:
-                if not pathlib.Path(path).is_file():
-                    raise ConfigError(f"--demos {env}={path}: no such file")
+        from services.client_agent.demos import load_demos
+
+        for env, paths in demos.items():  # every record checked before any process starts
+            load_demos(paths, [env])
         check_base_model(self.base_model)  # here, not in each client process after the others have started
 
     def env_specs(self) -> dict[str, str]:

@@ -3,6 +3,10 @@
 Every field `foo_bar` of a config class is the flag `--foo-bar` and the environment variable
 `FEDSE_FOO_BAR`; a flag wins over the variable. A field's `metadata["help"]` documents it.
 Validation lives in the dataclass's `__post_init__` and raises ConfigError with one clear line.
+
+A field annotated `tuple[T, ...]` holds a list: its flag may be given several times (each adds one
+item, in order), and its variable holds the items separated by `os.pathsep` (':' on Linux, as in
+PATH), since such lists are lists of paths. Flags given replace the variable's items, not add to them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ def env_name(field_name: str) -> str:
     return "FEDSE_" + field_name.upper()
 
 
+def item_type(hint: Any) -> type | None:
+    """T for a list-valued field annotated `tuple[T, ...]`, else None."""
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return args[0]
+    return None
+
+
 def _convert(kind: type, raw: str, name: str) -> Any:
     if kind is bool:
         low = raw.strip().lower()
@@ -55,17 +68,28 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(description=description or cls.__doc__)  # each help names its default
     for f in dataclasses.fields(cls):
-        flag = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}  # a bare --flag means true
+        flag: dict[str, Any] = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}  # bare --flag: true
+        env_help = f"env {env_name(f.name)}"
+        if item_type(hints[f.name]) is not None:
+            flag = {"action": "append"}
+            env_help += f", items separated by {os.pathsep!r}; the flag may be repeated"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str, **flag,
-                            help=f"{f.metadata.get('help', '')} [env {env_name(f.name)}] (default: {f.default!r})")
+                            help=f"{f.metadata.get('help', '')} [{env_help}] (default: {f.default!r})")
     ns = parser.parse_args(list(argv) if argv is not None else None)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         raw = getattr(ns, f.name)
         source = "--" + f.name.replace("_", "-")
+        kind = item_type(hints[f.name])
         if raw is None and env_name(f.name) in environ:
             raw, source = environ[env_name(f.name)], env_name(f.name)
-        if raw is not None:
+            if kind is not None:  # one variable holds every item
+                raw = [part for part in raw.split(os.pathsep) if part.strip()]
+        if raw is None:
+            continue
+        if kind is not None:
+            values[f.name] = tuple(_convert(kind, item, source) for item in raw)
+        else:
             values[f.name] = _convert(hints[f.name], raw, source)
     return cls(**values)
 
@@ -83,5 +107,11 @@ def to_argv(config: Any) -> list[str]:
     """The flags that rebuild a config (used by the launcher to start service processes)."""
     argv: list[str] = []
     for f in dataclasses.fields(config):
-        argv += ["--" + f.name.replace("_", "-"), str(getattr(config, f.name))]
+        value = getattr(config, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, tuple):  # a list-valued field: the flag once per item
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
     return argv

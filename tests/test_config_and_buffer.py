@@ -1,5 +1,7 @@
 """Configuration from flags and environment; the persisted trajectory buffer."""
 
+import os
+
 import pytest
 
 from fedse.config import ConfigError, parse, to_argv
@@ -46,3 +48,37 @@ def test_buffer_persists_and_survives_a_torn_last_line(tmp_path):
     assert again.trajectories[0] == traj(1)
     again.extend([traj(4)])
     assert [t.task_id for t in Buffer(path).trajectories] == [1, 2, 4]
+
+
+def test_a_list_valued_setting_takes_repeated_flags_or_one_variable_of_paths():
+    assert ClientConfig().demos == ()
+    cfg = parse(ClientConfig, ["--demos", "a.json", "--demos", "b.jsonl"], environ={"FEDSE_DEMOS": "x.json"})
+    assert cfg.demos == ("a.json", "b.jsonl")  # flags replace the variable's items
+    both = os.pathsep.join(["x.json", "", "dir/y.jsonl"])
+    assert parse(ClientConfig, [], environ={"FEDSE_DEMOS": both}).demos == ("x.json", "dir/y.jsonl")
+    assert parse(ClientConfig, to_argv(cfg), environ={}) == cfg
+    argv = to_argv(cfg)
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--demos"] == ["a.json", "b.jsonl"]
+    assert "--demos" not in to_argv(ClientConfig())  # an empty list: no flag at all
+    with pytest.raises(ConfigError, match="--demos names an empty path"):
+        parse(ClientConfig, ["--demos", " "], environ={})
+    with pytest.raises(ConfigError, match="--max-new-tokens must be at least 1"):
+        ClientConfig(max_new_tokens=0)
+
+
+def test_buffer_lines_from_before_texts_still_load_and_texts_round_trip(tmp_path):
+    old = ('{"env": "maze", "task_id": 1, "instruction": "go", "turns": [["at 1, 1", "move up"]], "success": true, '
+           '"reward": 1.0, "source": "expert", "round": -1}')
+    t = Trajectory.from_json(old)
+    assert t.texts == () and t.turns == (("at 1, 1", "move up"),)
+    assert "texts" not in t.to_json()  # a trajectory without texts writes the line it always did
+    written = Trajectory(env="say", task_id=4, instruction="say it", turns=(("The word is amber.", "amber"),),
+                         success=True, reward=1.0, source="file", round=-1,
+                         texts=("Thought:\nI say it.\n\nAction:\namber",))
+    path = tmp_path / "buffer.jsonl"
+    path.write_text(old + "\n")
+    Buffer(path).extend([written])
+    assert Buffer(path).trajectories == [t, written]
+    with pytest.raises(ValueError, match="one per turn"):
+        Trajectory(env="say", task_id=4, instruction="", turns=(("o", "a"),), success=True, reward=1.0,
+                   source="file", round=-1, texts=("a", "b"))

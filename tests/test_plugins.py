@@ -46,18 +46,22 @@ def test_the_installed_package_passes_its_own_test_and_the_conformance_suite(sit
 
 
 @pytest.mark.slow
-def test_fedse_run_federates_the_plugin_beside_a_built_in(site, tmp_path):
+def test_one_fedse_run_mixes_a_built_in_a_plugin_and_a_bridged_agentgym_server(site, tmp_path):
+    from agentgym_servers import BabyAIServer
+
     results = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "apps.cli", "run", "--rounds", "1", "--results", str(results),
-                           "--envs", "maze,countdown?largest=20", "--expert-demos", "4", "--explore-tasks", "4",
-                           "--eval-tasks", "4", "--epochs", "1"],
-                          env=with_path(site), capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with BabyAIServer() as agentgym:
+        envs = f"maze,countdown?largest=20,bab=agentgym:babyai@{agentgym.url}?max_turns=6"
+        proc = subprocess.run([sys.executable, "-m", "apps.cli", "run", "--rounds", "1", "--results", str(results),
+                               "--envs", envs, "--expert-demos", "4", "--explore-tasks", "4", "--eval-tasks", "4",
+                               "--epochs", "1"], env=with_path(site), capture_output=True, text=True, timeout=480)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert agentgym.count("/step") > 0
     data = json.loads((results / "results.json").read_text())
-    assert sorted(data["envs"]) == ["countdown", "maze"]
-    rows = data["envs"]["countdown"]
-    assert [r["round"] for r in rows] == [0, 1] and rows[0]["test_tasks"] == 4
-    assert rows[0]["buffer"] > 0  # seeded by the plugin's expert
+    assert sorted(data["envs"]) == ["bab", "countdown", "maze"]
+    for env, rows in data["envs"].items():
+        assert [r["round"] for r in rows] == [0, 1] and rows[0]["test_tasks"] == 4, env
+    assert data["envs"]["countdown"][0]["buffer"] > 0  # seeded by the plugin's expert
 
 
 @pytest.mark.parametrize("envs,says", [

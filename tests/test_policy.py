@@ -1,14 +1,17 @@
-"""Prompt format, likelihood scoring of admissible actions, and generation-mode parsing."""
+"""Prompt format, likelihood scoring of admissible actions, generation-mode parsing, and the ReAct
+actions the agent writes where an environment lists none."""
 
 import os
 
 import pytest
 import torch
 
-from fedse.tinymodel import build_tiny_model
+from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
 from services.client_agent.model import add_lora
-from services.client_agent.policy import ActionScorer, PrefixTree, parse_action
-from services.client_agent.prompts import format_prompt, format_target
+from services.client_agent.policy import (ActionScorer, PrefixTree, Written, _ActionLineDone, _cut_after_action,
+                                          parse_action)
+from services.client_agent.prompts import (EMPTY_TEXT_ACTION, MAX_WRITTEN_ACTION_CHARS, PlainFormat, fallback_action,
+                                           format_prompt, format_target, parse_react)
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)
@@ -288,3 +291,56 @@ def test_calibrated_baselines_follow_the_weights_after_forget():
     assert torch.allclose(scorer.score([prompt], [MAZE_ACTIONS])[0], direct, atol=1e-3)
     with pytest.raises(ValueError, match="scoring must be one of sum, calibrated"):
         ActionScorer(model, tok, scoring="pmi")
+
+
+# ---- writing actions (environments that list none) ---------------------------------------------------
+@pytest.mark.parametrize("text,action", [
+    ("Thought:\nI need planks.\n\nAction:\nget 2 planks", "get 2 planks"),  # AgentGym's format
+    ("Thought:\nI need planks.\n\nAction:\nget 2 planks\n", "get 2 planks"),
+    ("Thought: go down.\nAction: move down\n", "move down"),  # ours, on one line
+    ("Action:   \n\n  craft 1 stick using 2 planks  \nI hope it works.", "craft 1 stick using 2 planks"),
+    ("action : look", "look"),
+    ("Thought: the Action: line comes last.\n\nAction:\nsearch[red shoes]", "search[red shoes]"),  # the last one
+    ("Thought: a Reaction: is no action\n", None),
+    ("Thought: I do not know.", None),
+    ("Action:", None),
+    ("Action:\n   \n", None),
+    ("", None),
+])
+def test_parse_react_reads_the_line_after_the_last_action_marker(text, action):
+    assert parse_react(text) == action
+
+
+def test_a_text_without_an_action_sends_its_last_line_bounded():
+    assert fallback_action("Thought:\nI am lost.\n\ngo north\n\n") == "go north"
+    assert fallback_action("x" * 5000) == "x" * MAX_WRITTEN_ACTION_CHARS
+    assert fallback_action(" \n\t") == EMPTY_TEXT_ACTION  # an env server refuses an empty action
+    assert parse_react("Action: " + "y" * 5000) == "y" * MAX_WRITTEN_ACTION_CHARS
+
+
+def test_generation_stops_after_an_action_on_its_own_line():
+    text = "Thought:\nhmm\n\nAction:\nmove up\n"
+    assert _cut_after_action(text + "Thought: more") == text
+    assert _cut_after_action("Action: move up\nmore") == "Action: move up\n"
+    assert _cut_after_action("Action:\n") == "Action:\n"  # not yet an action: kept whole, generation goes on
+    tok = build_tiny_tokenizer()
+    done = _ActionLineDone(tok, 0)
+    rows = ["Thought:\nx\n\nAction:\n", "Thought:\nx\n\nAction:\nmove up\n", "Action: a\n"]
+    ids = torch.tensor([tok(r.ljust(30), add_special_tokens=False)["input_ids"][:30] for r in rows])
+    assert done(ids, None).tolist() == [False, True, True]
+
+
+def test_written_actions_are_parsed_or_fall_back_counted_and_sampled_reproducibly():
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, fmt=PlainFormat(1, 160, react=True))
+    prompts = _maze_prompts(3)
+    out = scorer.write_actions(prompts, max_new_tokens=12)
+    assert len(out) == 3 and all(isinstance(w, Written) for w in out)
+    for w in out:
+        assert w.action == (parse_react(w.text) if w.parsed else fallback_action(w.text)) and w.action.strip()
+    assert (scorer.written, scorer.unparsed) == (3, sum(not w.parsed for w in out))
+    assert [w.text for w in scorer.write_actions(prompts, max_new_tokens=12)] == [w.text for w in out]  # greedy
+    a = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
+    b = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
+    c = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(4))
+    assert a == b and a != c

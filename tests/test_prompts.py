@@ -5,6 +5,8 @@ import pytest
 
 from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
 from services.client_agent.prompts import (
+    REACT_HINT,
+    REACT_SYSTEM_PROMPT,
     ChatFormat,
     Encoded,
     TINY_MAX_PROMPT_TOKENS,
@@ -114,3 +116,54 @@ def test_the_tiny_window_shows_the_start_of_an_observation_too_long_for_it():
     # A cut never splits a character: the prompt is still valid UTF-8 of at most the window's bytes.
     wide = fmt.prompt("Do it.", [], "é" * 200)
     assert wide.startswith("Observation: é") and len(wide.encode()) <= TINY_MAX_PROMPT_TOKENS and "\ufffd" not in wide
+
+
+# ---- turns the agent wrote (a demonstration file's thoughts, environments without listed actions) ----------
+WRITTEN = ["Thought:\nRight first.\n\nAction:\nmove right", "Thought:\nNow down.\n\nAction:\nmove down",
+           "Thought:\nDown again.\n\nAction:\nmove down"]
+
+
+def test_the_react_chat_format_says_how_to_answer_and_shows_what_was_written():
+    fmt, _ = _chat()
+    react = fmt.as_react()
+    assert react.system == REACT_SYSTEM_PROMPT
+    assert "Thought:\n<your thoughts>\n\nAction:\n<your next action>" in react.system
+    assert react.end_of_turn == fmt.end_of_turn
+    assert react.target("move up", WRITTEN[0]) == WRITTEN[0] + "<|im_end|>"
+    assert react.target("move up") == fmt.target("move up") == "Action: move up<|im_end|>"  # no text: the action
+    p = react.prompt("Reach the goal.", TURNS[:2], "You are at 2, 2.", WRITTEN[:2])
+    assert "<|im_start|>assistant\n" + WRITTEN[0] + "<|im_end|>" in p and "Action: move right<|im_end|>" not in p
+    # The next prompt extends this one by exactly the written text: one training sequence, reused caches.
+    assert react.prompt("Reach the goal.", TURNS, "You are at 3, 2.", WRITTEN).startswith(
+        p + react.target("move down", WRITTEN[2]))
+
+
+@pytest.mark.parametrize("limit", [4096, 300])
+def test_training_on_written_turns_covers_each_whole_text_as_the_agent_saw_it(limit):
+    fmt, tokenize = _chat(max_prompt_tokens=limit)
+    react = fmt.as_react()
+    seqs = encode_trajectory(react, tokenize, "Reach the goal.", TURNS, limit, WRITTEN)
+    spans = [(s, span) for s in seqs for span in s.spans]
+    assert len(spans) == len(TURNS)
+    for i, (obs, action) in enumerate(TURNS):
+        seq, (start, end) = spans[i]
+        seen = tokenize.prompt(react.prompt("Reach the goal.", TURNS[:i], obs, WRITTEN[:i]), limit)
+        assert list(seq.ids[:start])[-len(seen):] == seen
+        assert list(seq.ids[start:end]) == tokenize(WRITTEN[i] + "<|im_end|>")
+    assert (len(seqs) == 1) == (limit == 4096)
+    # Turns without a text train on their action, as before.
+    assert encode_trajectory(fmt, tokenize, "Reach the goal.", TURNS, limit) == \
+        encode_trajectory(fmt, tokenize, "Reach the goal.", TURNS, limit, ("", "", ""))
+
+
+def test_the_plain_react_format_adds_the_answer_format_and_trains_on_each_text():
+    tokenize = TokenCache(build_tiny_tokenizer())
+    react = PlainFormat(max_history=1).as_react()
+    p = react.prompt("Do it.", TURNS[:1], "obs", WRITTEN[:1])
+    assert p == "Do it.\n" + REACT_HINT + "\nObservation: You are at 1, 1.\n" + WRITTEN[0] + "\nObservation: obs\n"
+    seqs = encode_trajectory(react, tokenize, "Do it.", TURNS, None, WRITTEN)
+    assert [s.targets for s in seqs] == [len(tokenize(w + "\n")) for w in WRITTEN]
+    # The tiny window keeps the current observation's start over a long earlier text.
+    tiny = PlainFormat(1, TINY_MAX_PROMPT_TOKENS, react=True)
+    cut = tiny.prompt("Do it.", TURNS[:1], "x" * 200, ["Thought:\n" + "y" * 120 + "\n\nAction:\nmove"])
+    assert cut.startswith("Observation: xxx") and len(cut.encode()) <= TINY_MAX_PROMPT_TOKENS

@@ -3,8 +3,16 @@
 Round t (the README's "One round"): load the global adapter phi_t; evaluate it greedily on
 held-out test tasks (only scalars leave the client); explore training tasks at temperature 1.0;
 keep the successful trajectories; add them to the cumulative buffer D_t = D_{t-1} ∪ D_succ (D_0 =
-expert demos); fine-tune the LoRA on the whole buffer; upload phi_{t,k}. After the last round the final global
-adapter is evaluated too, so the metrics cover phi_0 (the untrained base) to phi_T.
+the seed demonstrations: the expert's, and those of --demos files); fine-tune the LoRA on the whole
+buffer; upload phi_{t,k}. After the last round the final global adapter is evaluated too, so the
+metrics cover phi_0 (the untrained base) to phi_T.
+
+Environments differ in what they offer (ListEnvironments): one without an expert is never asked for
+expert actions (its D_0 comes from files, or it explores from nothing); in one that lists no
+admissible actions the agent writes its action as ReAct text (prompts' ReAct variant), whatever
+--policy says, and the action parsed from the text is sent (policy.ActionScorer.write_actions);
+the text is kept and trained on. The round metrics then give the share of written turns whose text
+named an action (`parseable_action_rate`, and per phase `eval_...` and `explore_...`).
 
 The methods the paper compares change only parts of this loop (buffer.py defines the selections):
 `--keep all` keeps failed explorations too ("no filter"); `--history round` trains round t on D_0
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import pathlib
 import random
@@ -45,15 +54,17 @@ from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
+from . import demos as demo_files
 from . import model as mdl
-from .buffer import Buffer, Trajectory, to_keep, training_set
+from .buffer import DEMO_SOURCES, Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
-from .envclient import EnvClient, SessionLost
+from .envclient import EnvClient, EnvInfo, SessionLost
 from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound
-from .metrics import BUFFER, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS, init_client
+from .metrics import (BUFFER, DEMOS, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS,
+                      WRITTEN, init_client)
 from .policy import ActionScorer
-from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_trajectory, is_tiny,
-                      make_format)
+from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_trajectory, inner_model,
+                      is_tiny, make_format)
 from .resume import (PROGRESS_NAME, Phase, Progress, ProgressError, Resume, decide_resume, read_progress,
                      write_progress)
 from .rollout import Live, Policy, expert_policy, run_episodes
@@ -70,21 +81,35 @@ MAX_EPISODE_RESTARTS = 10
 
 
 def training_examples(trajectories: list[Trajectory], fmt: PromptFormat, tokenize: TokenCache,
-                      max_prompt_tokens: int) -> list[Encoded]:
+                      max_prompt_tokens: int, react_fmt: PromptFormat | None = None,
+                      writes: frozenset[str] | set[str] = frozenset()) -> list[Encoded]:
     """The training sequences of every turn of every trajectory, each turn's prompt as the agent
-    saw it (prompts.encode_trajectory); the loss covers only the agent's text."""
-    return [e for t in trajectories
-            for e in encode_trajectory(fmt, tokenize, t.instruction, t.turns, max_prompt_tokens)]
+    saw it (prompts.encode_trajectory); the loss covers only the agent's text.
+
+    In the environments of `writes` (they list no actions) the agent writes its text: their
+    trajectories train in `react_fmt` on each turn's whole written text (thought and action). In the
+    others it picks among listed actions, by scoring "Action: <action>" (or generating just that
+    line), so they train on exactly that, even where a demonstration file gave the turn a thought:
+    learning to write thoughts first would teach nothing scoring uses."""
+    out: list[Encoded] = []
+    for t in trajectories:
+        if t.env in writes and react_fmt is not None:
+            out += encode_trajectory(react_fmt, tokenize, t.instruction, t.turns, max_prompt_tokens, t.texts)
+        else:
+            out += encode_trajectory(fmt, tokenize, t.instruction, t.turns, max_prompt_tokens)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvTasks:
-    """One environment this client holds: its env server client, its training tasks and the test
-    tasks it evaluates."""
+    """One environment this client holds: its env server client, its training tasks, the test
+    tasks it evaluates, and what it offers (an expert; listed actions, else the agent writes them)."""
 
     env: EnvClient
     train_ids: list[int]
     test_ids: list[int]
+    has_expert: bool = True
+    lists_actions: bool = True
 
     @property
     def name(self) -> str:
@@ -107,8 +132,12 @@ class _Round:
 
 
 class ClientAgent:
-    def __init__(self, config: ClientConfig):
+    def __init__(self, config: ClientConfig, demos: dict[str, list[Trajectory]] | None = None):
+        """`demos`: the --demos files' demonstrations by environment (demos.load_demos), where the
+        caller read them already; else they are read here, first, so that a malformed file stops the
+        client (demos.DemoError, a ConfigError) before it loads a model or joins a run."""
         self.cfg = config
+        self.demos = demos if demos is not None else demo_files.load_demos(config.demos, config.env_list())
         init_client(config.client_id, config.env)
         torch.set_num_threads(config.torch_threads or available_cores())
         self.dir = pathlib.Path(config.state_dir) / config.client_id
@@ -132,6 +161,11 @@ class ClientAgent:
         # prompt a window check tokenized is the one the scorer then scores.
         self.tokenize = TokenCache(self.tokenizer)
         self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens, self.tokenize)
+        # The format where the agent writes its own ReAct text (environments that list no actions).
+        self.react_fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens,
+                                     self.tokenize, react=True)
+        self.write_tokens = self._write_tokens(config.max_new_tokens)
+        self.writes: set[str] = set()  # the environments that list no actions (run() asks the env server)
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
                                    fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20,
                                    tokenize=self.tokenize, scoring=config.scoring)
@@ -147,8 +181,32 @@ class ClientAgent:
         self.progress: Progress | None = None
         self.loaded_round: int | None = None  # the global adapter the model holds unchanged, if any
 
+    def _write_tokens(self, wanted: int) -> int:
+        """--max-new-tokens, less what would run past the model's positions after a full prompt."""
+        limit = getattr(getattr(inner_model(self.model), "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and self.max_prompt_tokens + wanted > limit:
+            cut = max(limit - self.max_prompt_tokens, 1)
+            log.warning("--max-new-tokens cut to fit the model's positions after a full prompt", extra=log_fields(
+                asked=wanted, used=cut, max_prompt_tokens=self.max_prompt_tokens, max_positions=limit))
+            return cut
+        return wanted
+
     # ---- policies --------------------------------------------------------------------------
-    def model_policy(self, greedy: bool, generator: torch.Generator) -> Policy:
+    def model_policy(self, greedy: bool, generator: torch.Generator, writes: bool = False,
+                     phase: str = "eval") -> Policy:
+        """The model's policy: in an environment that lists actions, --policy's choice among them; in
+        one that does not (`writes`), the ReAct text it writes (greedy, or sampled at --temperature)
+        and the action parsed from it, counted by `phase` in fedse_client_written_actions."""
+        def write(states: list[Live]) -> list:
+            prompts = [self.react_fmt.prompt(s.session.instruction, s.turns, s.observation.text, s.texts)
+                       for s in states]
+            written = self.scorer.write_actions(prompts, self.write_tokens, greedy=greedy,
+                                                temperature=self.cfg.temperature, generator=generator)
+            parsed = sum(w.parsed for w in written)
+            WRITTEN.labels(phase, "parsed").inc(parsed)
+            WRITTEN.labels(phase, "unparsed").inc(len(written) - parsed)
+            return written
+
         def choose(states: list[Live]) -> list[str]:
             prompts = [self.fmt.prompt(s.session.instruction, s.turns, s.observation.text) for s in states]
             candidates = [s.observation.actions for s in states]
@@ -157,7 +215,7 @@ class ClientAgent:
             picks = self.scorer.choose(prompts, candidates, greedy=greedy, generator=generator,
                                        temperature=self.cfg.temperature)
             return [c[i] for c, i in zip(candidates, picks)]
-        return choose
+        return write if writes else choose
 
     def episodes(self, env: EnvClient, task_ids: list[int], make_policy: Callable[[], Policy], round_: int,
                  phase: str) -> list[Trajectory]:
@@ -189,22 +247,55 @@ class ClientAgent:
                 self.scorer.forget()  # its memory is the trainer's now
                 release_free_memory()
 
-    def env_tasks(self, env: EnvClient) -> EnvTasks:
-        """The environment's training tasks and the test tasks evaluated (the first --eval-tasks)."""
+    def env_tasks(self, env: EnvClient, info: EnvInfo | None = None) -> EnvTasks:
+        """The environment's training tasks, the test tasks evaluated (the first --eval-tasks) and
+        its capabilities (`info`, from ListEnvironments; an expert and listed actions if not given)."""
+        info = info or EnvInfo(env.env)
         train_ids, _ = env.tasks("train")
         test_ids, _ = env.tasks("test")
-        return EnvTasks(env, train_ids, test_ids[: self.cfg.eval_tasks] if self.cfg.eval_tasks else test_ids)
+        return EnvTasks(env, train_ids, test_ids[: self.cfg.eval_tasks] if self.cfg.eval_tasks else test_ids,
+                        has_expert=info.has_expert, lists_actions=info.lists_actions)
+
+    def capabilities(self) -> dict[str, EnvInfo]:
+        """What each of this client's environments offers (ListEnvironments), logged; records the
+        environments where the agent writes its actions (`writes`)."""
+        hosted = self.envs[0].environments()
+        missing = [e.env for e in self.envs if e.env not in hosted]
+        if missing:
+            raise RuntimeError(f"the env server at {self.cfg.env_server} hosts {', '.join(hosted) or 'nothing'}, "
+                               f"not {', '.join(missing)}: fix --env or the env server's --envs")
+        infos = {e.env: hosted[e.env] for e in self.envs}
+        self.writes = {name for name, info in infos.items() if not info.lists_actions}
+        for name, info in infos.items():
+            log.info("environment", extra=log_fields(env=name, has_expert=info.has_expert,
+                                                     lists_actions=info.lists_actions, max_turns=info.max_turns))
+            if not info.lists_actions:
+                log.info("the environment lists no actions: the agent writes each action as ReAct text "
+                         "(\"Thought: ... Action: ...\"), whatever --policy says, and the action parsed from it is "
+                         "sent", extra=log_fields(env=name, max_new_tokens=self.write_tokens))
+        if self.writes and is_tiny(self.model):
+            log.warning("the embedded tiny model cannot learn where it must write its actions: a byte-level model "
+                        "built in code from random weights does not write valid actions without a list to choose "
+                        "from, so this run will learn nothing in these environments (it runs, and "
+                        "parseable_action_rate shows how rarely its text names an action); use a real model, e.g. "
+                        "--base-model models/smollm2-135m-instruct (`make model`)",
+                        extra=log_fields(envs=sorted(self.writes), base_model=self.cfg.base_model))
+        return infos
 
     def evaluate(self, tasks: list[EnvTasks], round_: int) -> dict[str, float]:
         """Greedy success of the loaded adapter on each environment's test tasks (`test_success/<env>`
         over `test_tasks/<env>` tasks) and over all of them (`test_success`); with --policy generate, also
-        the share of steps whose text named no admissible action (`eval_fallback_rate`)."""
+        the share of steps whose text named no admissible action (`eval_fallback_rate`); where the
+        agent writes its actions, the share of written turns that named one (`eval_parseable_action_rate`)."""
         metrics: dict[str, float] = {}
         successes = episodes = 0
         generated, fallbacks = self.scorer.generated, self.scorer.fallbacks
+        written, unparsed = self.scorer.written, self.scorer.unparsed
         for task in tasks:
             trajs = self.episodes(task.env, task.test_ids,
-                                  lambda: self.model_policy(True, torch.Generator().manual_seed(0)), round_, "eval")
+                                  lambda t=task: self.model_policy(True, torch.Generator().manual_seed(0),
+                                                                   writes=not t.lists_actions, phase="eval"),
+                                  round_, "eval")
             ok = sum(t.success for t in trajs)
             metrics[f"test_success/{task.name}"] = ok / max(1, len(trajs))
             metrics[f"test_tasks/{task.name}"] = float(len(trajs))
@@ -213,6 +304,9 @@ class ClientAgent:
         metrics["test_success"] = successes / max(1, episodes)
         if self.scorer.generated > generated:  # --policy generate: how often the text named no admissible action
             metrics["eval_fallback_rate"] = (self.scorer.fallbacks - fallbacks) / (self.scorer.generated - generated)
+        if self.scorer.written > written:  # environments without listed actions: how often the text named one
+            metrics["eval_parseable_action_rate"] = \
+                1 - (self.scorer.unparsed - unparsed) / (self.scorer.written - written)
         return metrics
 
     # ---- state on disk -----------------------------------------------------------------------
@@ -258,13 +352,28 @@ class ClientAgent:
 
     # ---- the loop ----------------------------------------------------------------------------
     def seed_buffer(self, tasks: list[EnvTasks]) -> None:
-        """Adds the successful expert demonstrations D_0 of every environment that has none in the
-        buffer yet; the tasks are sampled from --seed alone, per environment."""
-        if self.cfg.expert_demos == 0:
-            return
-        seeded = {t.env for t in self.buffer.trajectories if t.source == "expert"}
+        """Adds the seed demonstrations D_0 of every environment, each source once (what the buffer
+        holds already is never added again, so a resumed client does not seed twice): the --demos
+        files' demonstrations, and where the environment has an expert, its successful demonstrations
+        of --expert-demos tasks sampled from --seed alone, per environment. An environment without an
+        expert is never asked for one: it is seeded from files, or not at all (it explores alone)."""
+        have = {(t.env, t.source) for t in self.buffer.trajectories if t.round < 0}
         for task in tasks:
-            if task.name in seeded:
+            files = self.demos.get(task.name, [])
+            if files and (task.name, "file") not in have:
+                self.buffer.extend(files)
+                log.info("buffer seeded with demonstrations from files",
+                         extra=log_fields(env=task.name, demos=len(files), turns=sum(len(t.turns) for t in files)))
+            if not task.has_expert:
+                if files:
+                    log.info("the environment has no expert: its seed demonstrations are the files' only",
+                             extra=log_fields(env=task.name, demos=len(files)))
+                else:
+                    log.warning("the environment has no expert and no demonstration files (--demos): the agent "
+                                "explores it alone, and trains on nothing there until an exploration succeeds",
+                                extra=log_fields(env=task.name))
+                continue
+            if self.cfg.expert_demos == 0 or (task.name, "expert") in have:
                 continue
             rng = random.Random(self.cfg.seed)
             ids = rng.sample(task.train_ids, min(self.cfg.expert_demos, len(task.train_ids)))
@@ -273,6 +382,19 @@ class ClientAgent:
             self.buffer.extend(kept)
             log.info("buffer seeded with expert demonstrations",
                      extra=log_fields(env=task.name, demos=len(demos), successful=len(kept)))
+        self.count_demos(tasks)
+
+    def count_demos(self, tasks: list[EnvTasks]) -> dict[str, float]:
+        """The seed demonstrations in the buffer by source, over all environments (`demos_expert`,
+        `demos_file`: round metrics), and per environment in fedse_client_demonstrations."""
+        totals = {source: 0 for source in DEMO_SOURCES}
+        for task in tasks:
+            for source in DEMO_SOURCES:
+                n = sum(t.env == task.name and t.source == source for t in self.buffer.trajectories)
+                DEMOS.labels(task.name, source).set(n)
+                totals[source] += n
+        BUFFER.set(len(self.buffer))
+        return {f"demos_{source}": float(n) for source, n in totals.items()}
 
     def load_global(self, round_: int) -> None:
         with PHASE_SECONDS.labels("download").time():
@@ -316,7 +438,8 @@ class ClientAgent:
         self.heartbeat.set("joining", joined.current_round)
         self.heartbeat.start()
         try:
-            tasks = [self.env_tasks(env) for env in self.envs]
+            infos = self.capabilities()
+            tasks = [self.env_tasks(env, infos[env.env]) for env in self.envs]
             log.info("joined", extra=log_fields(run_id=joined.config.run_id, rounds=num_rounds,
                                                 round=joined.current_round, envs=[t.name for t in tasks],
                                                 train_tasks=sum(len(t.train_ids) for t in tasks),
@@ -361,21 +484,32 @@ class ClientAgent:
         while phase is not Phase.REPORTED:
             phase = steps[phase](r)
 
+    def _parseable(self, since: tuple[int, int], metrics: dict[str, float]) -> None:
+        """Adds `parseable_action_rate`: of the turns written since `since` (scorer.written,
+        scorer.unparsed), the share whose text named an action; nothing where none were written."""
+        written, unparsed = self.scorer.written - since[0], self.scorer.unparsed - since[1]
+        if written:
+            metrics["parseable_action_rate"] = 1 - unparsed / written
+
     def _evaluate_and_explore(self, r: _Round) -> Phase:
         self.heartbeat.set("evaluating", r.round)
         self.load_global(r.round)
         started = time.perf_counter()
+        since = (self.scorer.written, self.scorer.unparsed)
         r.metrics = self.evaluate(r.tasks, r.round)
         r.metrics["eval_s"] = time.perf_counter() - started
         PHASE_SECONDS.labels("eval").observe(r.metrics["eval_s"])
         if r.final:  # after the last round: only evaluate phi_T and report
             r.metrics["buffer"] = float(len(self.buffer))
+            r.metrics.update(self.count_demos(r.tasks))
+            self._parseable(since, r.metrics)
             self.finish_round(r.round, r.metrics)
             self.record(Progress(self.run_id, r.round, Phase.REPORTED.value, metrics=r.metrics))
             return Phase.REPORTED
         self.heartbeat.set("exploring", r.round)
         successes, explored = self.explore(r.round, r.tasks)
         r.metrics.update(explored)
+        self._parseable(since, r.metrics)
         r.progress = Progress(self.run_id, r.round, Phase.EXPLORED.value, num_successes=successes, metrics=r.metrics)
         self.record(r.progress)
         return Phase.EXPLORED
@@ -413,15 +547,20 @@ class ClientAgent:
 
     def explore(self, round_: int, tasks: list[EnvTasks]) -> tuple[int, dict[str, float]]:
         """Explores this round's training tasks of every environment and appends what --keep keeps
-        to the buffer. Returns the successes (what --strategy weighted weighs) and the metrics;
-        with --explore-tasks 0 nothing is explored and there is no explore_success."""
+        to the buffer. Returns the successes (what --strategy weighted weighs) and the metrics: kept
+        trajectories, the buffer and its seed demonstrations by source (`demos_expert`, `demos_file`:
+        D_0, apart from what exploration kept), `explore_success` (none with --explore-tasks 0) and,
+        where the agent writes its actions, `explore_parseable_action_rate`."""
         cfg = self.cfg
         seed = cfg.seed * 100_003 + round_
         t0 = time.perf_counter()
         trajs: list[Trajectory] = []
+        written, unparsed = self.scorer.written, self.scorer.unparsed
         for task in tasks:
             ids = random.Random(seed).sample(task.train_ids, min(cfg.explore_tasks, len(task.train_ids)))
-            trajs += self.episodes(task.env, ids, lambda: self.model_policy(False, torch.Generator().manual_seed(seed)),
+            trajs += self.episodes(task.env, ids,
+                                   lambda t=task: self.model_policy(False, torch.Generator().manual_seed(seed),
+                                                                    writes=not t.lists_actions, phase="explore"),
                                    round_, "explore")
         kept = to_keep(trajs, cfg.keep)
         self.buffer.extend(kept)
@@ -429,9 +568,13 @@ class ClientAgent:
         KEPT.inc(sum(t.success for t in kept))
         BUFFER.set(len(self.buffer))
         PHASE_SECONDS.labels("explore").observe(time.perf_counter() - t0)
-        metrics = {"kept": float(len(kept)), "buffer": float(len(self.buffer)), "explore_s": time.perf_counter() - t0}
+        metrics = {"kept": float(len(kept)), "buffer": float(len(self.buffer)), **self.count_demos(tasks),
+                   "explore_s": time.perf_counter() - t0}
         if trajs:
             metrics["explore_success"] = successes / len(trajs)
+        if self.scorer.written > written:
+            metrics["explore_parseable_action_rate"] = \
+                1 - (self.scorer.unparsed - unparsed) / (self.scorer.written - written)
         return successes, metrics
 
     def train(self, round_: int) -> tuple[bytes, int, dict[str, float]]:
@@ -442,7 +585,11 @@ class ClientAgent:
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
         trajectories = training_set(self.buffer.trajectories, cfg.history, round_)
-        examples = training_examples(trajectories, self.fmt, self.tokenize, self.max_prompt_tokens)
+        examples = training_examples(trajectories, self.fmt, self.tokenize, self.max_prompt_tokens, self.react_fmt,
+                                     self.writes)
+        if not examples:
+            log.warning("nothing to train on this round: no demonstration and no kept exploration yet; the "
+                        "adapter goes back as it came", extra=log_fields(round=round_, history=cfg.history))
         turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]
@@ -461,12 +608,15 @@ class ClientAgent:
         self.loaded_round = None
         release_free_memory()
         t2 = time.perf_counter()
-        LOSS.set(result["loss"])
         TRAIN_SECONDS.inc(t2 - t1)
         PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = ad.encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
-        return data, turns, {"examples": float(turns), "sequences": float(len(examples)),
-                             "train_loss": result["loss"], "train_s": t2 - t1, "upload_bytes": float(len(data))}
+        metrics = {"examples": float(turns), "sequences": float(len(examples)), "train_s": t2 - t1,
+                   "upload_bytes": float(len(data))}
+        if math.isfinite(result["loss"]):  # no loss where nothing was trained (metrics are finite values)
+            LOSS.set(result["loss"])
+            metrics["train_loss"] = result["loss"]
+        return data, turns, metrics
 
     def upload(self, p: Progress, data: bytes, metrics: dict[str, float]) -> bool:
         """Uploads the saved adapter; True once the aggregator acknowledged it. False when the round

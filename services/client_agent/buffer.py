@@ -1,9 +1,12 @@
-"""The client's trajectory buffer D_t: expert seeds plus every kept success, persisted on disk.
+"""The client's trajectory buffer D_t: seed demonstrations plus every kept success, persisted on disk.
+
+D_0, the seed demonstrations (round -1), come from the environment's expert (source "expert") and
+from demonstration files (source "file", demos.py); explored trajectories have source "explore".
 
 What goes in and what a round trains on are the parts the paper's ablations change (`to_keep`,
 `training_set`): exploration keeps its successes (`--keep successes`, the paper's filter) or every
 trajectory, failures too (`--keep all`, "no filter"); round t trains on the whole buffer,
-D_t = D_{t-1} ∪ kept_t (`--history cumulative`, the paper), or on the expert demonstrations D_0
+D_t = D_{t-1} ∪ kept_t (`--history cumulative`, the paper), or on the seed demonstrations D_0
 plus round t's kept trajectories only (`--history round`, "no history": earlier rounds' explored
 trajectories stay in the file but are not trained on).
 
@@ -22,6 +25,9 @@ import pathlib
 
 from fedse.adapter import atomic_write
 
+# Where seed demonstrations (D_0, round -1) come from: the environment's expert, or files (--demos).
+DEMO_SOURCES = ("expert", "file")
+
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
@@ -32,18 +38,33 @@ class Trajectory:
     turns: tuple[tuple[str, str], ...]
     success: bool
     reward: float
-    source: str  # "expert" or "explore"
+    source: str  # "expert", "file" (a demonstration file) or "explore"
     round: int
+    # The whole text the agent wrote at each turn (a ReAct thought and its action), where it wrote
+    # one: a file's demonstrations and turns in an environment that lists no actions. Empty, or one
+    # per turn with "" where the agent only picked its action; training trains on a turn's text
+    # where it has one (prompts.encode_trajectory). Buffers written before it existed have none.
+    texts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.texts and len(self.texts) != len(self.turns):
+            raise ValueError(f"a trajectory of {len(self.turns)} turns has {len(self.texts)} texts; "
+                             "give one per turn or none")
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["turns"] = [list(t) for t in self.turns]
+        if self.texts:
+            d["texts"] = list(self.texts)
+        else:
+            del d["texts"]  # lines as they were before texts existed
         return json.dumps(d)
 
     @staticmethod
     def from_json(line: str) -> "Trajectory":
         d = json.loads(line)
         d["turns"] = tuple((o, a) for o, a in d["turns"])
+        d["texts"] = tuple(str(t) for t in d.get("texts", ()))
         return Trajectory(**d)
 
 
@@ -53,11 +74,11 @@ def to_keep(explored: list[Trajectory], keep: str) -> list[Trajectory]:
 
 
 def training_set(trajectories: list[Trajectory], history: str, round_: int) -> list[Trajectory]:
-    """The trajectories round `round_` trains on, in buffer order: every expert demonstration and
-    kept trajectory up to this round ("cumulative"), or the expert demonstrations and this round's
-    kept trajectories only ("round")."""
+    """The trajectories round `round_` trains on, in buffer order: every seed demonstration and
+    kept trajectory up to this round ("cumulative"), or the seed demonstrations (the expert's and
+    the files') and this round's kept trajectories only ("round")."""
     if history == "round":
-        return [t for t in trajectories if t.source == "expert" or t.round == round_]
+        return [t for t in trajectories if t.source in DEMO_SOURCES or t.round == round_]
     return [t for t in trajectories if t.round <= round_]
 
 
@@ -99,7 +120,7 @@ class Buffer:
         self.trajectories.extend(trajectories)
 
     def drop_rounds_from(self, round_: int) -> int:
-        """Drops every trajectory of round >= `round_` (expert seeds are round -1), rewriting the
+        """Drops every trajectory of round >= `round_` (seed demonstrations are round -1), rewriting the
         file atomically (temp file, fsync, rename, fsync of the directory); returns how many."""
         keep = [t for t in self.trajectories if t.round < round_]
         dropped = len(self.trajectories) - len(keep)

@@ -47,7 +47,14 @@ class ClientConfig(Security):
                                    "scores stay fp32) or 'auto' (bf16 for a real model on a CPU with native bfloat16 "
                                    "(AMX / AVX512-BF16), else fp32; on CUDA real models load in bf16)")
     score_cache_mb: int = field(512, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
-    expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0)")
+    expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0), in each environment that has an "
+                                  "expert (an environment without one is seeded from --demos files, or not at all)")
+    demos: tuple[str, ...] = field((), "a file of demonstrations seeding the buffer (D_0) besides or instead of the "
+                                       "expert's: AgentGym's AgentTraj format, a JSON array (or JSON Lines) of "
+                                       "{\"item_id\": \"<env>_<index>\", \"conversations\": [{\"from\": \"human\" or "
+                                       "\"gpt\", \"value\": ...}]}; with several --env the item_id's <env> picks the "
+                                       "environment, with one every record is its. Repeat the flag for several files; "
+                                       "a malformed file stops the client before it joins")
     explore_tasks: int = field(32, "training tasks attempted per round in each environment (0 = no exploration: "
                                    "train on the expert demonstrations only, as FedIT, Local and Centralized do)")
     keep: str = field("successes", "explored trajectories added to the buffer: 'successes' (the paper's success "
@@ -60,7 +67,11 @@ class ClientConfig(Security):
                                 "the tiny model, GPUs; 4 for a real model on CPU, which scores one prompt at a time "
                                 "from its cached previous turn, so that those caches stay in --score-cache-mb)")
     temperature: float = field(1.0, "sampling temperature during exploration")
-    policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text")
+    policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text. "
+                                 "In an environment that lists no actions the agent always writes its action "
+                                 "(ReAct text, the action parsed from it)")
+    max_new_tokens: int = field(128, "most tokens the agent writes per turn where it writes its action itself (an "
+                                     "environment that lists no actions): its thought and its action")
     scoring: str = field("sum", "with --policy score, what ranks the admissible actions: 'sum' (their "
                                 "log-likelihood) or 'calibrated' (less their log-likelihood after an empty prompt "
                                 "under the same weights: no preference for short actions)")
@@ -87,6 +98,10 @@ class ClientConfig(Security):
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if any(not path.strip() for path in self.demos):
+            raise ConfigError("--demos names an empty path: give a file of AgentTraj demonstrations")
         for name in ("expert_demos", "explore_tasks", "eval_tasks", "torch_threads", "train_batch_tokens",
                      "concurrency", "score_cache_mb"):
             if getattr(self, name) < 0:

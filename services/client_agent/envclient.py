@@ -46,6 +46,17 @@ class Observation:
     turn: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class EnvInfo:
+    """One environment an env server hosts and its optional capabilities (ListEnvironments):
+    whether ExpertAction answers for it, and whether its steps list the admissible actions."""
+
+    name: str
+    has_expert: bool = True
+    lists_actions: bool = True
+    max_turns: int = 0
+
+
 @dataclasses.dataclass
 class Session:
     session_id: str
@@ -106,6 +117,19 @@ class EnvClient:
                 log.info("env server back", extra=log_fields(call=what, attempts=attempt + 1,
                                                              waited_s=round(time.monotonic() - started, 1)))
             return result
+
+    def environments(self) -> dict[str, EnvInfo]:
+        """The environments the env server hosts, by name, with their capabilities. A server from
+        before capabilities were reported names its environments only; each is then taken to have an
+        expert and to list actions, as every environment then did. Waits for a server that is still
+        starting, like `tasks`."""
+        resp = self._call("ListEnvironments", lambda: self.stub.ListEnvironments(
+            epb.ListEnvironmentsRequest(), timeout=self.timeout_s, wait_for_ready=True),
+            retry_on=frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}))
+        infos = {e.name: EnvInfo(e.name, e.has_expert, e.lists_actions, e.max_turns) for e in resp.environments}
+        for name in resp.envs:
+            infos.setdefault(name, EnvInfo(name))
+        return infos
 
     def tasks(self, split: str) -> tuple[list[int], int]:
         # Waits for a server that is still starting, then retries a slow one too (listing is idempotent).

@@ -16,6 +16,17 @@ STEPS = prometheus_client.Counter("fedse_client_rollout_steps", "Environment ste
 EPISODES = prometheus_client.Counter("fedse_client_episodes", "Episodes finished, by phase and outcome.",
                                      ["phase", "outcome"])
 KEPT = prometheus_client.Counter("fedse_client_successes_kept", "Successful trajectories added to the buffer.")
+# D_0 apart from what exploration kept: where each environment's seed demonstrations came from.
+DEMOS = prometheus_client.Gauge(
+    "fedse_client_demonstrations",
+    "Seed demonstrations (D_0) in the buffer, by environment and source: expert (the environment's expert) "
+    "or file (--demos).", ["env", "source"])
+# Environments that list no actions: the agent writes its action, parsed from its ReAct text.
+WRITTEN = prometheus_client.Counter(
+    "fedse_client_written_actions",
+    "Actions the agent wrote itself (environments that list no actions), by phase (eval, explore) and "
+    "outcome: parsed (the text named an action) or unparsed (it did not; its last line was sent).",
+    ["phase", "outcome"])
 BUFFER = prometheus_client.Gauge("fedse_client_buffer_trajectories", "Trajectories in the buffer.")
 LOSS = prometheus_client.Gauge("fedse_client_train_loss", "Mean training loss of the last round.")
 TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds spent training the LoRA.")
@@ -36,6 +47,9 @@ for _phase in ("expert", "explore", "eval"):
         EPISODES.labels(_phase, _outcome)
 for _phase in PHASES:
     PHASE_SECONDS.labels(_phase)
+for _phase in ("eval", "explore"):
+    for _outcome in ("parsed", "unparsed"):
+        WRITTEN.labels(_phase, _outcome)
 
 
 def init_client(client_id: str, env: str) -> None:

@@ -1,6 +1,6 @@
 """The agent's action policy: choosing among admissible actions with the model.
 
-Two ways to act:
+Three ways to act:
 - Scoring (the default, and the only one the tiny model can use): every admissible action is scored
   by log p(target(action) | prompt), summed over its tokens, where prompt and target come from the
   client's prompts.PromptFormat; exploration samples from the softmax over candidates (temperature
@@ -24,6 +24,11 @@ Two ways to act:
   parse_action); a row stops at the end of the action line or the chat template's end of turn, or
   after a token limit set from the longest candidate; when nothing matches, fall back to the
   scoring choice.
+- Writing (environments that list no actions, whatever the policy): generate the agent's ReAct
+  text, "Thought:\n...\n\nAction:\n<action>", greedily (evaluation) or sampled at the temperature
+  (exploration), and send the action parsed from it (parse_react); the whole text is kept for
+  training. Where no action can be parsed, the text's last non-empty line is sent (`Written.parsed`
+  False, counted), so the episode goes on and the environment answers what it makes of it.
 
 Prompts are truncated on the left to `max_prompt_tokens` tokens, both here and in training
 (prompts.encode_trajectory), so the model is trained on exactly what it sees when acting.
@@ -31,6 +36,7 @@ Prompts are truncated on the left to `max_prompt_tokens` tokens, both here and i
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections import OrderedDict
@@ -43,11 +49,24 @@ from fedse.config import SCORINGS
 from fedse.machine import release_free_memory
 
 from .model import autocast, bucket_length, pads_to_buckets
-from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, inner_model, is_tiny
+from .prompts import (PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, fallback_action, inner_model,
+                      is_tiny, parse_react)
 
 BASELINE_CACHE_SIZE = 200_000  # candidate texts whose content-free log-likelihood is remembered
 
 _ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
+# A complete action line: "Action: <action>\n" or AgentGym's "Action:\n<action>\n".
+_ACTION_LINE = re.compile(r"(?<![A-Za-z])Action\s*:[ \t]*\n?[ \t]*\S[^\n]*\n", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """One turn the agent wrote: the action sent, the whole text it came from, and whether the
+    action was parsed from the text (else fallback_action's guess)."""
+
+    action: str
+    text: str
+    parsed: bool
 
 
 def _normalise(text: str) -> str:
@@ -236,6 +255,7 @@ class ActionScorer:
         self.precision = precision
         self.cache = PrefixCache(cache_bytes)
         self.generated = self.fallbacks = 0  # generation mode: actions generated, and those scoring chose
+        self.written = self.unparsed = 0  # writing mode: turns written, and those that named no action
         self.tokenize = tokenize or TokenCache(tokenizer)  # shared with the prompt format and training
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
@@ -575,10 +595,15 @@ class ActionScorer:
     # ---- generation (real LLMs) ----------------------------------------------------------------
 
     @torch.no_grad()
-    def generate_texts(self, prompts: Sequence[str], max_new_tokens: int = 128) -> list[str]:
-        """Greedy continuations of the prompts, cut after the first "Action: ..." line; a row stops at
-        the end of that line, at the format's end of turn (a chat model's end-of-message token) or
-        after max_new_tokens."""
+    def generate_texts(self, prompts: Sequence[str], max_new_tokens: int = 128, greedy: bool = True,
+                       temperature: float = 1.0, generator: torch.Generator | None = None) -> list[str]:
+        """Continuations of the prompts, cut after the first complete action line ("Action: ..." or
+        "Action:\n..."); a row stops at the end of that line, at the format's end of turn (a chat
+        model's end-of-message token) or after max_new_tokens. Greedy, or sampled from the whole
+        softmax at `temperature` with torch's generator seeded from `generator` (so a seeded
+        generator gives the same texts again)."""
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         lm = inner_model(self.model)
         eos = lm.config.eos_token_id
         eos = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
@@ -594,13 +619,34 @@ class ActionScorer:
         for b, e in enumerate(encoded):
             ids[b, L - len(e):] = torch.tensor(e, dtype=torch.long)
             att[b, L - len(e):] = 1
-        with autocast(self.precision, self.device):
+        sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+        seed = None if greedy else int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+        devices = [] if self.device.type != "cuda" else \
+            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None), autocast(self.precision, self.device):
+            if seed is not None:
+                torch.manual_seed(seed)
             gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
-                                      max_new_tokens=max_new_tokens, do_sample=False,
+                                      max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                                       pad_token_id=self.pad_id, eos_token_id=eos or None,
                                       stopping_criteria=[_ActionLineDone(self.tokenizer, L)])
         texts = self.tokenizer.batch_decode(gen[:, L:], skip_special_tokens=True)
         return [_cut_after_action(t) for t in texts]
+
+    def write_actions(self, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
+                      temperature: float = 1.0, generator: torch.Generator | None = None) -> list[Written]:
+        """Writing mode (an environment that lists no actions): the agent's ReAct text for each
+        prompt and the action parsed from it (parse_react), or fallback_action's where it names none;
+        counted in `written` and `unparsed`."""
+        texts = self.generate_texts(prompts, max_new_tokens, greedy=greedy, temperature=temperature,
+                                    generator=generator)
+        out = []
+        for text in texts:
+            action = parse_react(text)
+            out.append(Written(action, text, True) if action else Written(fallback_action(text), text, False))
+        self.written += len(out)
+        self.unparsed += sum(not w.parsed for w in out)
+        return out
 
     def generate_actions(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]],
                          max_new_tokens: int | None = None) -> list[str]:
@@ -625,15 +671,15 @@ class ActionScorer:
 
 
 def _cut_after_action(text: str) -> str:
-    m = _ACTION_RE.search(text)
-    if not m:
-        return text
-    end = text.find("\n", m.start())
-    return text if end < 0 else text[:end + 1]
+    """The text up to and with the end of its first complete action line ("Action: x\n" or
+    "Action:\nx\n"); all of it where it has none."""
+    m = _ACTION_LINE.search(text)
+    return text[:m.end()] if m else text
 
 
 class _ActionLineDone:
-    """Stopping criterion: every row has produced an "Action: ..." line ending in a newline."""
+    """Stopping criterion: every row has produced a complete action line ending in a newline:
+    "Action: <action>\n", or AgentGym's "Action:\n<action>\n"."""
 
     def __init__(self, tokenizer, prompt_len: int):
         self.tokenizer = tokenizer
@@ -641,5 +687,5 @@ class _ActionLineDone:
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
-        done = [bool(re.search(r"Action\s*:[^\n]*\S[^\n]*\n", t, re.IGNORECASE)) for t in texts]
+        done = [bool(_ACTION_LINE.search(t)) for t in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

@@ -15,11 +15,20 @@ exactly the tokens it sees when it acts:
   (`window_start`). So consecutive prompts of an episode extend each other: the scorer reuses the
   previous turn's KV cache, and training runs a trajectory's turns as one sequence with the loss on
   every action (`encode_trajectory`), instead of once per turn.
+
+Where the agent writes its own text instead of picking a listed action (an environment that lists no
+actions), the format's ReAct variant (`react=True`) tells the model to answer as AgentGym's agents do,
+"Thought:\n<thought>\n\nAction:\n<action>" (the chat format in its system message, the plain format
+after the instruction), and every turn that has a written text (a file's demonstration, a generated
+turn) shows and trains on that whole text instead of "Action: <action>": `target(action, text)`,
+and `prompt(..., texts)` for the earlier turns. The next turn's prompt then still extends the
+previous one by exactly the agent's text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import OrderedDict
 from typing import Protocol, Sequence
 
@@ -33,6 +42,42 @@ ANSWER_ROOM = 64
 SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each turn you read an observation "
                  "and answer with exactly one line, \"Action: <action>\", naming one of the actions available "
                  "in that situation.")
+# AgentGym's answer format, for environments where the agent writes its action itself.
+REACT_FORMAT = "Thought:\n<your thoughts>\n\nAction:\n<your next action>"
+REACT_SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each turn you read an observation, "
+                       "think about what to do, and answer in this format:\n" + REACT_FORMAT + "\nThe action is one "
+                       "line, written as the task describes its commands.")
+REACT_HINT = "Answer each observation in this format:\n" + REACT_FORMAT
+
+
+# "Action:" as a ReAct answer marks it (not the end of a word such as "Reaction:").
+_REACT_MARK = re.compile(r"(?<![A-Za-z])Action\s*:", re.IGNORECASE)
+# The most characters of an action the agent writes (the env server refuses more than 1000).
+MAX_WRITTEN_ACTION_CHARS = 300
+# What is sent when the agent wrote nothing at all (an env server refuses an empty action).
+EMPTY_TEXT_ACTION = "none"
+
+
+def parse_react(text: str) -> str | None:
+    r"""The action of a ReAct text, or None where it names none: the first non-empty line after its
+    last "Action:" (on the same line, "Action: move up", or on the next, AgentGym's "Action:\nmove
+    up"), stripped and cut to MAX_WRITTEN_ACTION_CHARS. AgentGym's own clients read the same: the
+    regex `Action:\s*(.*?)(?=\n|$)`, or what follows the last "Action:"."""
+    marks = list(_REACT_MARK.finditer(text))
+    if not marks:
+        return None
+    for line in text[marks[-1].end():].splitlines():
+        if line.strip():
+            return line.strip()[:MAX_WRITTEN_ACTION_CHARS]
+    return None
+
+
+def fallback_action(text: str) -> str:
+    """What is sent for a text that names no action: its last non-empty line, cut to
+    MAX_WRITTEN_ACTION_CHARS (EMPTY_TEXT_ACTION for a text with none). The environment answers it as
+    it answers any action it does not know, so the episode goes on."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:MAX_WRITTEN_ACTION_CHARS] if lines else EMPTY_TEXT_ACTION
 
 
 def inner_model(model):
@@ -61,12 +106,19 @@ def default_max_prompt_tokens(model) -> int:
     return min(DEFAULT_MAX_PROMPT_TOKENS, limit - 64) if limit and limit > 128 else DEFAULT_MAX_PROMPT_TOKENS
 
 
-def format_target(action: str) -> str:
-    """The plain format's agent text for one step: what the loss covers and what scoring scores."""
-    return f"Action: {action}\n"
+def format_target(action: str, text: str = "") -> str:
+    """The plain format's agent text for one step: what the loss covers and what scoring scores.
+    "Action: <action>\n", or the text the agent wrote (stripped, then a newline) where it wrote one."""
+    return f"{text.strip()}\n" if text.strip() else f"Action: {action}\n"
 
 
-def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observation: str, max_history: int) -> str:
+def turn_text(texts: Sequence[str], i: int) -> str:
+    """The text written at turn i, "" where none was (texts empty: none at all)."""
+    return texts[i] if texts else ""
+
+
+def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observation: str, max_history: int,
+                  texts: Sequence[str] = ()) -> str:
     """Plain ReAct-style prompt ending exactly where the agent's text (format_target) begins.
 
     instruction, then the last `max_history` (observation, action) turns, then the current
@@ -75,14 +127,17 @@ def format_prompt(instruction: str, turns: Sequence[tuple[str, str]], observatio
         Observation: <obs 1>
         Action: <action 1>
         Observation: <current obs>
+    An earlier turn with a written text (`texts`, one per turn or none) shows that text instead of
+    its "Action: ..." line.
     """
     if max_history < 0:
         raise ValueError(f"max_history must be >= 0, got {max_history}")
     parts = [instruction.strip(), "\n"]
-    shown = list(turns)[-max_history:] if max_history > 0 else []
-    for obs, action in shown:
+    first = max(len(turns) - max_history, 0) if max_history > 0 else len(turns)
+    for i in range(first, len(turns)):
+        obs, action = turns[i]
         parts.append(f"Observation: {obs.strip()}\n")
-        parts.append(format_target(action))
+        parts.append(format_target(action, turn_text(texts, i)))
     parts.append(f"Observation: {observation.strip()}\n")
     return "".join(parts)
 
@@ -128,9 +183,10 @@ def encode_example(tokenize: TokenCache, prompt: str, action_text: str,
 
 
 class PromptFormat(Protocol):
-    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str: ...
+    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
+               texts: Sequence[str] = ()) -> str: ...
 
-    def target(self, action: str) -> str: ...
+    def target(self, action: str, text: str = "") -> str: ...
 
 
 def head_bytes(text: str, n: int) -> str:
@@ -151,36 +207,54 @@ class PlainFormat:
     instruction), and the end of a long observation (a list of actions, a page's last products)
     tells a 160-byte window less. Measured in-process on BabyAI with the tiny model (60 expert
     demonstrations, 16 explorations and 3 epochs a round, 20 test tasks): held-out success by round 4
-    was 25% (seed 0) and 30% (seed 1) with the start of the observation, 5% (seed 1) with its end."""
+    was 25% (seed 0) and 30% (seed 1) with the start of the observation, 5% (seed 1) with its end.
+
+    `react`: the agent writes its own ReAct text (an environment that lists no actions); the
+    instruction is followed by REACT_HINT, and a written text longer than half the window is left
+    out of a cut prompt (the current observation's start matters more)."""
 
     max_history: int = 1
     window: int | None = None
+    react: bool = False
 
-    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
+    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
+               texts: Sequence[str] = ()) -> str:
         if self.window is not None:
-            previous = format_target(turns[-1][1]) if turns and self.max_history > 0 else ""
+            previous = format_target(turns[-1][1], turn_text(texts, len(turns) - 1)) \
+                if turns and self.max_history > 0 else ""
             current = f"Observation: {observation.strip()}\n"
             if len((previous + current).encode("utf-8")) > self.window:
+                if len(previous.encode("utf-8")) > self.window // 2:
+                    previous = ""
                 room = self.window - len(previous.encode("utf-8")) - 1  # the observation's cut start, then "\n"
                 return previous + head_bytes(current, room).rstrip("\n") + "\n"
-        return format_prompt(instruction, turns, observation, self.max_history)
+        if self.react:
+            instruction = f"{instruction.strip()}\n{REACT_HINT}"
+        return format_prompt(instruction, turns, observation, self.max_history, texts)
 
-    def target(self, action: str) -> str:
-        return format_target(action)
+    def target(self, action: str, text: str = "") -> str:
+        return format_target(action, text)
+
+    def as_react(self) -> "PlainFormat":
+        """This format for an environment where the agent writes its action (see the class docstring)."""
+        return dataclasses.replace(self, react=True)
 
 
 class ChatFormat:
     """The tokenizer's chat template (see the module docstring). max_history < 0: every earlier turn
-    of the episode while the prompt fits in max_prompt_tokens; k >= 0: the last k turns."""
+    of the episode while the prompt fits in max_prompt_tokens; k >= 0: the last k turns. `react`:
+    the agent writes its own ReAct text, and the system message (REACT_SYSTEM_PROMPT unless `system`
+    is given) says how."""
 
-    def __init__(self, tokenizer, max_prompt_tokens: int, max_history: int = -1, system: str = SYSTEM_PROMPT,
-                 tokenize: TokenCache | None = None):
+    def __init__(self, tokenizer, max_prompt_tokens: int, max_history: int = -1, system: str | None = None,
+                 tokenize: TokenCache | None = None, react: bool = False):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("ChatFormat needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_history = max_history
-        self.system = system
+        self.react = react
+        self.system = system if system is not None else REACT_SYSTEM_PROMPT if react else SYSTEM_PROMPT
         self.tokenize = tokenize or TokenCache(tokenizer)
         self.end_of_turn = self._end_of_turn()
         self._starts: OrderedDict[tuple, int] = OrderedDict()
@@ -193,20 +267,32 @@ class ChatFormat:
             [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}], tokenize=False)
         return text[text.rindex(mark) + len(mark):].rstrip()
 
-    def messages(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> list[dict]:
+    def as_react(self) -> "ChatFormat":
+        """This format for an environment where the agent writes its action (see the class docstring)."""
+        return ChatFormat(self.tokenizer, self.max_prompt_tokens, self.max_history, tokenize=self.tokenize, react=True)
+
+    @staticmethod
+    def said(action: str, text: str = "") -> str:
+        """The assistant message of a turn: the text the agent wrote, else "Action: <action>"."""
+        return text.strip() if text.strip() else f"Action: {action}"
+
+    def messages(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
+                 texts: Sequence[str] = ()) -> list[dict]:
         observations = [obs for obs, _ in turns] + [observation]
         out = [{"role": "system", "content": self.system},
                {"role": "user", "content": f"{instruction.strip()}\n\nObservation: {observations[0].strip()}"}]
-        for (_, action), obs in zip(turns, observations[1:]):
-            out.append({"role": "assistant", "content": f"Action: {action}"})
+        for i, ((_, action), obs) in enumerate(zip(turns, observations[1:])):
+            out.append({"role": "assistant", "content": self.said(action, turn_text(texts, i))})
             out.append({"role": "user", "content": f"Observation: {obs.strip()}"})
         return out
 
-    def render(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
-        return self.tokenizer.apply_chat_template(self.messages(instruction, turns, observation), tokenize=False,
-                                                  add_generation_prompt=True)
+    def render(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
+               texts: Sequence[str] = ()) -> str:
+        return self.tokenizer.apply_chat_template(self.messages(instruction, turns, observation, texts),
+                                                  tokenize=False, add_generation_prompt=True)
 
-    def window_start(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> int:
+    def window_start(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
+                     texts: Sequence[str] = ()) -> int:
         """Index of the first earlier turn the prompt shows. With the whole episode (max_history < 0)
         it stays where the previous turn's window started while the prompt fits, else it moves to
         the current turn, so consecutive prompts extend each other between restarts."""
@@ -215,37 +301,40 @@ class ChatFormat:
             return max(0, n - self.max_history)
         if n == 0:
             return 0
-        key = (instruction, tuple(turns), observation)
+        texts = tuple(texts)
+        key = (instruction, tuple(turns), observation, texts)
         start = self._starts.get(key)
         if start is None:
-            prev = self.window_start(instruction, turns[:-1], turns[-1][0])
-            fits = len(self.tokenize(self.render(instruction, turns[prev:], observation))) + ANSWER_ROOM \
-                <= self.max_prompt_tokens
+            prev = self.window_start(instruction, turns[:-1], turns[-1][0], texts[:-1])
+            fits = len(self.tokenize(self.render(instruction, turns[prev:], observation, texts[prev:]))) \
+                + ANSWER_ROOM <= self.max_prompt_tokens
             start = prev if fits else n
             self._starts[key] = start
             if len(self._starts) > 8192:
                 self._starts.popitem(last=False)
         return start
 
-    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str) -> str:
-        start = self.window_start(instruction, turns, observation)
-        return self.render(instruction, list(turns)[start:], observation)
+    def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
+               texts: Sequence[str] = ()) -> str:
+        start = self.window_start(instruction, turns, observation, texts)
+        return self.render(instruction, list(turns)[start:], observation, tuple(texts)[start:])
 
-    def target(self, action: str) -> str:
-        return f"Action: {action}{self.end_of_turn}"
+    def target(self, action: str, text: str = "") -> str:
+        return f"{self.said(action, text)}{self.end_of_turn}"
 
 
 def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int | None = None,
-                tokenize: TokenCache | None = None) -> PromptFormat:
+                tokenize: TokenCache | None = None, react: bool = False) -> PromptFormat:
     """ChatFormat for a model whose tokenizer has a chat template, else PlainFormat. max_history < 0
     means the format's default: the whole episode in the window (chat), 1 turn (plain). `tokenize`:
-    a TokenCache to share with the scorer and training (a prompt is then tokenized once)."""
+    a TokenCache to share with the scorer and training (a prompt is then tokenized once). `react`:
+    the variant for environments where the agent writes its action (see the module docstring)."""
     tiny = is_tiny(model)
     if not tiny and getattr(tokenizer, "chat_template", None):
         return ChatFormat(tokenizer, max_prompt_tokens or default_max_prompt_tokens(model), max_history,
-                          tokenize=tokenize)
+                          tokenize=tokenize, react=react)
     window = (max_prompt_tokens or TINY_MAX_PROMPT_TOKENS) if tiny else None
-    return PlainFormat(1 if max_history < 0 else max_history, window)
+    return PlainFormat(1 if max_history < 0 else max_history, window, react)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,9 +355,10 @@ class Encoded:
 
 
 def encode_trajectory(fmt: PromptFormat, tokenize: TokenCache, instruction: str, turns: Sequence[tuple[str, str]],
-                      max_prompt_tokens: int | None) -> list[Encoded]:
+                      max_prompt_tokens: int | None, texts: Sequence[str] = ()) -> list[Encoded]:
     """The training sequences of one trajectory, one turn each as the agent saw it (its prompt,
-    truncated on the left to max_prompt_tokens exactly as acting truncates it, then its text).
+    truncated on the left to max_prompt_tokens exactly as acting truncates it, then its text: the
+    text it wrote where `texts` has one for the turn, else its action as fmt.target writes it).
     Where a turn's prompt begins with the previous turn's prompt and text, token for token (the
     chat format within one window), the turn is added to that sequence instead: the same tokens the
     agent saw, computed once. In the plain format every turn stays a sequence of its own, as the
@@ -277,9 +367,10 @@ def encode_trajectory(fmt: PromptFormat, tokenize: TokenCache, instruction: str,
     out: list[Encoded] = []
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
+    texts = tuple(texts)
     for i, (obs, action) in enumerate(turns):
-        p = tokenize.prompt(fmt.prompt(instruction, turns[:i], obs), max_prompt_tokens)
-        t = tokenize(fmt.target(action))
+        p = tokenize.prompt(fmt.prompt(instruction, turns[:i], obs, texts[:i]), max_prompt_tokens)
+        t = tokenize(fmt.target(action, turn_text(texts, i)))
         if merge and ids and len(p) >= len(ids) and p[:len(ids)] == ids:
             ids = ids + p[len(ids):]
         else:

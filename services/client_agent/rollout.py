@@ -12,7 +12,7 @@ the policy's draws for one episode depend on the others played beside it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, Union
 
 from .buffer import Trajectory
 from .envclient import EnvClient, Observation, Session, SessionLost
@@ -23,10 +23,20 @@ class Live:
     session: Session
     observation: Observation
     turns: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # The text the agent wrote at each turn ("" where it only picked an action).
+    texts: list[str] = dataclasses.field(default_factory=list)
 
 
-# A policy maps the live sessions to one admissible action string each.
-Policy = Callable[[Sequence[Live]], list[str]]
+class WrittenAction(Protocol):
+    """An action the agent wrote itself (policy.Written): the action sent and the whole text."""
+
+    action: str
+    text: str
+
+
+# A policy maps the live sessions to one action each: the action string, or a WrittenAction where
+# the agent wrote a text the action was parsed from (the trajectory keeps the text).
+Policy = Callable[[Sequence[Live]], Sequence[Union[str, WrittenAction]]]
 
 
 def run_episodes(env: EnvClient, task_ids: Sequence[int], policy: Policy, concurrency: int, round_: int,
@@ -46,8 +56,9 @@ def run_episodes(env: EnvClient, task_ids: Sequence[int], policy: Policy, concur
             session, obs = env.reset(pending.pop())
             live.append(Live(session, obs))
 
-    def step(state: Live, action: str) -> bool:
+    def step(state: Live, move: str | WrittenAction) -> bool:
         """Takes the action; True once the episode is over (its trajectory kept, its session closed)."""
+        action, text = (move, "") if isinstance(move, str) else (move.action, move.text)
         shown = state.observation.text
         obs = env.step(state.session, action)
         if obs.turn and obs.turn != len(state.turns) + 1:
@@ -56,12 +67,14 @@ def run_episodes(env: EnvClient, task_ids: Sequence[int], policy: Policy, concur
                               "applied twice)")
         state.observation = obs
         state.turns.append((shown, action))
+        state.texts.append(text)
         if not obs.done:
             return False
         env.close(state.session)
         traj = Trajectory(
             env=env.env, task_id=state.session.task_id, instruction=state.session.instruction,
-            turns=tuple(state.turns), success=obs.success, reward=obs.reward, source=source, round=round_)
+            turns=tuple(state.turns), success=obs.success, reward=obs.reward, source=source, round=round_,
+            texts=tuple(state.texts) if any(state.texts) else ())
         done.append(traj)
         if on_episode:
             on_episode(traj)

@@ -14,12 +14,21 @@ from .config import ClientConfig
 
 
 def serve(config: ClientConfig) -> int:
-    """Runs the client agent: its health server at once, then the run until it ends or SIGTERM."""
+    """Runs the client agent: its health server at once, then the run until it ends or SIGTERM. A
+    setting that cannot work (a malformed --demos file, a --base-model that is no model) stops it
+    with one line on stderr and exit status 2, before it joins a run."""
     setup_logging("client_agent", config.log_level)
     log = logging.getLogger("client_agent")
     metrics_port = start_metrics(config.metrics_port)
     health = Service("client_agent", config.address, max_workers=2)
     health.start()
+    from .demos import load_demos  # every demonstration file is read and checked before the model loads
+
+    try:
+        demos = load_demos(config.demos, config.env_list())
+    except ConfigError as exc:
+        health.stop(0)
+        return _config_error(exc)
     from .agent import ClientAgent  # heavy imports (torch, transformers) after the port is bound
 
     stop = threading.Event()
@@ -32,11 +41,10 @@ def serve(config: ClientConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        agent = ClientAgent(config)
+        agent = ClientAgent(config, demos)
     except ConfigError as exc:  # a --base-model that is no model directory shows only where it should load
-        print(f"configuration error: {exc}", file=sys.stderr)
         health.stop(0)
-        return 2
+        return _config_error(exc)
     health.ready([])
     log.info("started", extra=log_fields(port=health.port, metrics_port=metrics_port, client_id=config.client_id,
                                          env=config.env, base_model=config.base_model, device=str(agent.device)))
@@ -48,6 +56,12 @@ def serve(config: ClientConfig) -> int:
             health.stop(1)
     log.info("run complete", extra=log_fields(client_id=config.client_id))
     return 0
+
+
+def _config_error(exc: ConfigError) -> int:
+    """One line on stderr, as parse_or_exit writes a bad flag's; exit status 2."""
+    print(f"configuration error: {exc}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
