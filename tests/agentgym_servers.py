@@ -222,6 +222,12 @@ class AgentGymServer:
                 return {"error": str(exc)}
         return wrapped
 
+    def create(self) -> Any:
+        """POST /create as babyai, sciworld and alfworld answer it: a new id and nothing else."""
+        rid = self.new_id()
+        self.envs[rid] = {"deleted": False, "done": False}
+        return {"id": rid}
+
     def close_env(self, id: int) -> Any:  # noqa: A002 - AgentGym's field name
         env = self.check(id, resetting=True)
         env["deleted"] = True
@@ -328,11 +334,6 @@ class BabyAIServer(AgentGymServer):
             ("POST", "/close"): Route(g(self.close_env), ("id",), ("id",)),
         }
 
-    def create(self) -> Any:
-        rid = self.new_id()
-        self.envs[rid] = {"deleted": False, "done": False}
-        return {"id": rid}
-
     @staticmethod
     def _listed(actions: tuple[str, ...]) -> str:
         return "\nAvailable actions: [" + ", ".join(f'"{a}"' for a in actions) + "]"
@@ -395,11 +396,6 @@ class SciWorldServer(AgentGymServer):
             ("POST", "/close"): Route(g(self.close_env), ("id",), ("id",)),
         }
 
-    def create(self) -> Any:
-        rid = self.new_id()
-        self.envs[rid] = {"deleted": False, "done": False}
-        return {"id": rid}
-
     def reset(self, id: int, data_idx: int) -> Any:  # noqa: A002
         env = self.check(id, resetting=True)
         if not 0 <= data_idx < SCIWORLD_GAMES:
@@ -460,11 +456,6 @@ class ALFWorldServer(AgentGymServer):
             ("GET", "/detail"): Route(g(lambda id: self.check(id)), ("id",), ("id",)),
             ("POST", "/close"): Route(g(self.close_env), ("id",), ("id",)),
         }
-
-    def create(self) -> Any:
-        rid = self.new_id()
-        self.envs[rid] = {"deleted": False, "done": False}
-        return {"id": rid}
 
     @staticmethod
     def _actions(env: dict[str, Any]) -> list[str]:
