@@ -162,8 +162,7 @@ class ClientAgent:
         self.tokenize = TokenCache(self.tokenizer)
         self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens, self.tokenize)
         # The format where the agent writes its own ReAct text (environments that list no actions).
-        self.react_fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens,
-                                     self.tokenize, react=True)
+        self.react_fmt = self.fmt.as_react()
         self.write_tokens = self._write_tokens(config.max_new_tokens)
         self.writes: set[str] = set()  # the environments that list no actions (run() asks the env server)
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
@@ -290,7 +289,7 @@ class ClientAgent:
         metrics: dict[str, float] = {}
         successes = episodes = 0
         generated, fallbacks = self.scorer.generated, self.scorer.fallbacks
-        written, unparsed = self.scorer.written, self.scorer.unparsed
+        since = self.written_so_far()
         for task in tasks:
             trajs = self.episodes(task.env, task.test_ids,
                                   lambda t=task: self.model_policy(True, torch.Generator().manual_seed(0),
@@ -304,9 +303,7 @@ class ClientAgent:
         metrics["test_success"] = successes / max(1, episodes)
         if self.scorer.generated > generated:  # --policy generate: how often the text named no admissible action
             metrics["eval_fallback_rate"] = (self.scorer.fallbacks - fallbacks) / (self.scorer.generated - generated)
-        if self.scorer.written > written:  # environments without listed actions: how often the text named one
-            metrics["eval_parseable_action_rate"] = \
-                1 - (self.scorer.unparsed - unparsed) / (self.scorer.written - written)
+        self.parseable_since(since, metrics, "eval_parseable_action_rate")  # environments without listed actions
         return metrics
 
     # ---- state on disk -----------------------------------------------------------------------
@@ -484,32 +481,36 @@ class ClientAgent:
         while phase is not Phase.REPORTED:
             phase = steps[phase](r)
 
-    def _parseable(self, since: tuple[int, int], metrics: dict[str, float]) -> None:
-        """Adds `parseable_action_rate`: of the turns written since `since` (scorer.written,
-        scorer.unparsed), the share whose text named an action; nothing where none were written."""
+    def written_so_far(self) -> tuple[int, int]:
+        """The scorer's count of turns written and of those that named no action, for parseable_since."""
+        return self.scorer.written, self.scorer.unparsed
+
+    def parseable_since(self, since: tuple[int, int], metrics: dict[str, float], key: str) -> None:
+        """Sets metrics[key]: of the turns written since `since` (written_so_far), the share whose text
+        named an action; nothing where none were written."""
         written, unparsed = self.scorer.written - since[0], self.scorer.unparsed - since[1]
         if written:
-            metrics["parseable_action_rate"] = 1 - unparsed / written
+            metrics[key] = 1 - unparsed / written
 
     def _evaluate_and_explore(self, r: _Round) -> Phase:
         self.heartbeat.set("evaluating", r.round)
         self.load_global(r.round)
         started = time.perf_counter()
-        since = (self.scorer.written, self.scorer.unparsed)
+        since = self.written_so_far()
         r.metrics = self.evaluate(r.tasks, r.round)
         r.metrics["eval_s"] = time.perf_counter() - started
         PHASE_SECONDS.labels("eval").observe(r.metrics["eval_s"])
         if r.final:  # after the last round: only evaluate phi_T and report
             r.metrics["buffer"] = float(len(self.buffer))
             r.metrics.update(self.count_demos(r.tasks))
-            self._parseable(since, r.metrics)
+            self.parseable_since(since, r.metrics, "parseable_action_rate")
             self.finish_round(r.round, r.metrics)
             self.record(Progress(self.run_id, r.round, Phase.REPORTED.value, metrics=r.metrics))
             return Phase.REPORTED
         self.heartbeat.set("exploring", r.round)
         successes, explored = self.explore(r.round, r.tasks)
         r.metrics.update(explored)
-        self._parseable(since, r.metrics)
+        self.parseable_since(since, r.metrics, "parseable_action_rate")
         r.progress = Progress(self.run_id, r.round, Phase.EXPLORED.value, num_successes=successes, metrics=r.metrics)
         self.record(r.progress)
         return Phase.EXPLORED
@@ -555,7 +556,7 @@ class ClientAgent:
         seed = cfg.seed * 100_003 + round_
         t0 = time.perf_counter()
         trajs: list[Trajectory] = []
-        written, unparsed = self.scorer.written, self.scorer.unparsed
+        since = self.written_so_far()
         for task in tasks:
             ids = random.Random(seed).sample(task.train_ids, min(cfg.explore_tasks, len(task.train_ids)))
             trajs += self.episodes(task.env, ids,
@@ -572,9 +573,7 @@ class ClientAgent:
                    "explore_s": time.perf_counter() - t0}
         if trajs:
             metrics["explore_success"] = successes / len(trajs)
-        if self.scorer.written > written:
-            metrics["explore_parseable_action_rate"] = \
-                1 - (self.scorer.unparsed - unparsed) / (self.scorer.written - written)
+        self.parseable_since(since, metrics, "explore_parseable_action_rate")
         return successes, metrics
 
     def train(self, round_: int) -> tuple[bytes, int, dict[str, float]]:

@@ -17,7 +17,7 @@ exactly the tokens it sees when it acts:
   every action (`encode_trajectory`), instead of once per turn.
 
 Where the agent writes its own text instead of picking a listed action (an environment that lists no
-actions), the format's ReAct variant (`react=True`) tells the model to answer as AgentGym's agents do,
+actions), the format's ReAct variant (`as_react()`) tells the model to answer as AgentGym's agents do,
 "Thought:\n<thought>\n\nAction:\n<action>" (the chat format in its system message, the plain format
 after the instruction), and every turn that has a written text (a file's demonstration, a generated
 turn) shows and trains on that whole text instead of "Action: <action>": `target(action, text)`,
@@ -188,6 +188,8 @@ class PromptFormat(Protocol):
 
     def target(self, action: str, text: str = "") -> str: ...
 
+    def as_react(self) -> "PromptFormat": ...
+
 
 def head_bytes(text: str, n: int) -> str:
     """The longest start of `text` of at most n UTF-8 bytes (never half a character)."""
@@ -324,17 +326,17 @@ class ChatFormat:
 
 
 def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int | None = None,
-                tokenize: TokenCache | None = None, react: bool = False) -> PromptFormat:
+                tokenize: TokenCache | None = None) -> PromptFormat:
     """ChatFormat for a model whose tokenizer has a chat template, else PlainFormat. max_history < 0
     means the format's default: the whole episode in the window (chat), 1 turn (plain). `tokenize`:
-    a TokenCache to share with the scorer and training (a prompt is then tokenized once). `react`:
-    the variant for environments where the agent writes its action (see the module docstring)."""
+    a TokenCache to share with the scorer and training (a prompt is then tokenized once). The variant
+    for environments where the agent writes its action is the format's as_react()."""
     tiny = is_tiny(model)
     if not tiny and getattr(tokenizer, "chat_template", None):
         return ChatFormat(tokenizer, max_prompt_tokens or default_max_prompt_tokens(model), max_history,
-                          tokenize=tokenize, react=react)
+                          tokenize=tokenize)
     window = (max_prompt_tokens or TINY_MAX_PROMPT_TOKENS) if tiny else None
-    return PlainFormat(1 if max_history < 0 else max_history, window, react)
+    return PlainFormat(1 if max_history < 0 else max_history, window)
 
 
 @dataclasses.dataclass(frozen=True)
