@@ -110,10 +110,16 @@ class RunConfig:
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
-        specs = self.env_specs()  # checked here (each factory imports and takes its options), not in each server
-        from services.env_server.registry import known_names
+        specs = self.env_specs()
+        from services.env_server import registry
 
-        unknown = set(scoring_rules(self.scoring)) - {"", *specs, *known_names()}
+        try:  # here, once (each factory imports and takes its options), not in each server after others started
+            for text in specs.values():
+                registry.check(registry.parse_spec(text), self.seed)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"--envs: {exc}") from None
+
+        unknown = set(scoring_rules(self.scoring)) - {"", *specs, *registry.known_names()}
         if unknown:
             raise ConfigError(f"--scoring names {', '.join(sorted(unknown))}: environments are "
                               f"{', '.join(specs)}")
@@ -128,16 +134,14 @@ class RunConfig:
         check_base_model(self.base_model)  # here, not in each client process after the others have started
 
     def env_specs(self) -> dict[str, str]:
-        """Each environment's name and its spec as the env server takes it; ConfigError if one cannot be served."""
+        """Each environment's name and its spec as the env server takes it (parsed only: __post_init__
+        checked that each can be served); ConfigError for a malformed spec."""
         from services.env_server import registry
 
         try:
-            specs = registry.parse_specs(self.envs)
-            for spec in specs:
-                registry.check(spec, self.seed)
+            return {spec.name: spec.text for spec in registry.parse_specs(self.envs)}
         except registry.RegistryError as exc:
             raise ConfigError(f"--envs: {exc}") from None
-        return {spec.name: spec.text for spec in specs}
 
     def env_list(self) -> list[str]:
         return list(self.env_specs()) if self.envs.strip() else []
