@@ -172,7 +172,9 @@ def test_training_covers_the_whole_gpt_text_where_the_agent_writes_and_the_actio
 
     def covered(e):
         return [tok.decode(list(e.ids[s:end])) for s, end in e.spans]
-    assert covered(w) == [text + "<|im_end|>" for text in t.texts]
+    # The prompt ends with the answer's opening, "Thought:"; the loss covers the rest of the text.
+    assert all(text.startswith("Thought:") for text in t.texts)
+    assert covered(w) == [text[len("Thought:"):] + "<|im_end|>" for text in t.texts]
     assert covered(p) == [f"Action: {a}<|im_end|>" for _, a in t.turns]
     # What the writing agent sees: the ReAct instructions, and its earlier thought in the history.
     seen = tok.decode(list(w.ids))
@@ -181,4 +183,4 @@ def test_training_covers_the_whole_gpt_text_where_the_agent_writes_and_the_actio
     # The plain format (the tiny model's) trains on the text too, a sequence per turn.
     plain = training_examples([t], PlainFormat(max_history=1), tokenize, 4096, PlainFormat(1, None, True),
                               {"textcraft"})
-    assert [covered(e) for e in plain] == [[text + "\n"] for text in t.texts]
+    assert [covered(e) for e in plain] == [[text[len("Thought:"):] + "\n"] for text in t.texts]

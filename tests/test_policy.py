@@ -300,6 +300,10 @@ def test_calibrated_baselines_follow_the_weights_after_forget():
     ("Thought: go down.\nAction: move down\n", "move down"),  # ours, on one line
     ("Action:   \n\n  craft 1 stick using 2 planks  \nI hope it works.", "craft 1 stick using 2 planks"),
     ("action : look", "look"),
+    ('\n"craft 1 torch using 1 coal"\nAction:\n"craft 1 torch using 1 coal"\n', "craft 1 torch using 1 coal"),  # SmolLM2
+    ("Action: `look`", "look"),
+    ("Action: 'it's'", "it's"),  # one pair of quotes only
+    ('Action: ""', '""'),  # nothing inside: kept as written
     ("Thought: the Action: line comes last.\n\nAction:\nsearch[red shoes]", "search[red shoes]"),  # the last one
     ("Thought: a Reaction: is no action\n", None),
     ("Thought: I do not know.", None),
@@ -340,6 +344,9 @@ def test_written_actions_are_parsed_or_fall_back_counted_and_sampled_reproducibl
         assert w.action == (parse_react(w.text) if w.parsed else fallback_action(w.text)) and w.action.strip()
     assert (scorer.written, scorer.unparsed) == (3, sum(not w.parsed for w in out))
     assert [w.text for w in scorer.write_actions(prompts, max_new_tokens=12)] == [w.text for w in out]  # greedy
+    # The text kept is the whole answer: the opening the prompts end with, then what the model wrote.
+    opened = scorer.write_actions(prompts, max_new_tokens=12, opening="Thought:")
+    assert [w.text for w in opened] == ["Thought:" + w.text for w in out]
     a = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
     b = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
     c = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(4))

@@ -129,9 +129,12 @@ def test_the_react_chat_format_says_how_to_answer_and_shows_what_was_written():
     assert react.system == REACT_SYSTEM_PROMPT
     assert "Thought:\n<your thoughts>\n\nAction:\n<your next action>" in react.system
     assert react.end_of_turn == fmt.end_of_turn
-    assert react.target("move up", WRITTEN[0]) == WRITTEN[0] + "<|im_end|>"
-    assert react.target("move up") == fmt.target("move up") == "Action: move up<|im_end|>"  # no text: the action
+    # The prompt ends with the answer's opening, "Thought:"; the agent writes the rest.
+    assert react.target("move up", WRITTEN[0]) == WRITTEN[0].removeprefix("Thought:") + "<|im_end|>"
+    assert react.target("move up") == " Action: move up<|im_end|>"  # no text: the action, after the opening
+    assert fmt.target("move up") == "Action: move up<|im_end|>" and fmt.opening == ""
     p = react.prompt("Reach the goal.", TURNS[:2], "You are at 2, 2.", WRITTEN[:2])
+    assert p.endswith("<|im_start|>assistant\nThought:")
     assert "<|im_start|>assistant\n" + WRITTEN[0] + "<|im_end|>" in p and "Action: move right<|im_end|>" not in p
     # The next prompt extends this one by exactly the written text: one training sequence, reused caches.
     assert react.prompt("Reach the goal.", TURNS, "You are at 3, 2.", WRITTEN).startswith(
@@ -149,7 +152,7 @@ def test_training_on_written_turns_covers_each_whole_text_as_the_agent_saw_it(li
         seq, (start, end) = spans[i]
         seen = tokenize.prompt(react.prompt("Reach the goal.", TURNS[:i], obs, WRITTEN[:i]), limit)
         assert list(seq.ids[:start])[-len(seen):] == seen
-        assert list(seq.ids[start:end]) == tokenize(WRITTEN[i] + "<|im_end|>")
+        assert list(seq.ids[start:end]) == tokenize(WRITTEN[i].removeprefix("Thought:") + "<|im_end|>")
     assert (len(seqs) == 1) == (limit == 4096)
     # Turns without a text train on their action, as before.
     assert encode_trajectory(fmt, tokenize, "Reach the goal.", TURNS, limit) == \
@@ -160,9 +163,10 @@ def test_the_plain_react_format_adds_the_answer_format_and_trains_on_each_text()
     tokenize = TokenCache(build_tiny_tokenizer())
     react = PlainFormat(max_history=1).as_react()
     p = react.prompt("Do it.", TURNS[:1], "obs", WRITTEN[:1])
-    assert p == "Do it.\n" + REACT_HINT + "\nObservation: You are at 1, 1.\n" + WRITTEN[0] + "\nObservation: obs\n"
+    assert p == ("Do it.\n" + REACT_HINT + "\nObservation: You are at 1, 1.\n" + WRITTEN[0] + "\nObservation: obs\n"
+                 "Thought:")
     seqs = encode_trajectory(react, tokenize, "Do it.", TURNS, None, WRITTEN)
-    assert [s.targets for s in seqs] == [len(tokenize(w + "\n")) for w in WRITTEN]
+    assert [s.targets for s in seqs] == [len(tokenize(w.removeprefix("Thought:") + "\n")) for w in WRITTEN]
     # The tiny window keeps the current observation's start over a long earlier text.
     tiny = PlainFormat(1, TINY_MAX_PROMPT_TOKENS, react=True)
     cut = tiny.prompt("Do it.", TURNS[:1], "x" * 200, ["Thought:\n" + "y" * 120 + "\n\nAction:\nmove"])

@@ -200,7 +200,8 @@ class ClientAgent:
             prompts = [self.react_fmt.prompt(s.session.instruction, s.turns, s.observation.text, s.texts)
                        for s in states]
             written = self.scorer.write_actions(prompts, self.write_tokens, greedy=greedy,
-                                                temperature=self.cfg.temperature, generator=generator)
+                                                temperature=self.cfg.temperature, generator=generator,
+                                                opening=self.react_fmt.opening)
             parsed = sum(w.parsed for w in written)
             WRITTEN.labels(phase, "parsed").inc(parsed)
             WRITTEN.labels(phase, "unparsed").inc(len(written) - parsed)

@@ -634,12 +634,14 @@ class ActionScorer:
         return [_cut_after_action(t) for t in texts]
 
     def write_actions(self, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
-                      temperature: float = 1.0, generator: torch.Generator | None = None) -> list[Written]:
+                      temperature: float = 1.0, generator: torch.Generator | None = None,
+                      opening: str = "") -> list[Written]:
         """Writing mode (an environment that lists no actions): the agent's ReAct text for each
-        prompt and the action parsed from it (parse_react), or fallback_action's where it names none;
-        counted in `written` and `unparsed`."""
-        texts = self.generate_texts(prompts, max_new_tokens, greedy=greedy, temperature=temperature,
-                                    generator=generator)
+        prompt (`opening`, the start of it the prompts end with, then what the model wrote) and the
+        action parsed from it (parse_react), or fallback_action's where it names none; counted in
+        `written` and `unparsed`."""
+        texts = [opening + t for t in self.generate_texts(prompts, max_new_tokens, greedy=greedy,
+                                                           temperature=temperature, generator=generator)]
         out = []
         for text in texts:
             action = parse_react(text)

@@ -48,6 +48,16 @@ REACT_SYSTEM_PROMPT = ("You are an agent completing a task in a text environment
                        "think about what to do, and answer in this format:\n" + REACT_FORMAT + "\nThe action is one "
                        "line, written as the task describes its commands.")
 REACT_HINT = "Answer each observation in this format:\n" + REACT_FORMAT
+# How a written answer begins, already in the prompt: asked for the format alone, SmolLM2-135M-Instruct
+# restated the task instead ("Craft the goal item in a Minecraft-like crafting game."); after
+# "Thought:" it wrote a thought and an "Action:" line (3 of 3 TextCraft goals tried).
+REACT_OPENING = "Thought:"
+
+
+def after_opening(said: str) -> str:
+    """What the agent writes after the prompt's REACT_OPENING for a turn whose answer is `said`: the rest
+    of it where it begins with the opening, else a space and all of it."""
+    return said[len(REACT_OPENING):] if said.startswith(REACT_OPENING) else " " + said
 
 
 # "Action:" as a ReAct answer marks it (not the end of a word such as "Reaction:").
@@ -61,14 +71,17 @@ EMPTY_TEXT_ACTION = "none"
 def parse_react(text: str) -> str | None:
     r"""The action of a ReAct text, or None where it names none: the first non-empty line after its
     last "Action:" (on the same line, "Action: move up", or on the next, AgentGym's "Action:\nmove
-    up"), stripped and cut to MAX_WRITTEN_ACTION_CHARS. AgentGym's own clients read the same: the
+    up"), stripped, out of one pair of surrounding quotes, and cut to MAX_WRITTEN_ACTION_CHARS. AgentGym's own clients read the same: the
     regex `Action:\s*(.*?)(?=\n|$)`, or what follows the last "Action:"."""
     marks = list(_REACT_MARK.finditer(text))
     if not marks:
         return None
     for line in text[marks[-1].end():].splitlines():
-        if line.strip():
-            return line.strip()[:MAX_WRITTEN_ACTION_CHARS]
+        line = line.strip()
+        if len(line) > 2 and line[0] == line[-1] and line[0] in "\"'`":
+            line = line[1:-1].strip()  # a quoted action: SmolLM2 writes "craft 1 stick using 2 oak planks"
+        if line:
+            return line[:MAX_WRITTEN_ACTION_CHARS]
     return None
 
 
@@ -188,6 +201,9 @@ class PromptFormat(Protocol):
 
     def target(self, action: str, text: str = "") -> str: ...
 
+    # What a prompt ends with: the start of the agent's answer ("" unless it writes ReAct text).
+    opening: str
+
     def as_react(self) -> "PromptFormat": ...
 
 
@@ -212,8 +228,9 @@ class PlainFormat:
     was 25% (seed 0) and 30% (seed 1) with the start of the observation, 5% (seed 1) with its end.
 
     `react`: the agent writes its own ReAct text (an environment that lists no actions); the
-    instruction is followed by REACT_HINT, and a written text longer than half the window is left
-    out of a cut prompt (the current observation's start matters more)."""
+    instruction is followed by REACT_HINT, the prompt ends with REACT_OPENING (`opening`), and a
+    written text longer than half the window is left out of a cut prompt (the current observation's
+    start matters more)."""
 
     max_history: int = 1
     window: int | None = None
@@ -228,14 +245,21 @@ class PlainFormat:
             if len((previous + current).encode("utf-8")) > self.window:
                 if len(previous.encode("utf-8")) > self.window // 2:
                     previous = ""
-                room = self.window - len(previous.encode("utf-8")) - 1  # the observation's cut start, then "\n"
-                return previous + head_bytes(current, room).rstrip("\n") + "\n"
+                # the observation's cut start, then "\n" and the opening
+                room = self.window - len(previous.encode("utf-8")) - 1 - len(self.opening)
+                return previous + head_bytes(current, room).rstrip("\n") + "\n" + self.opening
         if self.react:
             instruction = f"{instruction.strip()}\n{REACT_HINT}"
-        return format_prompt(instruction, turns, observation, self.max_history, texts)
+        return format_prompt(instruction, turns, observation, self.max_history, texts) + self.opening
 
     def target(self, action: str, text: str = "") -> str:
-        return format_target(action, text)
+        said = format_target(action, text)
+        return after_opening(said) if self.react else said
+
+    @property
+    def opening(self) -> str:
+        """What the prompt ends with, the start of the agent's answer: REACT_OPENING where it writes."""
+        return REACT_OPENING if self.react else ""
 
     def as_react(self) -> "PlainFormat":
         """This format for an environment where the agent writes its action (see the class docstring)."""
@@ -257,6 +281,8 @@ class ChatFormat:
         self.max_history = max_history
         self.react = react
         self.system = system if system is not None else REACT_SYSTEM_PROMPT if react else SYSTEM_PROMPT
+        # What the prompt ends with, the start of the agent's answer: REACT_OPENING where it writes.
+        self.opening = REACT_OPENING if react else ""
         self.tokenize = tokenize or TokenCache(tokenizer)
         self.end_of_turn = self._end_of_turn()
         self._starts: OrderedDict[tuple, int] = OrderedDict()
@@ -319,10 +345,11 @@ class ChatFormat:
     def prompt(self, instruction: str, turns: Sequence[tuple[str, str]], observation: str,
                texts: Sequence[str] = ()) -> str:
         start = self.window_start(instruction, turns, observation, texts)
-        return self.render(instruction, list(turns)[start:], observation, tuple(texts)[start:])
+        return self.render(instruction, list(turns)[start:], observation, tuple(texts)[start:]) + self.opening
 
     def target(self, action: str, text: str = "") -> str:
-        return f"{self.said(action, text)}{self.end_of_turn}"
+        said = self.said(action, text)
+        return f"{after_opening(said) if self.react else said}{self.end_of_turn}"
 
 
 def make_format(model, tokenizer, max_history: int = -1, max_prompt_tokens: int | None = None,
