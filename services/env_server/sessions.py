@@ -117,6 +117,15 @@ def check_action(action: str) -> None:
                         "send only the action itself, not the reasoning around it")
 
 
+def _close_episode(episode: Episode, env: str, session_id: str) -> None:
+    """episode.close(); a failure is logged, not raised (the session is gone either way)."""
+    try:
+        episode.close()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("closing an episode failed", extra=log_fields(
+            session_id=session_id, env=env, error=f"{type(exc).__name__}: {exc}"[:500]))
+
+
 class SessionManager:
     """Open episodes by session id, over a fixed set of environments."""
 
@@ -181,7 +190,7 @@ class SessionManager:
                 self._sessions[session.id] = session
         self._end_episodes(expired)
         if full:
-            self._end_episodes([_Session("", environment, task_id, episode, 0.0)])
+            _close_episode(episode, environment.name, "")  # made before the cap was known to be reached
             raise TooManySessions(
                 f"{self.max_sessions} sessions are open, the limit of this server: close finished "
                 f"sessions with Close (idle ones expire after {self.ttl_s:g} s) or raise --max-sessions")
@@ -249,12 +258,8 @@ class SessionManager:
         """Lets ended sessions' episodes free what they hold (a bridged server's session), outside the
         manager's lock and after any call still running on the session; a failure is logged, not raised."""
         for session in sessions:
-            try:
-                with session.lock:
-                    session.episode.close()
-            except Exception as exc:  # noqa: BLE001 - the session is gone either way
-                log.warning("closing an episode failed", extra=log_fields(
-                    session_id=session.id, env=session.env.name, error=f"{type(exc).__name__}: {exc}"[:500]))
+            with session.lock:
+                _close_episode(session.episode, session.env.name, session.id)
 
     # ---- internals (the callers hold the locks the names say)
 
