@@ -6,15 +6,14 @@ import pytest
 
 from services.env_server.envs.babyai import (
     AGENTGYM_LEVELS,
-    CHECK,
     DEFAULT_LEVELS,
     NUM_TEST,
     NUM_TRAIN,
     SUCCESS_TEXT,
     UNRECOGNIZED,
     BabyAIEnv,
-    normalize_action,
 )
+from services.env_server.envs.babyai_view import CHECK, normalize_action
 from services.env_server.envs.base import UnknownTask
 from services.env_server.sessions import Outcome, SessionManager
 
