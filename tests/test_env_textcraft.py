@@ -13,16 +13,14 @@ from services.env_server.envs.textcraft import (
     MAX_TURNS,
     NUM_TEST,
     NUM_TRAIN,
-    Recipe,
     Task,
     TextCraftEnv,
     TextCraftEpisode,
-    crafting_book,
-    display,
     goal_pool,
     make_task,
     plan,
 )
+from services.env_server.envs.textcraft_recipes import Recipe, crafting_book, display
 from services.env_server.sessions import Outcome, SessionManager
 
 
