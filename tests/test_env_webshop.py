@@ -8,18 +8,7 @@ import re
 import pytest
 
 from services.env_server.envs.base import UnknownTask
-from services.env_server.envs.webshop import (
-    INSTRUCTION,
-    NUM_TEST,
-    NUM_TRAIN,
-    PAGE_SIZE,
-    SearchIndex,
-    WebShopEnv,
-    fts_query,
-    parse_action,
-    reward,
-    token_set_ratio,
-)
+from services.env_server.envs.webshop import INSTRUCTION, NUM_TEST, NUM_TRAIN, PAGE_SIZE, WebShopEnv, parse_action
 from services.env_server.envs.webshop_catalog import (
     CATEGORIES,
     EXACT_MATCH_OPTIONS,
@@ -30,6 +19,8 @@ from services.env_server.envs.webshop_catalog import (
     mentions,
     price_bound,
 )
+from services.env_server.envs.webshop_reward import reward, token_set_ratio
+from services.env_server.envs.webshop_search import SearchIndex, fts_query
 from services.env_server.sessions import Outcome, SessionManager
 
 

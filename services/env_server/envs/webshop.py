@@ -14,10 +14,11 @@ joined by " [SEP] ":
 and acts with `search[keywords]` (only on the search page, which alone has a search bar) or
 `click[value]` with a clickable of the page, matched case-insensitively (WebShop lowercases the
 argument; its clickables are lowercase, product ids included). "Buy Now" ends the episode with
-WebShop's reward (see `reward`); success is reward 1. Search is a real full-text index: SQLite FTS5
-(stdlib sqlite3, in memory, porter stemming) ranked by BM25, top 50 results, 10 per page, as WebShop
-(Lucene BM25, SEARCH_RETURN_N = 50, PRODUCT_WINDOW = 10). An action that is not admissible changes
-nothing, says so, and still uses a turn; the session layer enforces the 10-turn limit.
+WebShop's reward (webshop_reward.py); success is reward 1. Search is a real full-text index
+(webshop_search.py): SQLite FTS5 (stdlib sqlite3, in memory, porter stemming) ranked by BM25, top 50
+results, 10 per page, as WebShop (Lucene BM25, SEARCH_RETURN_N = 50, PRODUCT_WINDOW = 10). An action
+that is not admissible changes nothing, says so, and still uses a turn; the session layer enforces
+the 10-turn limit.
 
 Admissible actions: on the search page a bounded set of searches built from the instruction (its
 key words, the instruction itself, and shorter queries from its words; any other `search[...]` works
@@ -33,32 +34,18 @@ option matches count at most once per goal option, so a reward never exceeds 1.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import random
-import sqlite3
-import threading
 from typing import Iterable, Sequence
 
 from .base import Environment, Episode, NumberedTasks, StepResult, shuffled_cycle
-from .webshop_catalog import (
-    EXACT_MATCH_OPTIONS,
-    PRODUCT_TYPES,
-    STOPWORDS,
-    Goal,
-    Product,
-    build_products,
-    keywords,
-    make_goal,
-    mentions,
-    words,
-)
+from .webshop_catalog import (EXACT_MATCH_OPTIONS, PRODUCT_TYPES, Goal, Product, build_products, keywords, make_goal,
+                              words)
+from .webshop_reward import FUZZY_THRESHOLD, reward, token_set_ratio
+from .webshop_search import SearchIndex, fts_query
 
 NUM_TRAIN, NUM_TEST = 3930, 200
-SEARCH_RETURN_N = 50
 PAGE_SIZE = 10
-FUZZY_THRESHOLD = 85          # WebShop: token_set_ratio(...) > 85
-MAX_QUERY_TERMS = 32
 
 SEP = " [SEP] "
 BACK_TO_SEARCH, NEXT_PAGE, PREV_PAGE, BUY_NOW = "Back to Search", "Next >", "< Prev", "Buy Now"
@@ -75,127 +62,6 @@ INSTRUCTION = (
     "attributes, options and price, and only a full match (score 1) is a success. An action that is not "
     "available changes nothing but still uses one of the 10 turns."
 )
-
-
-# ---- WebShop's reward
-
-def token_set_ratio(a: str, b: str) -> int:
-    """thefuzz's token_set_ratio (0..100), with difflib's ratio in place of python-Levenshtein's.
-
-    Sorted common tokens, then each side's remaining tokens appended; the best ratio of the three
-    pairs. A phrase whose tokens are a subset of the other's scores 100.
-    """
-    ta, tb = set(a.lower().split()), set(b.lower().split())
-    common = " ".join(sorted(ta & tb))
-    sa = (common + " " + " ".join(sorted(ta - tb))).strip()
-    sb = (common + " " + " ".join(sorted(tb - ta))).strip()
-    pairs = [(sa, sb)] + ([(common, sa), (common, sb)] if common else [])
-    return round(100 * max(difflib.SequenceMatcher(None, x, y).ratio() for x, y in pairs))
-
-
-def _product_text(product: Product) -> str:
-    return " ".join([product.title, " ".join(product.bullets), product.description])
-
-
-def _category_levels(path: str) -> set[str]:
-    return {level.strip() for level in path.split("›")}
-
-
-def type_reward(product: Product, goal: Goal, nouns: frozenset[str]) -> float:
-    """WebShop's r_type: 1 when query, category path (2 levels) or title nouns (> 0.2) agree."""
-    query_match = product.query == goal.query
-    category_match = len(_category_levels(product.product_category) & _category_levels(goal.product_category)) >= 2
-    desired = {w for w in words(goal.name) if w in nouns}
-    purchased = {w for w in words(product.title) if w in nouns}
-    title_score = len(desired & purchased) / len(desired) if desired else 0.2
-    r_type = 1.0 if (query_match or category_match or title_score > 0.2) else 0.5
-    if title_score < 0.1:
-        r_type = 0.1
-    if title_score == 0.0:
-        r_type = 0.0
-    return r_type
-
-
-def attribute_matches(product: Product, goal: Goal) -> int:
-    """Goal attributes the product has: a fuzzy match of its attributes, else named in its text."""
-    text = _product_text(product)
-    n = 0
-    for g in goal.attributes:
-        if any(token_set_ratio(p, g) > FUZZY_THRESHOLD for p in product.attributes) or mentions(text, g):
-            n += 1
-    return n
-
-
-def option_matches(product: Product, goal: Goal, chosen: dict[str, str]) -> int:
-    """Chosen options that a goal option asks for (size exactly, others fuzzily), else named in the text."""
-    goal_values = goal.option_values
-    text = _product_text(product)
-    n = 0
-    for name, value in chosen.items():
-        if name.lower() in EXACT_MATCH_OPTIONS:
-            matched = value in goal_values
-        else:
-            matched = any(token_set_ratio(g, value) > FUZZY_THRESHOLD for g in goal_values)
-        if matched or mentions(text, value):
-            n += 1
-    return min(n, len(goal_values))
-
-
-def reward(product: Product, goal: Goal, chosen: dict[str, str], nouns: frozenset[str]) -> float:
-    """WebShop's get_reward: (attribute matches + option matches + price ok) / (#attributes + #options + 1),
-    times the type reward. 1 only when every part matches."""
-    r_price = 1 if product.price <= goal.price_upper else 0
-    total = (attribute_matches(product, goal) + option_matches(product, goal, chosen) + r_price) / (
-        len(goal.attributes) + len(goal.options) + 1)
-    return total * type_reward(product, goal, nouns)
-
-
-# ---- search
-
-def _document(product: Product) -> str:
-    options = ", and ".join(f"{name}: {', '.join(values)}" for name, values in product.options)
-    return " ".join([product.title, product.description, " ".join(product.bullets), options]).lower()
-
-
-def fts_query(text: str) -> str:
-    """Free text as an FTS5 query: its words, each quoted, OR-ed (BM25 ranks by how many and how rare)."""
-    terms = list(dict.fromkeys(w for w in words(text) if w not in STOPWORDS))[:MAX_QUERY_TERMS]
-    return " OR ".join('"' + t.replace('"', "") + '"' for t in terms)
-
-
-class SearchIndex:
-    """BM25 full-text search over the catalogue: SQLite FTS5 in memory, shared by all episodes."""
-
-    CACHE_SIZE = 8192
-
-    def __init__(self, products: Sequence[Product]):
-        self._products = list(products)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(":memory:", check_same_thread=False)
-        try:
-            self._db.execute("CREATE VIRTUAL TABLE docs USING fts5(contents, tokenize = 'porter unicode61')")
-        except sqlite3.OperationalError as exc:
-            raise RuntimeError(f"this Python's sqlite3 has no FTS5 ({exc}); WebShop needs it for search") from exc
-        self._db.executemany("INSERT INTO docs(rowid, contents) VALUES (?, ?)",
-                             ((i, _document(p)) for i, p in enumerate(self._products)))
-        self._cache: dict[str, tuple[Product, ...]] = {}
-
-    def search(self, text: str, k: int = SEARCH_RETURN_N) -> tuple[Product, ...]:
-        """The top k products for free text, best first (ties by catalogue order)."""
-        query = fts_query(text)
-        if not query:
-            return ()
-        key = f"{k}\x00{query}"
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is None:
-                rows = self._db.execute(
-                    "SELECT rowid FROM docs WHERE docs MATCH ? ORDER BY bm25(docs), rowid LIMIT ?", (query, k))
-                hit = tuple(self._products[r] for (r,) in rows)
-                if len(self._cache) >= self.CACHE_SIZE:
-                    self._cache.clear()
-                self._cache[key] = hit
-        return hit
 
 
 # ---- pages
