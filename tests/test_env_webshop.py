@@ -9,18 +9,10 @@ import pytest
 
 from services.env_server.envs.base import UnknownTask
 from services.env_server.envs.webshop import INSTRUCTION, NUM_TEST, NUM_TRAIN, PAGE_SIZE, WebShopEnv, parse_action
-from services.env_server.envs.webshop_catalog import (
-    CATEGORIES,
-    EXACT_MATCH_OPTIONS,
-    PRODUCT_TYPES,
-    Goal,
-    Product,
-    keywords,
-    mentions,
-    price_bound,
-)
+from services.env_server.envs.webshop_catalog import EXACT_MATCH_OPTIONS, Goal, Product, keywords, mentions, price_bound
 from services.env_server.envs.webshop_reward import reward, token_set_ratio
 from services.env_server.envs.webshop_search import SearchIndex, fts_query
+from services.env_server.envs.webshop_types import CATEGORIES, PRODUCT_TYPES
 from services.env_server.sessions import Outcome, SessionManager
 
 

@@ -39,10 +39,10 @@ import random
 from typing import Iterable, Sequence
 
 from .base import Environment, Episode, NumberedTasks, StepResult, shuffled_cycle
-from .webshop_catalog import (EXACT_MATCH_OPTIONS, PRODUCT_TYPES, Goal, Product, build_products, keywords, make_goal,
-                              words)
+from .webshop_catalog import EXACT_MATCH_OPTIONS, Goal, Product, build_products, keywords, make_goal, words
 from .webshop_reward import FUZZY_THRESHOLD, reward, token_set_ratio
 from .webshop_search import SearchIndex, fts_query
+from .webshop_types import PRODUCT_TYPES
 
 NUM_TRAIN, NUM_TEST = 3930, 200
 PAGE_SIZE = 10
