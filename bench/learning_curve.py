@@ -24,12 +24,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from lockstep import Played, play_side_by_side  # noqa: E402  (tests/lockstep.py)
 from services.client_agent.model import add_lora, load_base  # noqa: E402
 from services.client_agent.policy import ActionScorer  # noqa: E402
 from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, format_prompt  # noqa: E402
 from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
-from services.env_server.envs.base import Played, play_side_by_side  # noqa: E402
 
 
 def make_env(name: str):

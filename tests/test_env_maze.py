@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.env_server.envs.base import play_side_by_side
+from lockstep import play_side_by_side
 from services.env_server.envs.maze import GOAL, NUM_TEST, NUM_TRAIN, STARTS, MazeEnv, describe, shortest_path_actions
 from services.env_server.sessions import Outcome, SessionManager
 

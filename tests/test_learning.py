@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from fedse.tinymodel import build_tiny_model, weights_digest
+from lockstep import play_side_by_side
 from services.client_agent.model import add_lora, get_adapter_state
 from services.client_agent.policy import ActionScorer
 from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat, format_prompt
 from services.client_agent.trainer import train_lora
 from services.env_server.envs import make_environment
-from services.env_server.envs.base import play_side_by_side
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)
