@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from fedse import adapter as ad
-from services.aggregator.rounds import RoundKeeper, RunSettings, StaleRound, State, UploadHeader
+from services.aggregator.errors import StaleRound
+from services.aggregator.rounds import RoundKeeper
+from services.aggregator.state import RunSettings, State
 from services.aggregator.store import Store
 from services.aggregator.strategies import StrategyParams
+from services.aggregator.uploads import UploadHeader
 
 A, B = "m.lora_A.weight", "m.lora_B.weight"
 SCHEMA = ad.Schema.of({A: torch.zeros(2, 3), B: torch.zeros(3, 2)}, '{"r": 2}')

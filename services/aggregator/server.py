@@ -12,8 +12,9 @@ from fedse.security import Security, peer_identity, server_credentials, server_i
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
-from .rounds import RoundKeeper, RunSettings
+from .rounds import RoundKeeper
 from .servicer import FederationServicer
+from .state import RunSettings
 from .store import Store
 from .strategies import STRATEGIES, StrategyParams, validate_params
 

@@ -14,40 +14,41 @@ from fedse.serving import StatusMap
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
-from . import rounds
+from . import errors, rounds
+from .state import State
 from .uploads import UploadHeader
 from .metrics import BYTES_RECEIVED, BYTES_SENT, CLIENTS, CLIENTS_ALIVE, ROUND, UPLOADS
 
 log = logging.getLogger("aggregator.servicer")
 
 _STATE = {
-    rounds.State.WAITING_FOR_CLIENTS: fpb.ROUND_STATE_WAITING_FOR_CLIENTS,
-    rounds.State.OPEN: fpb.ROUND_STATE_OPEN,
-    rounds.State.AGGREGATING: fpb.ROUND_STATE_AGGREGATING,
-    rounds.State.FINISHED: fpb.ROUND_STATE_FINISHED,
+    State.WAITING_FOR_CLIENTS: fpb.ROUND_STATE_WAITING_FOR_CLIENTS,
+    State.OPEN: fpb.ROUND_STATE_OPEN,
+    State.AGGREGATING: fpb.ROUND_STATE_AGGREGATING,
+    State.FINISHED: fpb.ROUND_STATE_FINISHED,
 }
 
 
-class IdentityMismatch(rounds.FederationError):
+class IdentityMismatch(errors.FederationError):
     pass
 
 
-class Incomplete(rounds.FederationError):
+class Incomplete(errors.FederationError):
     pass
 
 
 # Domain error -> status code, and the reason a refused upload is counted under.
 _RULES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
     (IdentityMismatch, grpc.StatusCode.PERMISSION_DENIED, "identity_mismatch"),
-    (rounds.NotJoined, grpc.StatusCode.FAILED_PRECONDITION, "not_joined"),
-    (rounds.StaleRound, grpc.StatusCode.FAILED_PRECONDITION, "stale_round"),
-    (rounds.RunFinished, grpc.StatusCode.FAILED_PRECONDITION, "run_finished"),
-    (rounds.SchemaMismatch, grpc.StatusCode.FAILED_PRECONDITION, "schema_mismatch"),
-    (rounds.ResumeMismatch, grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch"),
+    (errors.NotJoined, grpc.StatusCode.FAILED_PRECONDITION, "not_joined"),
+    (errors.StaleRound, grpc.StatusCode.FAILED_PRECONDITION, "stale_round"),
+    (errors.RunFinished, grpc.StatusCode.FAILED_PRECONDITION, "run_finished"),
+    (errors.SchemaMismatch, grpc.StatusCode.FAILED_PRECONDITION, "schema_mismatch"),
+    (errors.ResumeMismatch, grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch"),
     (Incomplete, grpc.StatusCode.FAILED_PRECONDITION, "incomplete"),
-    (rounds.Superseded, grpc.StatusCode.ABORTED, "superseded"),
-    (rounds.DuplicateUpload, grpc.StatusCode.ALREADY_EXISTS, "duplicate"),
-    (rounds.NotAvailable, grpc.StatusCode.NOT_FOUND, "not_available"),
+    (errors.Superseded, grpc.StatusCode.ABORTED, "superseded"),
+    (errors.DuplicateUpload, grpc.StatusCode.ALREADY_EXISTS, "duplicate"),
+    (errors.NotAvailable, grpc.StatusCode.NOT_FOUND, "not_available"),
     (ad.AdapterError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_adapter"),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
 ]
@@ -126,7 +127,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             ERRORS.abort(context, exc)
         st = self.fed.status()
         yield status_to_proto(st)
-        while context.is_active() and st.state is not rounds.State.FINISHED:
+        while context.is_active() and st.state is not State.FINISHED:
             new = self.fed.wait_for_change(st.version, timeout=1.0)
             if new.version != st.version:
                 st = new
@@ -139,7 +140,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             round_, data, sha, config_json = self.fed.global_adapter(
                 request.round, bounded("transport_dtype", request.transport_dtype))
             if request.sha256 and request.sha256 != sha:
-                raise rounds.ResumeMismatch(f"the global adapter of round {round_} is {sha[:12]}..., not the "
+                raise errors.ResumeMismatch(f"the global adapter of round {round_} is {sha[:12]}..., not the "
                                             f"{request.sha256[:12]}... being resumed: download it from offset 0")
             # The bytes come from the round keeper's cache of global adapters; chunks are cut as they
             # go (ad.chunks refuses an offset outside the adapter here, before the header is sent).
@@ -164,7 +165,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             for name in ("run_id", "round_nonce", "sha256", "transport_dtype"):
                 bounded(name, getattr(h, name))
             if h.run_id and h.run_id != self.fed.settings.run_id:
-                raise rounds.StaleRound(f"the upload is for run {shown(h.run_id)}; this aggregator runs "
+                raise errors.StaleRound(f"the upload is for run {shown(h.run_id)}; this aggregator runs "
                                         f"{self.fed.settings.run_id!r}")
             header = UploadHeader(
                 client_id=self._client(context, h.client_id), round=h.round, round_nonce=h.round_nonce,

@@ -1,8 +1,8 @@
 """Uploads as the aggregator receives them: the header a client sends first, the stream that
 carries the bytes (checked as they arrive), and the record that commits an accepted upload.
 
-The protocol (resumable, idempotent, one stream per client at a time) is RoundKeeper's, which holds
-these under its lock; the Store keeps the bytes and the records on disk.
+The protocol (resumable, idempotent, one stream per client at a time) is the UploadDesk's, which
+holds these under the round keeper's lock; the Store keeps the bytes and the records on disk.
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""The run's persisted state: the settings that decide its result, the adapter schema and base model
+the first join fixed, the joined clients, and where the run stands (round, state, round nonce,
+deadline, durations of the rounds done).
+
+`RunState` is what run.json holds (`to_dict`, `restore`), plus, for each joined client, a `Member`
+with what is not persisted: when it was last heard from, the upload under way and its latest
+metrics. The round keeper changes it under its lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import Any
+
+from fedse import adapter as ad
+from fedse.inputs import shown
+from fedse.serving import log_fields
+
+from .errors import NotJoined
+from .store import Store
+from .strategies import StrategyParams
+from .uploads import Accepted, Stream
+
+log = logging.getLogger("aggregator.rounds")
+
+STATE_VERSION = 1
+
+
+class State(enum.Enum):
+    WAITING_FOR_CLIENTS = "waiting_for_clients"
+    OPEN = "open"
+    AGGREGATING = "aggregating"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    run_id: str
+    num_rounds: int
+    min_clients: int
+    round_deadline_s: float
+    strategy: str
+    max_adapter_bytes: int
+    seed: int = 0
+    wait_after_min_s: float = 900.0
+    heartbeat_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    params: StrategyParams = StrategyParams()
+    start_clients: int = 0  # clients that open round 0 (0 = min_clients)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that decide a run's result: a restart must not change them."""
+        return {"num_rounds": self.num_rounds, "strategy": self.strategy, "seed": self.seed,
+                "params": dataclasses.asdict(self.params)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Client:
+    client_id: str
+    env: str
+    base_model: str
+
+
+@dataclasses.dataclass
+class Member:
+    """A joined client and its part in the run: when it was last heard from and what it said it was
+    doing, its upload of the open round (a stream receiving it, then the accepted upload) and its
+    latest metrics."""
+
+    client: Client
+    last_seen: float = 0.0
+    phase_round: int = -1
+    phase: str = ""
+    stream: Stream | None = None  # receiving its upload now
+    accepted: Accepted | None = None  # its upload of the open round, accepted
+    metrics_round: int = -1
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def new_round(self) -> None:
+        self.stream = self.accepted = None
+
+
+@dataclasses.dataclass
+class RunState:
+    """Where the run stands; everything but the members' liveness, streams and metrics is persisted."""
+
+    schema: ad.Schema | None = None
+    base_model: str | None = None
+    members: dict[str, Member] = dataclasses.field(default_factory=dict)
+    round: int = 0
+    state: State = State.WAITING_FOR_CLIENTS
+    nonce: str = ""
+    deadline: float = 0.0
+    opened_at: float = 0.0
+    round_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def member(self, client_id: str) -> Member:
+        """The joined client's Member; NotJoined if it has not joined."""
+        m = self.members.get(client_id)
+        if m is None:
+            raise NotJoined(f"client {shown(client_id)} has not joined this run: call Join first")
+        return m
+
+    def uploaded(self) -> dict[str, Member]:
+        """The members whose upload of the open round is accepted, by client id (sorted)."""
+        return {cid: m for cid, m in sorted(self.members.items()) if m.accepted is not None}
+
+    def adapter_config(self) -> str:
+        """The run's adapter_config.json, naming its base model (what every global adapter carries)."""
+        assert self.schema is not None
+        return ad.config_with_base(self.schema.adapter_config_json, self.base_model or "")
+
+    def to_dict(self, settings: RunSettings) -> dict[str, Any]:
+        """run.json's content (a round being aggregated is saved as open: a restart aggregates it again)."""
+        return {
+            "version": STATE_VERSION, "run_id": settings.run_id, "settings": settings.fingerprint(),
+            "schema": self.schema.to_dict() if self.schema else None, "base_model": self.base_model,
+            "clients": {cid: {"env": m.client.env, "base_model": m.client.base_model}
+                        for cid, m in self.members.items()},
+            "round": self.round, "state": self.state.value if self.state is not State.AGGREGATING else "open",
+            "round_nonce": self.nonce, "deadline_unix": self.deadline, "opened_unix": self.opened_at,
+            "round_seconds": self.round_seconds,
+        }
+
+
+def restore(settings: RunSettings, store: Store, now: float) -> RunState:
+    """The run the store holds (with the accepted uploads of its open round), or a new one. A run
+    saved with other settings that decide its result is refused (ValueError saying what to do)."""
+    saved = store.load_state()
+    if saved is None:
+        return RunState()
+    if saved.get("settings") != settings.fingerprint():
+        raise ValueError(
+            f"the state directory {store.root} holds run {settings.run_id!r} with settings "
+            f"{saved.get('settings')}, not {settings.fingerprint()}: restart with the same settings "
+            "to resume it, or give a new --run-id")
+    run = RunState(
+        schema=ad.Schema.from_dict(saved["schema"]) if saved.get("schema") else None,
+        base_model=saved.get("base_model"),
+        # A restart is not the clients' fault: everyone known counts as alive until proven otherwise.
+        members={cid: Member(Client(cid, c["env"], c["base_model"]), last_seen=now)
+                 for cid, c in saved["clients"].items()},
+        round=int(saved["round"]), state=State(saved["state"]), nonce=saved.get("round_nonce", ""),
+        deadline=float(saved.get("deadline_unix", 0.0)), opened_at=float(saved.get("opened_unix", now)),
+        round_seconds=list(saved.get("round_seconds", [])))
+    if run.state is State.OPEN:
+        for cid, record in store.accepted_uploads(run.round).items():
+            run.members[cid].accepted = Accepted.from_dict(record)
+    log.info("run resumed", extra=log_fields(run_id=settings.run_id, round=run.round, state=run.state.value,
+                                             clients=len(run.members), uploads=len(run.uploaded())))
+    return run
