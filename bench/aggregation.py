@@ -3,8 +3,8 @@
 Writes K safetensors adapters of a Llama-2-7B-shaped LoRA (r = 8 on q, k, v, o, gate, up, down of
 every layer; 32 layers in fp32 are about 80 MB) into a temporary directory, once for the largest K.
 Then, for each K, in a fresh process each:
-  fedse: `aggregate(strategy, ...)` over `fedse.adapter.AdapterFile` views (lazy: one tensor per
-         lookup), as the aggregator runs it; timed from the first read to the finished output.
+  fedse: `aggregate(strategy, ...)` over `services.aggregator.adapter_files.AdapterFile` views (lazy:
+         one tensor per lookup), as the aggregator runs it; timed from the first read to the finished output.
   floor: every adapter read and decoded into memory first, then a plain in-process torch sum over
          clients per tensor, divided by K (float32); "floor s" is the time of that sum alone, the
          loading is shown apart ("floor load s"), since fedse's time includes its reads.
@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fedse.adapter import AdapterFile, decode, encode  # noqa: E402
+from fedse.adapter import decode, encode  # noqa: E402
+from services.aggregator.adapter_files import AdapterFile  # noqa: E402
 from services.aggregator.strategies import STRATEGIES, Update, aggregate  # noqa: E402
 
 from llama_lora import BYTES_PER_LAYER, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)

@@ -20,8 +20,8 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
                  uploads than the bench makes, so it never closes under an upload: no aggregation
                  is timed there). A download includes the client's sha256 check; the aggregator
                  keeps each round's global adapter in memory from when it is made (built in place,
-                 fedse.adapter.allocate), its chunk messages made once, and its bf16 variant from
-                 the first bf16 download.
+                 services.aggregator.adapter_files.allocate), its chunk messages made once, and its
+                 bf16 variant from the first bf16 download.
 "x floor" is the time divided by that floor's time for the same number of bytes on the wire.
 
 Then where an upload's time goes: each step of the path (client hashing and chunking, protobuf,
@@ -69,6 +69,7 @@ from apps.launcher import Proc  # noqa: E402
 from fedse.serving import GRPC_OPTIONS  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.aggregator.store import Store  # noqa: E402
+from services.aggregator.upload_check import UploadCheck  # noqa: E402
 from services.client_agent.federation import FederationClient  # noqa: E402
 
 from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)
@@ -342,7 +343,7 @@ def breakdown(work: pathlib.Path, adapter: ad.Adapter, data: bytes, repeats: int
         step("aggregator: write chunks, fsync at the end (Store)", dtype, lambda: receive(True))
 
         def check() -> None:
-            c = ad.UploadCheck(schema, len(payload), 1 << 40, dtype)
+            c = UploadCheck(schema, len(payload), 1 << 40, dtype)
             for s in range(0, len(payload), CHUNK):
                 c.update(payload[s:s + CHUNK])
             c.finish(sha)

@@ -25,6 +25,7 @@ from apps.launcher import Proc
 from fedse.serving import GRPC_OPTIONS
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
+from services.aggregator.adapter_files import fresh
 from services.aggregator.server import Aggregator, AggregatorConfig, create_server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -219,7 +220,7 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
 
     def Join(self, request, context):
         if not self.globals:
-            self.globals[self.round] = bytes(ad.fresh(serde.schema_from_proto(request.schema), seed=0)[0])
+            self.globals[self.round] = bytes(fresh(serde.schema_from_proto(request.schema), seed=0)[0])
         return fpb.JoinResponse(config=fpb.RunConfig(run_id="run-a", num_rounds=self.num_rounds, min_clients=1,
                                                      max_chunk_bytes=64 * 1024, heartbeat_interval_s=0.2),
                                 current_round=self.round)

@@ -8,6 +8,9 @@ import torch
 
 from fedse import adapter as ad
 from fedse import serde
+from services.aggregator.adapter_files import AdapterFile, fresh
+from services.aggregator.store import write_peft_dir
+from services.aggregator.upload_check import UploadCheck
 
 
 def sample_adapter() -> ad.Adapter:
@@ -45,7 +48,7 @@ def test_chunks_reassemble_and_respect_the_limit():
 
 def validate(schema, data, sha256, declared_size, max_bytes, transport=""):
     """The aggregator's streaming check (UploadCheck) over a whole adapter at once."""
-    check = ad.UploadCheck(schema, declared_size, max_bytes, transport)
+    check = UploadCheck(schema, declared_size, max_bytes, transport)
     check.update(data)
     check.finish(sha256)
 
@@ -82,14 +85,14 @@ def test_validate_refuses_each_kind_of_bad_adapter():
 
 def test_fresh_adapter_is_deterministic_with_zero_b():
     schema = ad.Schema.of(sample_adapter(), "{}")
-    (image, one), (image2, two) = ad.fresh(schema, seed=3), ad.fresh(schema, seed=3)
+    (image, one), (image2, two) = fresh(schema, seed=3), fresh(schema, seed=3)
     assert image == image2
     for k in one:
         assert torch.equal(one[k], two[k])
     assert torch.count_nonzero(one["base_model.model.layers.0.q_proj.lora_B.weight"]) == 0
     a = one["base_model.model.layers.0.q_proj.lora_A.weight"]
     assert a.abs().max() <= 1 / 16 ** 0.5 and a.std() > 0
-    assert not torch.equal(a, ad.fresh(schema, seed=4)[1]["base_model.model.layers.0.q_proj.lora_A.weight"])
+    assert not torch.equal(a, fresh(schema, seed=4)[1]["base_model.model.layers.0.q_proj.lora_A.weight"])
     # The image is the safetensors file of those tensors, as encode would write it.
     assert bytes(image) == ad.encode(one)
     assert all(torch.equal(v, one[k]) for k, v in ad.decode(bytes(image)).items())
@@ -103,8 +106,8 @@ def test_schema_proto_round_trip():
 def test_peft_dir_is_written_atomically_and_replaced(tmp_path):
     data = ad.encode(sample_adapter())
     target = tmp_path / "round_0001"
-    ad.write_peft_dir(target, data, '{"r": 8}')
-    ad.write_peft_dir(target, data + b"", '{"r": 4}')
+    write_peft_dir(target, data, '{"r": 8}')
+    write_peft_dir(target, data + b"", '{"r": 4}')
     got, cfg = (target / ad.WEIGHTS_NAME).read_bytes(), (target / ad.CONFIG_NAME).read_text()
     assert got == data and json.loads(cfg) == {"r": 4}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round_0001"]
@@ -115,7 +118,7 @@ def test_adapter_file_reads_each_tensor_as_saved_and_refuses_a_truncated_file(tm
              "steps": torch.arange(4)}
     path = tmp_path / "x.safetensors"
     path.write_bytes(ad.encode(saved))
-    view = ad.AdapterFile(path)
+    view = AdapterFile(path)
     assert sorted(view) == sorted(saved) and len(view) == 3
     for name, t in saved.items():
         assert view[name].dtype == t.dtype and torch.equal(view[name], t)
@@ -123,10 +126,10 @@ def test_adapter_file_reads_each_tensor_as_saved_and_refuses_a_truncated_file(tm
         view["missing"]
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(ad.AdapterError, match="truncated"):
-        ad.AdapterFile(path)[max(saved, key=lambda n: ad.AdapterFile(path)._specs[n]["data_offsets"][1])]
+        AdapterFile(path)[max(saved, key=lambda n: AdapterFile(path)._specs[n]["data_offsets"][1])]
     path.write_bytes(b"\x01")
     with pytest.raises(ad.AdapterError, match="not a safetensors file"):
-        ad.AdapterFile(path)
+        AdapterFile(path)
 
 
 def test_the_finite_check_is_exact_even_when_the_sum_overflows():
@@ -152,7 +155,7 @@ def test_the_finite_check_is_exact_even_when_the_sum_overflows():
         check(torch.tensor([float("inf"), float("-inf"), 1.0, 2.0]))  # sums to NaN
 
 
-def feed(check: ad.UploadCheck, data: bytes, step: int) -> None:
+def feed(check: UploadCheck, data: bytes, step: int) -> None:
     for start in range(0, len(data), step):
         check.update(data[start:start + step])
 
@@ -162,7 +165,7 @@ def test_upload_check_reads_any_split_of_the_stream(step):
     a = sample_adapter()
     schema = ad.Schema.of(a, "{}")
     data = ad.encode(a)
-    check = ad.UploadCheck(schema, len(data), 1 << 20)
+    check = UploadCheck(schema, len(data), 1 << 20)
     feed(check, data, step)
     check.finish(ad.sha256_hex(data))
     # A NaN whose bytes straddle two pieces is still found.
@@ -171,21 +174,21 @@ def test_upload_check_reads_any_split_of_the_stream(step):
     nan["base_model.model.layers.0.q_proj.lora_B.weight"][3, 5] = float("inf")
     d = ad.encode(nan)
     with pytest.raises(ad.AdapterError, match="lora_B.weight holds NaN or infinite"):
-        feed(ad.UploadCheck(schema, len(d), 1 << 20), d, step)
+        feed(UploadCheck(schema, len(d), 1 << 20), d, step)
 
 
 def test_upload_check_refuses_a_bad_header_at_its_first_chunk():
     a = sample_adapter()
     schema = ad.Schema.of(a, "{}")
     wrong = ad.encode({k: torch.zeros(2, 2) for k in a})
-    check = ad.UploadCheck(schema, len(wrong) + 10_000, 1 << 20)  # more bytes announced than will ever come
+    check = UploadCheck(schema, len(wrong) + 10_000, 1 << 20)  # more bytes announced than will ever come
     with pytest.raises(ad.AdapterError, match="shape"):
         check.update(wrong[:-16])  # the header and half the values
     assert check.received == len(wrong) - 16
     # Declared sizes that disagree with the header's tensors are refused too.
     data = ad.encode(a)
     with pytest.raises(ad.AdapterError, match="declares"):
-        ad.UploadCheck(schema, len(data) + 4, 1 << 20).update(data)
+        UploadCheck(schema, len(data) + 4, 1 << 20).update(data)
 
 
 def test_upload_check_bounds_the_header_before_parsing_it():
@@ -199,7 +202,7 @@ def test_upload_check_bounds_the_header_before_parsing_it():
     assert json.loads(text) and ad.json_depth_within(text, 1)
     assert not ad.json_depth_within(b'{"a": ' + b"[" * 9 + b"]" * 9 + b"}", 8)
     # A header longer than the limit is refused at its length prefix, before its bytes are held.
-    check = ad.UploadCheck(schema, 1 << 30, 1 << 30)
+    check = UploadCheck(schema, 1 << 30, 1 << 30)
     with pytest.raises(ad.AdapterError, match="header claims .* more than the limit"):
         check.update(struct.pack("<Q", ad.MAX_HEADER_BYTES + 1))
     with pytest.raises(ad.AdapterError, match="more than the limit"):

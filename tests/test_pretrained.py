@@ -19,7 +19,7 @@ from fedse import pretrained
 from fedse.config import ConfigError, parse
 from apps.experiment import ExperimentConfig
 from apps.launcher import RunConfig
-from services.aggregator.store import Store
+from services.aggregator.store import Store, config_with_base
 from services.client_agent.model import adapter_config_json, add_lora, get_adapter_state, load_base
 from services.client_agent.prompts import format_prompt
 
@@ -197,7 +197,7 @@ def test_lora_covers_every_linear_layer_and_the_exported_adapter_loads_in_stock_
     assert float((client_logits - base_logits).abs().max()) > 0.5
 
     exported = Store(tmp_path / "aggregator", "run").save_global(
-        1, ad.encode(get_adapter_state(model)), ad.config_with_base(adapter_config_json(model), str(smollm2_dir)))
+        1, ad.encode(get_adapter_state(model)), config_with_base(adapter_config_json(model), str(smollm2_dir)))
     assert sorted(os.listdir(exported)) == [ad.CONFIG_NAME, ad.WEIGHTS_NAME]
     stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_dir, local_files_only=True),
                                       str(exported))

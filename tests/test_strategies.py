@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fedse.adapter import AdapterFile, encode
+from fedse.adapter import encode
+from services.aggregator.adapter_files import AdapterFile
 from services.aggregator.strategies import (
     STRATEGIES,
     StrategyParams,

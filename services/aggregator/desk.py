@@ -18,6 +18,7 @@ from fedse.serving import log_fields
 from .errors import DuplicateUpload, ResumeMismatch, RunFinished, StaleRound, Superseded
 from .state import Member, RunSettings, RunState, State
 from .store import Store
+from .upload_check import UploadCheck
 from .uploads import Accepted, Stream, UploadHeader
 
 log = logging.getLogger("aggregator.rounds")
@@ -82,7 +83,7 @@ class UploadDesk:
             else:
                 held = h.offset  # resuming before the end of what is held is safe: writes go to their offsets
             assert self.run.schema is not None
-            check = ad.UploadCheck(self.run.schema, h.size, self.settings.max_adapter_bytes, h.transport)
+            check = UploadCheck(self.run.schema, h.size, self.settings.max_adapter_bytes, h.transport)
             if held:  # a resumed upload: the check reads what is held, then goes on with the stream
                 try:
                     check.update(self.store.read_partial(h.round, h.client_id, held))

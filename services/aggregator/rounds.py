@@ -29,6 +29,7 @@ from fedse.inputs import bounded, shown
 from fedse.serving import log_fields
 
 from . import metrics
+from .adapter_files import AdapterFile, allocate, fresh
 from .closing import OpenRound, Rule, close_reason
 from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
@@ -167,7 +168,7 @@ class RoundKeeper:
             run = self.run
             if run.schema is None:
                 run.schema, run.base_model = schema, base_model
-                self.globals.save(0, ad.fresh(schema, self.settings.seed)[0], run.adapter_config())
+                self.globals.save(0, fresh(schema, self.settings.seed)[0], run.adapter_config())
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
                                                                 base_model=base_model))
             else:
@@ -277,11 +278,11 @@ class RoundKeeper:
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
         try:
-            updates = [Update(cid, ad.AdapterFile(self.store.upload_path(round_, cid)), a.num_examples,
+            updates = [Update(cid, AdapterFile(self.store.upload_path(round_, cid)), a.num_examples,
                               a.num_successes) for cid, a in records]
             assert self.run.schema is not None
-            image, views = ad.allocate(self.run.schema)  # phi_{t+1} is aggregated into its file image
-            aggregate(self.settings.strategy, updates, ad.AdapterFile(self.store.global_path(round_)),
+            image, views = allocate(self.run.schema)  # phi_{t+1} is aggregated into its file image
+            aggregate(self.settings.strategy, updates, AdapterFile(self.store.global_path(round_)),
                       self.settings.params, round_, out=views)
             del views
             self.globals.save(round_ + 1, image, self.run.adapter_config())

@@ -19,7 +19,7 @@ from fedse.inputs import shown
 from fedse.serving import log_fields
 
 from .errors import NotJoined
-from .store import Store
+from .store import Store, config_with_base
 from .strategies import StrategyParams
 from .uploads import Accepted, Stream
 
@@ -110,7 +110,7 @@ class RunState:
     def adapter_config(self) -> str:
         """The run's adapter_config.json, naming its base model (what every global adapter carries)."""
         assert self.schema is not None
-        return ad.config_with_base(self.schema.adapter_config_json, self.base_model or "")
+        return config_with_base(self.schema.adapter_config_json, self.base_model or "")
 
     def to_dict(self, settings: RunSettings) -> dict[str, Any]:
         """run.json's content (a round being aggregated is saved as open: a restart aggregates it again)."""

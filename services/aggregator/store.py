@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tempfile
 import threading
 import time
 from typing import Any
 
-from fedse import adapter as ad
+from fedse.adapter import CONFIG_NAME, WEIGHTS_NAME
+from fedse.files import atomic_write, fsync_dir
 
 STATE_NAME = "run.json"
 
@@ -40,18 +42,18 @@ class Store:
         return json.loads(path.read_text())
 
     def save_state(self, state: dict[str, Any]) -> None:
-        ad.atomic_write(self.root / STATE_NAME, json.dumps(state, indent=1, sort_keys=True).encode())
+        atomic_write(self.root / STATE_NAME, json.dumps(state, indent=1, sort_keys=True).encode())
 
     # ---- global adapters ---------------------------------------------------------------------
     def global_dir(self, round_: int) -> pathlib.Path:
         return self.root / "global" / f"round_{round_:04d}"
 
     def global_path(self, round_: int) -> pathlib.Path:
-        return self.global_dir(round_) / ad.WEIGHTS_NAME
+        return self.global_dir(round_) / WEIGHTS_NAME
 
     def save_global(self, round_: int, data: bytes, adapter_config_json: str) -> pathlib.Path:
         path = self.global_dir(round_)
-        ad.write_peft_dir(path, data, adapter_config_json)
+        write_peft_dir(path, data, adapter_config_json)
         return path
 
     def has_global(self, round_: int) -> bool:
@@ -85,7 +87,7 @@ class Store:
         self.drop_partial(round_, client_id)
         with open(data_path, "wb") as fh:
             os.fsync(fh.fileno())
-        ad.atomic_write(folder / f"{client_id}.part.json", json.dumps(header, sort_keys=True).encode())
+        atomic_write(folder / f"{client_id}.part.json", json.dumps(header, sort_keys=True).encode())
 
     def append_partial(self, round_: int, client_id: str, offset: int, data: bytes) -> int:
         """Writes `data` at `offset` of the partial upload; returns the bytes now held. Writing at
@@ -130,8 +132,8 @@ class Store:
         folder = self.upload_dir(round_)
         path = folder / f"{client_id}.safetensors"
         os.replace(folder / f"{client_id}.part", path)
-        ad.fsync_dir(folder)
-        ad.atomic_write(folder / f"{client_id}.json", json.dumps(record, sort_keys=True).encode())
+        fsync_dir(folder)
+        atomic_write(folder / f"{client_id}.json", json.dumps(record, sort_keys=True).encode())
         self.drop_partial(round_, client_id)
         return path
 
@@ -173,3 +175,32 @@ class Store:
                 continue
             out.append((str(entry["client_id"]), int(entry["round"]), entry["metrics"]))
         return out
+
+
+def write_peft_dir(directory: pathlib.Path, data: bytes, adapter_config_json: str) -> None:
+    """Writes a standard PEFT adapter directory atomically (temp dir, then rename)."""
+    directory = pathlib.Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    (tmp / WEIGHTS_NAME).write_bytes(data)
+    (tmp / CONFIG_NAME).write_text(adapter_config_json)
+    for f in (tmp / WEIGHTS_NAME, tmp / CONFIG_NAME):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, directory)
+    fsync_dir(directory.parent)
+
+
+def config_with_base(adapter_config_json: str, base_model: str) -> str:
+    """The adapter_config.json text with base_model_name_or_path set (for exported adapters)."""
+    cfg = json.loads(adapter_config_json)
+    cfg["base_model_name_or_path"] = base_model
+    return json.dumps(cfg, indent=2, sort_keys=True)

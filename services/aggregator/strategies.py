@@ -24,7 +24,7 @@ coordinate of the result, drawn from a generator seeded by (seed, round_). That 
 mechanism's calibration for the unweighted mean of clipped updates (fedavg); for the other
 strategies the noise is added the same way but that accounting does not apply as such.
 
-Memory: adapters may be lazy (`fedse.adapter.AdapterFile` loads one tensor per lookup). Everything
+Memory: adapters may be lazy (`adapter_files.AdapterFile` loads one tensor per lookup). Everything
 walks tensor by tensor (for exact, A/B pair by pair), loading one client's tensor at a time into a
 running float64 sum (fedavg, weighted) or into one (K x numel) float64 stack (median, trimmed_mean,
 exact's stacked factors), so the peak is about one output adapter plus K copies of one tensor,
@@ -49,7 +49,7 @@ _SORT_ELEMENTS = 1 << 20  # median / trimmed mean sort at most this many values 
 @dataclasses.dataclass(frozen=True)
 class Update:
     client_id: str
-    adapter: Mapping[str, torch.Tensor]  # may be lazy: fedse.adapter.AdapterFile loads one tensor per lookup
+    adapter: Mapping[str, torch.Tensor]  # may be lazy: adapter_files.AdapterFile loads one tensor per lookup
     num_examples: int
     num_successes: int
 
@@ -94,7 +94,7 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
               params: StrategyParams = StrategyParams(), round_: int = 0,
               out: Mapping[str, torch.Tensor] | None = None) -> Adapter:
     """phi_{t+1} from the clients' phi_k and phi_t (`previous`), tensor by tensor (see the module doc).
-    With `out` (tensors of previous's names, shapes and dtypes, e.g. `fedse.adapter.allocate`'s views
+    With `out` (tensors of previous's names, shapes and dtypes, e.g. `adapter_files.allocate`'s views
     of a file image), the result is written there and those tensors are returned."""
     validate_params(strategy, params)
     if not updates:

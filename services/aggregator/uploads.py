@@ -15,6 +15,8 @@ from typing import Any
 from fedse import adapter as ad
 from fedse.inputs import shown
 
+from .upload_check import UploadCheck
+
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -83,4 +85,4 @@ class Stream:
 
     generation: int
     lock: threading.Lock
-    check: ad.UploadCheck
+    check: UploadCheck

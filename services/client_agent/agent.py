@@ -49,6 +49,7 @@ import grpc
 import torch
 
 from fedse import adapter as ad
+from fedse.files import atomic_write, fsync_dir
 from fedse.machine import available_cores, release_free_memory
 from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
@@ -332,7 +333,7 @@ class ClientAgent:
         while target.exists():
             target, n = self.dir.with_name(f"{base}-{n}"), n + 1
         os.replace(self.dir, target)
-        ad.fsync_dir(self.dir.parent)
+        fsync_dir(self.dir.parent)
         self.dir.mkdir(parents=True)
         self.buffer = Buffer(self.dir / BUFFER_NAME)
         log.warning("previous client state set aside", extra=log_fields(moved_to=str(target)))
@@ -522,7 +523,7 @@ class ClientAgent:
         if self.loaded_round != r.round:
             self.load_global(r.round)
         data, num_examples, trained = self.train(r.round)
-        ad.atomic_write(self.dir / UPLOAD_NAME, data)
+        atomic_write(self.dir / UPLOAD_NAME, data)
         r.metrics.update(trained)
         r.progress = dataclasses.replace(r.progress, phase=Phase.TRAINED.value, sha256=ad.sha256_hex(data),
                                          num_examples=num_examples, transport_dtype=self.cfg.transport_dtype,

@@ -23,7 +23,7 @@ import json
 import os
 import pathlib
 
-from fedse.adapter import atomic_write
+from fedse.files import atomic_write
 
 # Where seed demonstrations (D_0, round -1) come from: the environment's expert, or files (--demos).
 DEMO_SOURCES = ("expert", "file")

@@ -12,7 +12,7 @@ import enum
 import json
 import pathlib
 
-from fedse import adapter as ad
+from fedse.files import atomic_write
 
 PROGRESS_NAME = "progress.json"
 
@@ -74,8 +74,8 @@ class Progress:
 
 
 def write_progress(path: pathlib.Path, progress: Progress) -> None:
-    """Atomically (fedse.adapter.atomic_write: temp file, fsync, rename, fsync of the directory)."""
-    ad.atomic_write(path, progress.to_json().encode())
+    """Atomically (fedse.files.atomic_write: temp file, fsync, rename, fsync of the directory)."""
+    atomic_write(path, progress.to_json().encode())
 
 
 def read_progress(path: pathlib.Path) -> Progress | None:
