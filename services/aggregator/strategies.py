@@ -1,8 +1,9 @@
-"""Aggregation strategies: pure functions over adapters, each named for what it averages.
+"""Aggregation strategies over adapters, one small object each, named for what it averages.
 
 `aggregate(strategy, updates, previous, params, round_)` turns the K client adapters phi_k of round t
 into phi_{t+1}. `previous` is phi_t, the global adapter the round started from; its keys name the
-tensors and fix the output's order. The strategies (`STRATEGIES`, the names `--strategy` accepts):
+tensors and fix the output's order. The strategies, one `Strategy` object each (`BY_NAME`; their names
+and descriptions, what `--strategy` accepts, in `STRATEGIES`):
 
 - fedavg: mean of A and mean of B over clients, *separately* (the Fed-SE paper's default). Averaging
   the factors is not averaging the products: mean(B) mean(A) != mean(B_k A_k).
@@ -62,20 +63,80 @@ class StrategyParams:
     seed: int = 0                  # noise of round t comes from a generator seeded by (seed, t)
 
 
-STRATEGIES: dict[str, str] = {
-    "fedavg": "unweighted mean of A and of B, separately (the Fed-SE paper's default)",
-    "weighted": "mean of A and of B weighted by successful trajectories (unweighted if none)",
-    "exact": "mean of the products B_k A_k, re-factored to rank r by truncated SVD",
-    "median": "coordinate-wise median over clients (mean of the two middle values for even K)",
-    "trimmed_mean": "coordinate-wise mean after dropping floor(trim_fraction*K) values at each end",
-}
+class Strategy:
+    """One aggregation strategy, as `--strategy` names it: how it weighs the clients in a mean, and
+    how it combines the clients' values of one tensor into phi_{t+1}'s. A paired strategy combines
+    each lora_A with its lora_B (`combine_pair`); their other tensors go through `combine`."""
+
+    name = ""
+    description = ""  # one line, for --help and the docs
+    paired = False
+
+    def weights(self, successes: list[float]) -> list[float]:
+        """Each client's weight in a mean, from its successful trajectories: all equal."""
+        return [1.0] * len(successes)
+
+    def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
+                work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
+        """phi_{t+1}'s tensor `name` (float64) and its input dtype: the weighted mean."""
+        return _mean(clients, name, weights)
+
+    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+        raise NotImplementedError(f"{self.name} combines tensors one by one")
+
+
+class FedAvg(Strategy):
+    name = "fedavg"
+    description = "unweighted mean of A and of B, separately (the Fed-SE paper's default)"
+
+
+class Weighted(Strategy):
+    name = "weighted"
+    description = "mean of A and of B weighted by successful trajectories (unweighted if none)"
+
+    def weights(self, successes: list[float]) -> list[float]:
+        return successes if sum(successes) > 0 else super().weights(successes)
+
+
+class Exact(Strategy):
+    name = "exact"
+    description = "mean of the products B_k A_k, re-factored to rank r by truncated SVD"
+    paired = True
+
+    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+        return _exact_pair(clients, a_name, b_name)
+
+
+class Median(Strategy):
+    name = "median"
+    description = "coordinate-wise median over clients (mean of the two middle values for even K)"
+
+    def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
+                work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
+        return _trimmed(clients, name, (len(clients) - 1) // 2, work)
+
+
+class TrimmedMean(Strategy):
+    name = "trimmed_mean"
+    description = "coordinate-wise mean after dropping floor(trim_fraction*K) values at each end"
+
+    def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
+                work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
+        k = len(clients)
+        # floor(f*K) with f < 0.5 cuts at most (K-1)//2 from each end, so at least one value remains;
+        # the epsilon keeps e.g. 0.2 * 5 from flooring to 0 on a float rounding.
+        return _trimmed(clients, name, min(math.floor(params.trim_fraction * k + 1e-9), (k - 1) // 2), work)
+
+
+BY_NAME: dict[str, Strategy] = {s.name: s for s in (FedAvg(), Weighted(), Exact(), Median(), TrimmedMean())}
+STRATEGIES: dict[str, str] = {name: s.description for name, s in BY_NAME.items()}
 """The strategy names `--strategy` accepts, each with a one-line description."""
 
 
 def validate_params(strategy: str, params: StrategyParams) -> None:
     """Raises ValueError saying what to change when the strategy or its parameters cannot work."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown aggregation strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    if strategy not in BY_NAME:
+        raise ValueError(f"unknown aggregation strategy {strategy!r}: use one of {', '.join(BY_NAME)}")
     if not (0.0 <= params.trim_fraction < 0.5):
         raise ValueError(f"trim_fraction {params.trim_fraction} is outside [0, 0.5): it is the fraction cut "
                          "from EACH end, so 0.5 or more would cut every client; use e.g. 0.2")
@@ -99,20 +160,21 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
     validate_params(strategy, params)
     if not updates:
         raise ValueError("nothing to aggregate: the round has no updates")
+    chosen = BY_NAME[strategy]
     k = len(updates)
     names = list(previous)
     scales = _clip_scales(updates, previous, params.clip_norm) if params.clip_norm > 0 else [1.0] * k
     clients = _Clients([u.adapter for u in updates], previous, scales)
-    weights = _weights(strategy, updates)
+    weights = chosen.weights(_successes(updates))
     noise = _noise_generator(params.seed, round_) if params.noise_multiplier > 0 else None
     std = params.noise_multiplier * params.clip_norm / k
     work = _Workspace()
     result: Adapter = {}
-    for group in _groups(names, paired=strategy == "exact"):
+    for group in _groups(names, paired=chosen.paired):
         if len(group) == 2:
-            combined = _exact_pair(clients, *group)
+            combined = chosen.combine_pair(clients, *group)
         else:
-            combined = {group[0]: _combine(strategy, clients, group[0], weights, params.trim_fraction, work)}
+            combined = {group[0]: chosen.combine(clients, group[0], weights, params, work)}
         for name in group:
             value, dtype = combined[name]
             if noise is not None:
@@ -158,14 +220,12 @@ def _clip_scales(updates: Sequence[Update], previous: Mapping[str, torch.Tensor]
     return [min(1.0, clip_norm / math.sqrt(s)) if s > 0 else 1.0 for s in squares]
 
 
-def _weights(strategy: str, updates: Sequence[Update]) -> list[float]:
+def _successes(updates: Sequence[Update]) -> list[float]:
     successes = [float(u.num_successes) for u in updates]
     if any(s < 0 for s in successes):
         raise ValueError(f"num_successes must not be negative, got {min(successes):g}: a negative weight would "
                          "put the average outside the adapters it averages")
-    if strategy == "weighted" and sum(successes) > 0:
-        return successes
-    return [1.0] * len(updates)
+    return successes
 
 
 def _noise_generator(seed: int, round_: int) -> torch.Generator:
@@ -190,18 +250,6 @@ def _groups(names: list[str], paired: bool) -> list[tuple[str, ...]]:
         b = _partner(name) if paired else None
         groups.append((name, b) if b in present else (name,))
     return groups
-
-
-def _combine(strategy: str, clients: _Clients, name: str, weights: list[float], trim_fraction: float,
-             work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
-    k = len(clients)
-    if strategy == "median":
-        return _trimmed(clients, name, (k - 1) // 2, work)
-    if strategy == "trimmed_mean":
-        # floor(f*K) with f < 0.5 cuts at most (K-1)//2 from each end, so at least one value remains;
-        # the epsilon keeps e.g. 0.2 * 5 from flooring to 0 on a float rounding.
-        return _trimmed(clients, name, min(math.floor(trim_fraction * k + 1e-9), (k - 1) // 2), work)
-    return _mean(clients, name, weights)  # fedavg, weighted, and exact's unpaired tensors
 
 
 def _mean(clients: _Clients, name: str, weights: list[float]) -> tuple[torch.Tensor, torch.dtype]:
