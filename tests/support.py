@@ -187,6 +187,7 @@ class Pki:
 
 class FakeAggregator(fpb_grpc.FederationServiceServicer):
     """Just enough of the aggregator's new protocol for one client, with breaks injected on purpose.
+    Its refusals do not name where to resume: a client learns that from GetUploadState alone.
     With `advance=True` an accepted upload closes the round: its adapter becomes the next global."""
 
     def __init__(self, global_adapter: bytes | None = None, round_: int = 1, num_rounds: int = 3,
@@ -260,7 +261,7 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
         buf = self.held.setdefault((h.client_id, h.round, h.sha256), bytearray())
         if h.offset != len(buf):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"offset {h.offset} differs from the {len(buf)} bytes held: resume from offset {len(buf)}")
+                          f"offset {h.offset} differs from the bytes held: ask GetUploadState")
         limit = self.break_upload_after.pop(0) if self.break_upload_after else None
         stop = self.end_upload_after.pop(0) if self.end_upload_after else None
         got = 0
@@ -274,7 +275,7 @@ class FakeAggregator(fpb_grpc.FederationServiceServicer):
                 break
         if len(buf) < h.size:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"upload incomplete: {len(buf)} of {h.size} bytes; resume from offset {len(buf)}")
+                          "upload incomplete: ask GetUploadState")
         if ad.sha256_hex(bytes(buf)) != h.sha256:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sha256 mismatch")
         self.accepted[(h.client_id, h.round)] = bytes(buf)

@@ -28,7 +28,6 @@ from services.client_agent.federation import (
     Heartbeat,
     StaleRound,
     TransferError,
-    resume_offset,
     upload_chunks,
 )
 from support import FakeAggregator, serve_fake
@@ -183,12 +182,6 @@ def test_upload_chunks_refuse_an_offset_outside_the_data():
     header = fpb.AdapterHeader(size=10, offset=11)
     with pytest.raises(ValueError, match="offset 11"):
         list(upload_chunks(header, b"x" * 10, 4))
-
-
-def test_resume_offset_is_read_from_the_refusal():
-    assert resume_offset("upload incomplete: 300 of 900 bytes; resume from offset 300") == 300
-    assert resume_offset("offset 5 differs from the 0 bytes held: resume from offset 0") == 0
-    assert resume_offset("round 3 is open") is None and resume_offset(None) is None
 
 
 # ---- configuration -------------------------------------------------------------------------------

@@ -124,17 +124,32 @@ class FederationServiceServicer:
 
     def UploadAdapter(self, request_iterator, context):
         """A client's adapter for the open round: a header chunk, then data chunks of at most
-        RunConfig.max_chunk_bytes (a larger chunk is refused with INVALID_ARGUMENT).
-        Every chunk received is kept; a stream that breaks off resumes from the offset that
-        GetUploadState reports (send a header with that offset, then the rest). A retry of an
-        accepted upload (same run, round, client and sha256) is acknowledged again, stored once.
+        RunConfig.max_chunk_bytes (a larger chunk is refused with INVALID_ARGUMENT), the bytes from
+        the header's `offset` on. Every chunk received is kept, and an upload is accepted (and stored)
+        before the UploadAck is sent. A retry of an accepted upload (same run, round, client and
+        sha256) is acknowledged again, stored once.
+
+        Resuming: an upload that did not end in an UploadAck resumes where GetUploadState says
+        (see there), never from byte 0 unless it says 0. This covers a stream that broke off
+        (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, ...), a stream that ended before `size` bytes and
+        a header whose `offset` is past the bytes held: the last two are refused with
+        FAILED_PRECONDITION. FAILED_PRECONDITION also refuses an upload whose round is not open (the
+        round closed, is being aggregated, or the run finished: GetRoundStatus shows it, and the
+        upload is over), one carrying another round's `round_nonce` (take the current one from
+        GetRoundStatus and send again) and one from a client that has not joined (Join first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetUploadState(self, request, context):
-        """How many bytes of an upload (client, round, sha256) the aggregator holds.
+        """How many bytes of an upload (client_id, round, sha256) the aggregator holds, so a client
+        resumes it: when `complete` is true the upload is accepted (send its header again, with
+        `offset` = `size` and no data, for a fresh UploadAck); otherwise send a header with `offset`
+        = `received_bytes`, then the bytes from there. An upload the aggregator holds nothing of
+        (none begun, another sha256 or round, or one refused as invalid, which leaves nothing) reports
+        0 bytes, not complete: start it from byte 0. FAILED_PRECONDITION for a client that has not
+        joined. Asking counts as a sign of life, and waits for a chunk being written to land.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

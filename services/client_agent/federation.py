@@ -5,8 +5,8 @@ stream or an aggregator that restarted) are retried with exponential backoff and
 other status is the aggregator's answer and is raised.
 
 Transfers are content-addressed and resumable. An upload is (client, round, sha256 of the bytes):
-after a break the client asks GetUploadState how many bytes the aggregator kept and sends only the
-rest, behind a header carrying that offset. A download that broke asks again from the bytes it
+after a break, or a refusal of a short stream or a misplaced offset, the client asks GetUploadState
+how many bytes the aggregator kept and sends only the rest, behind a header carrying that offset. A download that broke asks again from the bytes it
 holds, pinned to the sha256 of the first header, and checks the whole adapter's sha256 at the end.
 The retry budget counts attempts without progress: a transfer that keeps moving is not cut off.
 """
@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import logging
 import random
-import re
 import threading
 import time
 from typing import Callable, Iterator, TypeVar
@@ -39,7 +38,6 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.CANCELLED}
 HEARTBEAT_PHASES = ("joining", "evaluating", "exploring", "training", "uploading", "waiting", "done")
 DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
-_RESUME_AT = re.compile(r"resume from offset (\d+)")
 
 
 class TransferError(RuntimeError):
@@ -118,12 +116,6 @@ def upload_chunks(header: fpb.AdapterHeader, data: bytes, chunk_bytes: int) -> I
     yield fpb.AdapterChunk(header=header)
     for part in parts:
         yield fpb.AdapterChunk(data=part)
-
-
-def resume_offset(details: str | None) -> int | None:
-    """The offset an aggregator's "... resume from offset N" refusal names, else None."""
-    m = _RESUME_AT.search(details or "")
-    return int(m.group(1)) if m else None
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
@@ -279,6 +271,19 @@ class FederationClient:
                 return fpb.UploadState(received_bytes=0, complete=False)
             raise
 
+    def _resume_at(self, round_: int, sha256: str, size: int) -> int:
+        """The offset to resume our upload from: the bytes the aggregator holds of it (its size once
+        accepted). A refusal of the question (not joined, the run over) is raised, as StaleRound if
+        the round is over."""
+        try:
+            held = self.upload_state(round_, sha256)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            self._check_round(round_, exc.details() or "")
+            raise
+        return min(int(held.received_bytes), size)
+
     def _check_round(self, round_: int, detail: str) -> fpb.RoundStatus:
         """A fresh status; raises StaleRound unless `round_` is still the open round."""
         st = self.status()
@@ -316,14 +321,7 @@ class FederationClient:
                 code, detail = exc.code(), exc.details() or ""
                 before = offset
                 if code in RETRYABLE:
-                    try:
-                        held = self.upload_state(round_, sha)
-                    except grpc.RpcError as state_exc:
-                        if state_exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                            raise
-                        self._check_round(round_, state_exc.details() or "")
-                        raise
-                    offset = min(int(held.received_bytes), len(data))
+                    offset = self._resume_at(round_, sha, len(data))
                     failures = 0 if offset > before else failures + 1
                     if failures > self.retries:
                         raise
@@ -331,24 +329,24 @@ class FederationClient:
                     continue
                 if code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
-                at = resume_offset(detail)
-                if at is not None and 0 <= at <= len(data):
-                    # Stream ended short, or our offset differed from what the aggregator holds.
-                    offset = at
-                    failures = 0 if offset > before else failures + 1
-                    if failures > self.retries:
-                        raise
-                    log.info("upload resumes", extra=log_fields(round=round_, offset=offset, reason=detail))
-                    continue
-                st = self._check_round(round_, detail)
-                if st.round == round_ and st.state == fpb.ROUND_STATE_OPEN and st.round_nonce != round_nonce:
+                st = self._check_round(round_, detail)  # StaleRound if the round is over
+                if st.round != round_ or st.state != fpb.ROUND_STATE_OPEN:
+                    raise
+                if st.round_nonce != round_nonce:
                     # The nonce we carried is not this round's (e.g. taken before a restart): take the new one.
                     failures += 1
                     if failures > self.retries:
                         raise
                     round_nonce = st.round_nonce
                     continue
-                raise
+                # The round is open and ours: the stream ended short, or our offset was not what the
+                # aggregator holds. It says where to go on from.
+                offset = self._resume_at(round_, sha, len(data))
+                failures = 0 if offset > before else failures + 1
+                if failures > self.retries:
+                    raise
+                log.info("upload resumes", extra=log_fields(round=round_, offset=offset, reason=detail))
+                continue
 
 
 class Heartbeat:
