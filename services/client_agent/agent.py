@@ -60,7 +60,7 @@ from . import model as mdl
 from .buffer import DEMO_SOURCES, Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient, EnvInfo, SessionLost
-from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, StaleRound
+from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, RoundPhase, StaleRound
 from .metrics import (BUFFER, DEMOS, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS,
                       WRITTEN, init_client)
 from .policy import ActionScorer
@@ -76,7 +76,8 @@ log = logging.getLogger("client_agent")
 UPLOAD_NAME = "upload.safetensors"
 BUFFER_NAME = "buffer.jsonl"
 # How the progress lines name the phases whose episodes they count.
-PHASE_WORDS = {"eval": "evaluating", "explore": "exploring", "expert": "expert demonstrations"}
+PHASE_WORDS = {"eval": RoundPhase.EVALUATING.value, "explore": RoundPhase.EXPLORING.value,
+               "expert": "expert demonstrations"}
 # How many times in a row one phase's episodes start over because the env server lost their sessions.
 MAX_EPISODE_RESTARTS = 10
 
@@ -434,7 +435,7 @@ class ClientAgent:
         num_rounds = joined.config.num_rounds
         self.heartbeat.interval_s = (cfg.heartbeat_interval_s or joined.config.heartbeat_interval_s
                                      or DEFAULT_HEARTBEAT_INTERVAL_S)
-        self.heartbeat.set("joining", joined.current_round)
+        self.heartbeat.set(RoundPhase.JOINING, joined.current_round)
         self.heartbeat.start()
         try:
             infos = self.capabilities()
@@ -443,7 +444,7 @@ class ClientAgent:
                                                 round=joined.current_round, envs=[t.name for t in tasks],
                                                 train_tasks=sum(len(t.train_ids) for t in tasks),
                                                 test_tasks=sum(len(t.test_ids) for t in tasks)))
-            self.heartbeat.set("waiting")
+            self.heartbeat.set(RoundPhase.WAITING)
             st = self.fed.wait_until(lambda s: s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
                                      timeout_s=cfg.round_timeout_s)
             self.run_id = st.run_id or joined.config.run_id
@@ -457,7 +458,7 @@ class ClientAgent:
                 self.play_round(round_, done, final, tasks)
                 if final:
                     break
-                self.heartbeat.set("waiting", round_)
+                self.heartbeat.set(RoundPhase.WAITING, round_)
                 with PHASE_SECONDS.labels("wait").time():
                     st = self.fed.wait_until(
                         lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
@@ -468,7 +469,7 @@ class ClientAgent:
         except BaseException:
             self.heartbeat.stop(timeout_s=1.0)
             raise
-        self.heartbeat.set("done")
+        self.heartbeat.set(RoundPhase.DONE)
         self.heartbeat.stop()
         return self.history
 
@@ -495,7 +496,7 @@ class ClientAgent:
             metrics[key] = 1 - unparsed / written
 
     def _evaluate_and_explore(self, r: _Round) -> Phase:
-        self.heartbeat.set("evaluating", r.round)
+        self.heartbeat.set(RoundPhase.EVALUATING, r.round)
         self.load_global(r.round)
         started = time.perf_counter()
         since = self.written_so_far()
@@ -509,7 +510,7 @@ class ClientAgent:
             self.finish_round(r.round, r.metrics)
             self.record(Progress(self.run_id, r.round, Phase.REPORTED.value, metrics=r.metrics))
             return Phase.REPORTED
-        self.heartbeat.set("exploring", r.round)
+        self.heartbeat.set(RoundPhase.EXPLORING, r.round)
         successes, explored = self.explore(r.round, r.tasks)
         r.metrics.update(explored)
         self.parseable_since(since, r.metrics, "parseable_action_rate")
@@ -519,7 +520,7 @@ class ClientAgent:
 
     def _train_and_save(self, r: _Round) -> Phase:
         assert r.progress is not None
-        self.heartbeat.set("training", r.round)
+        self.heartbeat.set(RoundPhase.TRAINING, r.round)
         if self.loaded_round != r.round:
             self.load_global(r.round)
         data, num_examples, trained = self.train(r.round)
@@ -536,7 +537,7 @@ class ClientAgent:
         data = self.saved_upload(r.progress)
         if data is None:
             return Phase.EXPLORED  # train again
-        self.heartbeat.set("uploading", r.round)
+        self.heartbeat.set(RoundPhase.UPLOADING, r.round)
         if self.upload(r.progress, data, r.metrics):
             r.progress = dataclasses.replace(r.progress, phase=Phase.UPLOADED.value, metrics=r.metrics)
             self.record(r.progress)
@@ -598,7 +599,7 @@ class ClientAgent:
 
         def on_step(step: dict) -> None:
             if not progress:
-                progress.append(PhaseProgress(log, "training", step["steps"], "steps", round=round_))
+                progress.append(PhaseProgress(log, RoundPhase.TRAINING.value, step["steps"], "steps", round=round_))
             progress[0].advance()
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)

@@ -6,14 +6,16 @@ other status is the aggregator's answer and is raised.
 
 Transfers are content-addressed and resumable. An upload is (client, round, sha256 of the bytes):
 after a break, or a refusal of a short stream or a misplaced offset, the client asks GetUploadState
-how many bytes the aggregator kept and sends only the rest, behind a header carrying that offset. A download that broke asks again from the bytes it
-holds, pinned to the sha256 of the first header, and checks the whole adapter's sha256 at the end.
-The retry budget counts attempts without progress: a transfer that keeps moving is not cut off.
+how many bytes the aggregator kept and sends only the rest, behind a header carrying that offset. A
+download that broke asks again from the bytes it holds, pinned to the sha256 of the first header,
+and checks the whole adapter's sha256 at the end. The retry budget (RetryBudget) counts attempts
+without progress: a transfer that keeps moving is not cut off.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import logging
 import random
@@ -36,7 +38,21 @@ log = logging.getLogger("client_agent.federation")
 T = TypeVar("T")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.CANCELLED}
-HEARTBEAT_PHASES = ("joining", "evaluating", "exploring", "training", "uploading", "waiting", "done")
+
+
+class RoundPhase(enum.Enum):
+    """What a client is doing in a run, as its heartbeats (HeartbeatRequest.phase) and its progress
+    lines name it: the one list of the phases of a round."""
+
+    JOINING = "joining"
+    EVALUATING = "evaluating"
+    EXPLORING = "exploring"
+    TRAINING = "training"
+    UPLOADING = "uploading"
+    WAITING = "waiting"
+    DONE = "done"
+
+
 DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
 
 
@@ -118,6 +134,21 @@ def upload_chunks(header: fpb.AdapterHeader, data: bytes, chunk_bytes: int) -> I
         yield fpb.AdapterChunk(data=part)
 
 
+@dataclasses.dataclass
+class RetryBudget:
+    """The failed attempts in a row that made no progress, of the `retries` a call may spend: an
+    attempt that moved a transfer on starts the count again, so one that keeps moving is never cut off."""
+
+    retries: int
+    failures: int = 0
+
+    def spent(self, progressed: bool = False) -> bool:
+        """Counts a failed attempt (one that `progressed` starts the count again); True once more than
+        `retries` in a row made no progress: give up."""
+        self.failures = 0 if progressed else self.failures + 1
+        return self.failures > self.retries
+
+
 def backoff_delay(attempt: int, base_s: float, max_s: float) -> float:
     """Exponential backoff with jitter: base * 2^attempt capped at max, times U(0.5, 1)."""
     return min(max_s, base_s * 2 ** attempt) * random.uniform(0.5, 1.0)
@@ -148,14 +179,14 @@ class FederationClient:
         time.sleep(delay)
 
     def _retry(self, what: str, call: Callable[[], T]) -> T:
-        for attempt in range(self.retries + 1):
+        budget = RetryBudget(self.retries)
+        while True:
             try:
                 return call()
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt == self.retries:
+                if exc.code() not in RETRYABLE or budget.spent():
                     raise
-                self._sleep(what, exc, attempt)
-        raise AssertionError("unreachable")
+                self._sleep(what, exc, budget.failures - 1)
 
     # ---- run and rounds -----------------------------------------------------------------------
     def join(self, env: str, base_model: str, schema: ad.Schema) -> fpb.JoinResponse:
@@ -211,7 +242,7 @@ class FederationClient:
         and checked against its sha256 at the end (damaged: TransferError logged, restart from 0)."""
         dtype = ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
         d = _Download(round_)
-        failures = 0
+        budget = RetryBudget(self.retries)
         while True:
             offset = d.held
             req = fpb.DownloadRequest(round=d.round, offset=offset, sha256=d.header.sha256 if d.header else "",
@@ -235,14 +266,12 @@ class FederationClient:
                     d.restart()
                 elif code not in RETRYABLE:
                     raise
-                failures = 0 if d.held > offset else failures + 1
-                if failures > self.retries:
+                if budget.spent(progressed=d.held > offset):
                     raise
-                self._sleep("DownloadAdapter", exc, failures, round=d.round, held_bytes=d.held)
+                self._sleep("DownloadAdapter", exc, budget.failures, round=d.round, held_bytes=d.held)
                 continue
             except TransferError as exc:
-                failures += 1
-                if failures > self.retries:
+                if budget.spent():
                     raise
                 log.warning("download damaged, restarting from 0", extra=log_fields(round=d.round, reason=str(exc)))
                 d.restart()
@@ -250,8 +279,7 @@ class FederationClient:
             assert d.header is not None
             if d.held < d.header.size:
                 # The stream ended early without an error: resume from what we hold.
-                failures = 0 if d.held > offset else failures + 1
-                if failures > self.retries:
+                if budget.spent(progressed=d.held > offset):
                     raise TransferError(f"global adapter of round {d.round}: stream keeps ending at "
                                         f"{d.held} of {d.header.size} bytes")
                 continue
@@ -305,7 +333,7 @@ class FederationClient:
         sha = sha256 or ad.sha256_hex(data)  # a wrong one costs only a refused upload
         if not round_nonce:
             round_nonce = self._check_round(round_, "the round is over").round_nonce
-        offset, failures = 0, 0
+        offset, budget = 0, RetryBudget(self.retries)
         while True:
             header = fpb.AdapterHeader(
                 round=round_, client_id=self.client_id, round_nonce=round_nonce, sha256=sha, size=len(data),
@@ -322,10 +350,9 @@ class FederationClient:
                 before = offset
                 if code in RETRYABLE:
                     offset = self._resume_at(round_, sha, len(data))
-                    failures = 0 if offset > before else failures + 1
-                    if failures > self.retries:
+                    if budget.spent(progressed=offset > before):
                         raise
-                    self._sleep("UploadAdapter", exc, failures, round=round_, resume_at=offset)
+                    self._sleep("UploadAdapter", exc, budget.failures, round=round_, resume_at=offset)
                     continue
                 if code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
@@ -334,16 +361,14 @@ class FederationClient:
                     raise
                 if st.round_nonce != round_nonce:
                     # The nonce we carried is not this round's (e.g. taken before a restart): take the new one.
-                    failures += 1
-                    if failures > self.retries:
+                    if budget.spent():
                         raise
                     round_nonce = st.round_nonce
                     continue
                 # The round is open and ours: the stream ended short, or our offset was not what the
                 # aggregator holds. It says where to go on from.
                 offset = self._resume_at(round_, sha, len(data))
-                failures = 0 if offset > before else failures + 1
-                if failures > self.retries:
+                if budget.spent(progressed=offset > before):
                     raise
                 log.info("upload resumes", extra=log_fields(round=round_, offset=offset, reason=detail))
                 continue
@@ -355,7 +380,7 @@ class Heartbeat:
     raises into the agent."""
 
     def __init__(self, fed: FederationClient, interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-                 phase: str = "joining", round_: int = -1):
+                 phase: RoundPhase | str = RoundPhase.JOINING, round_: int = -1):
         self.fed = fed
         self.interval_s = interval_s if interval_s > 0 else DEFAULT_HEARTBEAT_INTERVAL_S
         self._lock = threading.Lock()
@@ -371,17 +396,19 @@ class Heartbeat:
         self.last_status: fpb.RoundStatus | None = None
 
     @staticmethod
-    def _checked(phase: str) -> str:
-        if phase not in HEARTBEAT_PHASES:
-            raise ValueError(f"heartbeat phase must be one of {', '.join(HEARTBEAT_PHASES)}, got {phase!r}")
-        return phase
+    def _checked(phase: RoundPhase | str) -> str:
+        try:
+            return RoundPhase(phase).value
+        except ValueError:
+            raise ValueError(f"heartbeat phase must be one of {', '.join(p.value for p in RoundPhase)}, "
+                             f"got {phase!r}") from None
 
     @property
     def phase(self) -> tuple[int, str]:
         with self._lock:
             return self._round, self._phase
 
-    def set(self, phase: str, round_: int | None = None) -> None:
+    def set(self, phase: RoundPhase | str, round_: int | None = None) -> None:
         """Sets what the client is doing (and on which round); the new phase is sent at once."""
         with self._lock:
             self._phase = self._checked(phase)

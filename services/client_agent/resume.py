@@ -122,6 +122,7 @@ def decide_resume(progress: Progress | None, run_id: str, open_round: int) -> Re
     if progress.round == open_round and progress.phase != "seeded":
         return Resume("continue", open_round, progress.phase, open_round + 1,
                       reason=f"round {open_round} is still open, {progress.phase} already")
-    missed = progress.round if progress.phase in ("explored", "trained", "uploaded") and progress.metrics else None
+    unreported = {p.value for p in (Phase.EXPLORED, Phase.TRAINED, Phase.UPLOADED)}
+    missed = progress.round if progress.phase in unreported and progress.metrics else None
     return Resume("catch_up", open_round, "", progress.round + 1, missed=missed,
                   reason=f"the run is at round {open_round}, progress at round {progress.round} ({progress.phase})")
