@@ -25,11 +25,11 @@ from services.client_agent.buffer import Buffer, Trajectory
 from services.client_agent.config import ClientConfig
 from services.client_agent.federation import (
     FederationClient,
-    Heartbeat,
     StaleRound,
     TransferError,
     upload_chunks,
 )
+from services.client_agent.heartbeat import Heartbeat
 from support import FakeAggregator, serve_fake
 
 

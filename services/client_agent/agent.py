@@ -60,7 +60,8 @@ from . import model as mdl
 from .buffer import DEMO_SOURCES, Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient, EnvInfo, SessionLost
-from .federation import DEFAULT_HEARTBEAT_INTERVAL_S, FederationClient, Heartbeat, RoundPhase, StaleRound
+from .federation import FederationClient, StaleRound
+from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
 from .metrics import (BUFFER, DEMOS, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS,
                       WRITTEN, init_client)
 from .policy import ActionScorer
