@@ -1,9 +1,11 @@
 """The Kubernetes manifests (k8s/), without a cluster.
 
 Every scenario is built with `kubectl kustomize`: the default federation (k8s/), each component on
-top of it, all components together, and the on-prem overlay. The components' scenarios are written
-to a temporary directory from k8s/kustomization.yaml itself (its namespace, labels, images and
-resources, plus the component), so they are exactly what uncommenting the component there gives.
+top of it, all components together, and the on-prem overlay for each environment. The components'
+scenarios are written to a temporary directory from k8s/kustomization.yaml itself (its namespace,
+labels, images and resources, plus the component), so they are exactly what uncommenting the
+component there gives; the on-prem overlay's other environments are a copy of k8s/ with the one line
+that picks the pair changed, as docs/join-a-federation.md tells an organisation to do.
 
 Every rendered object of a core Kubernetes kind is validated, offline, against the Kubernetes
 OpenAPI schemas that `kubernetes-validate` ships (strict: unknown fields fail). Custom resources
@@ -41,6 +43,10 @@ NAMESPACE = "fedse"
 K8S_VERSIONS = ("1.28", "1.37")
 # Secrets the on-prem overlay expects the organisation to create by hand (never kept in git).
 EXTERNAL_SECRETS = {"onprem": {"fedse-client-tls"}}
+# Objects that live in no namespace (the on-prem overlay's models volume on a node).
+CLUSTER_KINDS = ("Namespace", "PersistentVolume")
+# The line of k8s/overlays/onprem/kustomization.yaml that picks the organisation's pair.
+ONPREM_PAIR = "  - ../../base/envs/maze\n"
 # Keys of the Secrets cert-manager writes (and the on-prem Secret is documented to hold).
 TLS_SECRET_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
@@ -58,7 +64,20 @@ def scenario_dirs() -> dict[str, list[str]]:
     return out
 
 
-SCENARIOS = [*scenario_dirs(), "onprem"]
+# The on-prem overlay as it is (the maze pair), then with each other environment's pair.
+ONPREM = {"onprem": "maze", **{f"onprem-{e}": e for e in ENVS if e != "maze"}}
+SCENARIOS = [*scenario_dirs(), *ONPREM]
+
+
+def onprem_for(env: str, directory: pathlib.Path) -> pathlib.Path:
+    """A copy of k8s/ whose on-prem overlay plays `env`: the one edit an organisation makes."""
+    shutil.copytree(K8S, directory / "k8s")
+    overlay = directory / "k8s" / "overlays" / "onprem" / "kustomization.yaml"
+    text = overlay.read_text()
+    pairs = [r for r in yaml.safe_load(text)["resources"] if "base/envs/" in r]
+    assert text.count(ONPREM_PAIR) == 1 and len(pairs) == 1, "one line picks the pair"
+    overlay.write_text(text.replace(ONPREM_PAIR, f"  - ../../base/envs/{env}\n"))
+    return overlay.parent
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +86,8 @@ def _render(name: str, tmp: str) -> tuple[dict, ...]:
         return tuple(kustomize(K8S))
     if name == "onprem":
         return tuple(kustomize(K8S / "overlays" / "onprem"))
+    if name in ONPREM:
+        return tuple(kustomize(onprem_for(ONPREM[name], pathlib.Path(tmp) / name)))
     return tuple(kustomize(write_scenario(pathlib.Path(tmp) / name, scenario_dirs()[name])))
 
 
@@ -254,6 +275,8 @@ def test_every_scenario_builds_into_the_namespace(scenario):
     for d in docs:
         if d["kind"] == "Namespace":
             assert d["metadata"]["name"] == NAMESPACE
+        elif d["kind"] in CLUSTER_KINDS:
+            assert "namespace" not in d["metadata"], f"{d['kind']}/{d['metadata']['name']}"
         else:
             assert d["metadata"].get("namespace") == NAMESPACE, f"{d['kind']}/{d['metadata']['name']}"
         assert d["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "fedse", \
@@ -444,7 +467,7 @@ def test_secrets_come_from_certificates_or_are_documented(scenario):
         for v in pod_spec(w).get("volumes", []):
             if "secret" in v:
                 secret = v["secret"]["secretName"]
-                assert secret in issued | EXTERNAL_SECRETS.get(name, set()), f"{name}: Secret {secret} comes from nowhere"
+                assert secret in issued | EXTERNAL_SECRETS.get("onprem" if name in ONPREM else name, set()), f"{name}: Secret {secret} comes from nowhere"
                 assert v["secret"].get("defaultMode") == 0o440, f"{name}: {secret}: keys readable by owner and group only"
 
 
@@ -473,7 +496,7 @@ def test_links_resolve_to_services(scenario, configs):
         assert env_server is not None, f"{who}: env server {cfg.env_server} is not a Service here"
         assert env_server[0] == f"env-server-{cfg.env}" and env_server[1].env_names == (cfg.env,), who
         agg = target(cfg.aggregator)
-        if name == "onprem":  # the federation's aggregator is someone else's
+        if name in ONPREM:  # the federation's aggregator is someone else's
             assert agg is None and cfg.aggregator == "aggregator.federation.example.org:50060", who
             assert cfg.tls_cert and cfg.tls_ca and cfg.env_server_plain, f"{who}: mTLS to the remote aggregator"
             continue
@@ -687,11 +710,38 @@ def test_network_policies_allow_exactly_the_federations_links(scenario_tmp):
 
 
 def test_onprem_network_policies(scenario_tmp):
-    docs = list(_render("onprem", scenario_tmp))
-    expected = {("client-agent-maze", "env-server-maze", 50051), ("client-agent-maze", "kube-dns", 53),
-                ("client-agent-maze", "internet", 50060)}
-    got = reachable(docs)
-    assert got == expected, f"links not allowed {sorted(expected - got)}, links allowed too {sorted(got - expected)}"
+    for name, env in ONPREM.items():
+        docs = list(_render(name, scenario_tmp))
+        agent = f"client-agent-{env}"
+        expected = {(agent, f"env-server-{env}", 50051), (agent, "kube-dns", 53), (agent, "internet", 50060)}
+        got = reachable(docs)
+        assert got == expected, \
+            f"{name}: links not allowed {sorted(expected - got)}, links allowed too {sorted(got - expected)}"
+
+
+def test_onprem_runs_any_pair_on_a_gpu_with_the_model_from_a_node(scenario_tmp, tmp_path):
+    for name, env in ONPREM.items():
+        docs = list(_render(name, scenario_tmp))
+        assert set(by_name(docs, "Deployment")) == {f"env-server-{env}"}, name
+        (job,) = of_kind(docs, "Job")
+        (c,) = pod_spec(job)["containers"]
+        cfg = program_config(job, c, tmp_path)
+        assert (cfg.env, cfg.client_id, cfg.env_server) == (env, f"org-{env}", f"env-server-{env}:50051"), name
+        assert c["image"] == "fedse-gpu:0.1.0" and c["resources"]["limits"]["nvidia.com/gpu"] == 1, name
+        # The federation's base model, set in the overlay, from the models volume; summed scores, as
+        # `fedse run --scoring auto` gives a real model in every environment.
+        assert cfg.base_model == "/models/Qwen2.5-7B-Instruct" and cfg.scoring == "sum", name
+        mount = mount_for(job, c, cfg.base_model)
+        assert mount and mount[1].get("readOnly") and mount[2]["persistentVolumeClaim"]["claimName"] == "fedse-models"
+        # That claim is bound to the directory on the labelled GPU node, not to a volume a default
+        # StorageClass would provision empty.
+        claim = by_name(docs, "PersistentVolumeClaim")["fedse-models"]["spec"]
+        volume = by_name(docs, "PersistentVolume")[claim["volumeName"]]["spec"]
+        assert claim["storageClassName"] == volume["storageClassName"] == "", name
+        assert set(claim["accessModes"]) <= set(volume["accessModes"]), name
+        assert volume["local"]["path"] == "/srv/fedse/models" and volume["persistentVolumeReclaimPolicy"] == "Retain"
+        (term,) = volume["nodeAffinity"]["required"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": "fedse.io/models", "operator": "In", "values": ["true"]}]
 
 
 def test_without_network_policies_everything_is_open(scenario_tmp):
@@ -734,7 +784,7 @@ def test_the_environments_guide_runs_an_own_env_server_image_with_demos_on_prem(
     overlay = tmp_path / "k8s" / "overlays" / "onprem" / "kustomization.yaml"
     config = yaml.safe_load(overlay.read_text())
     config["patches"] += yaml.safe_load(block.group(1))
-    config["components"] = ["../../components/demos"]
+    config["components"] = [*config.get("components", []), "../../components/demos"]
     overlay.write_text(yaml.safe_dump(config, sort_keys=False))
     docs = kustomize(overlay.parent)
     env_server = by_name(docs, "Deployment")["env-server-maze"]["spec"]["template"]["spec"]["containers"][0]
