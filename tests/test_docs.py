@@ -1,0 +1,274 @@
+"""The documentation: README.md and the guides under docs/.
+
+- Every command block a guide marks as tested (the line `<!-- tested -->` right before a ```sh
+  fence) runs, in order, as a person following the guide would run it: from the root of a scratch
+  directory holding a copy of k8s/ (the guides edit the on-prem overlay), with the virtualenv's
+  commands on PATH. Those blocks need no cluster: `kubectl apply -k DIR` builds DIR with
+  `kubectl kustomize`, and any other kubectl command fails the test.
+- The certificates the guide to joining a federation makes are ones fedse accepts: an aggregator
+  serving mTLS with them answers `fedse status` from the organisation's certificate.
+- Every relative link (and #anchor) in README.md and docs/*.md points to something that exists,
+  and README.md stays under 220 lines.
+- The reference tables agree with the code: the defaults in docs/configuration.md, and the
+  built-in environments' task counts and turn limits in docs/environments.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from support import KUBECTL, REPO
+
+DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
+MARK = "<!-- tested -->"
+BLOCK_TIMEOUT_S = 120
+FENCE = re.compile(r"^(```+|~~~+)")
+
+
+# ---- reading Markdown --------------------------------------------------------------------------------
+def marked_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line number, text) of each command block marked as tested, in the order of the file."""
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if line.strip() != MARK:
+            continue
+        fence = lines[i + 1] if i + 1 < len(lines) else ""
+        assert fence.strip() in ("```sh", "```bash"), \
+            f"{path.name}:{i + 1}: {MARK} must stand right before a ```sh block, not {fence!r}"
+        end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
+        out.append((i + 2, "\n".join(lines[i + 2:end])))
+    return out
+
+
+def unfenced(text: str) -> list[str]:
+    """The lines outside fenced blocks (where a `#` starts a comment, not a heading)."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+        elif not fenced:
+            kept.append(line)
+    return kept
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    """The #anchors GitHub gives the headings of a Markdown file."""
+    out: set[str] = set()
+    for line in unfenced(path.read_text()):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).replace("`", "").strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in out:
+            n += 1
+            candidate = f"{slug}-{n}"
+        out.add(candidate)
+    return out
+
+
+def links(path: pathlib.Path) -> list[str]:
+    """The targets of the Markdown links and images outside code."""
+    text = "\n".join(re.sub(r"`[^`]*`", "", line) for line in unfenced(path.read_text()))
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text)
+
+
+# ---- the tested commands -----------------------------------------------------------------------------
+KUBECTL_SHIM = """#!/bin/sh
+# kubectl as tests/test_docs.py runs the guides: without a cluster.
+if [ "$1" = apply ] && [ "$2" = -k ] && [ $# -eq 3 ]; then
+    exec "{real}" kustomize "$3" >/dev/null
+fi
+if [ "$1" = kustomize ]; then
+    exec "{real}" "$@"
+fi
+echo "kubectl $*: needs a cluster; a block marked as tested may only build (apply -k, kustomize)" >&2
+exit 3
+"""
+
+
+def sandbox(root: pathlib.Path) -> dict[str, str]:
+    """A scratch repository root with its own copy of k8s/; returns the environment to run blocks in."""
+    shutil.copytree(REPO / "k8s", root / "k8s")
+    shims = root / ".shims"
+    shims.mkdir()
+    if KUBECTL:
+        shim = shims / "kubectl"
+        shim.write_text(KUBECTL_SHIM.format(real=KUBECTL))
+        shim.chmod(0o755)
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(shims), str(pathlib.Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_block(doc: pathlib.Path, line: int, block: str, root: pathlib.Path, env: dict[str, str]) -> str:
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    assert proc.returncode == 0, (f"{doc.relative_to(REPO)}:{line}: the block exited {proc.returncode}\n"
+                                  f"{block}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+GUIDES_WITH_TESTS = [d for d in DOCS if marked_blocks(d)]
+# What the output of a guide's blocks shows, as the guide says it does.
+SHOWN = {
+    # the on-prem overlay, edited: the pair picked by one line, and the aggregator's address
+    "join-a-federation.md": ["value: wordle\n", "value: fedse.partner.example.net:50060\n"],
+    # every workload of the federation from the registry in the overlay of your own
+    "deploy.md": ["11\n"],
+    "environments.md": ["webshop "],
+}
+
+
+@pytest.mark.parametrize("doc", GUIDES_WITH_TESTS, ids=lambda d: d.name)
+def test_tested_commands_run(doc, tmp_path):
+    blocks = marked_blocks(doc)
+    if KUBECTL is None and any("kubectl" in b for _, b in blocks):
+        pytest.skip("kubectl not found (the guide's blocks build kustomizations)")
+    env = sandbox(tmp_path)
+    out = "".join(run_block(doc, line, block, tmp_path, env) for line, block in blocks)
+    for shown in SHOWN.get(doc.name, []):
+        assert shown in out, f"{doc.name}: its tested blocks did not print {shown!r}:\n{out[-3000:]}"
+
+
+def test_the_guides_mark_what_a_test_can_run():
+    names = {d.name for d in GUIDES_WITH_TESTS}
+    assert {"README.md", "running-locally.md", "deploy.md", "join-a-federation.md", "environments.md",
+            "configuration.md"} <= names, names
+    for doc in DOCS:  # a marker that is not before a block would silently test nothing
+        marks = [line for line in doc.read_text().splitlines() if line.strip() == MARK]
+        assert len(marks) == len(marked_blocks(doc)), doc.name
+
+
+def test_kubectl_in_tested_blocks_only_builds(tmp_path):
+    if KUBECTL is None:
+        pytest.skip("kubectl not found")
+    env = sandbox(tmp_path)
+    proc = subprocess.run(["bash", "-c", "kubectl -n fedse get pods"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "needs a cluster" in proc.stderr
+
+
+def test_the_join_guides_certificates_work_with_fedse(tmp_path, capsys):
+    """The openssl blocks of the join guide make a CA, an aggregator certificate and an organisation's
+    certificate that an aggregator serving mTLS accepts: `fedse status` with the organisation's
+    certificate reads the run, and the identity it presents is the client id."""
+    from apps.cli import status
+    from services.aggregator.server import AggregatorConfig, create_server
+
+    doc = REPO / "docs" / "join-a-federation.md"
+    env = sandbox(tmp_path)
+    for line, block in marked_blocks(doc):
+        if "openssl" in block:
+            run_block(doc, line, block, tmp_path, env)
+    pem = {name: str(tmp_path / name) for name in ("ca.pem", "aggregator.pem", "aggregator-key.pem",
+                                                   "org-wordle.pem", "org-wordle-key.pem")}
+    server, port = create_server(AggregatorConfig(
+        address="127.0.0.1:0", metrics_port=-1, state_dir=str(tmp_path / "state"), tls_ca=pem["ca.pem"],
+        tls_cert=pem["aggregator.pem"], tls_key=pem["aggregator-key.pem"], allowed_clients="org-wordle"))
+    server.start()
+    try:
+        argv = [f"--aggregator=127.0.0.1:{port}", "--tls-server-name=aggregator.federation.example.org",
+                f"--tls-ca={pem['ca.pem']}", "--timeout-s=20"]
+        capsys.readouterr()
+        assert status([*argv, f"--tls-cert={pem['org-wordle.pem']}", f"--tls-key={pem['org-wordle-key.pem']}"]) == 0
+        assert capsys.readouterr().out.startswith("run ")
+        # The aggregator's own certificate is for serving: it cannot stand in for a client.
+        assert status([*argv, "--timeout-s=3", f"--tls-cert={pem['aggregator.pem']}",
+                       f"--tls-key={pem['aggregator-key.pem']}"]) == 1
+    finally:
+        server.stop(0)
+
+
+# ---- links and length --------------------------------------------------------------------------------
+def test_readme_is_a_front_door():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) < 220, f"README.md has {len(lines)} lines; move details into docs/"
+    for guide in ("running-locally", "deploy", "join-a-federation", "environments"):
+        assert f"](docs/{guide}.md)" in "\n".join(lines), f"README.md links no docs/{guide}.md"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_relative_links_point_to_what_exists(doc):
+    broken = []
+    for target in links(doc):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading #{anchor} in {file.relative_to(REPO)}")
+    assert not broken, f"{doc.relative_to(REPO)}: " + "; ".join(broken)
+
+
+def test_anchors_follow_githubs_rule(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n## 4. Use a real model\n## The paper's comparison (`fedse experiment`)\n"
+                    "## Title\n```sh\n# a comment, not a heading\n```\n")
+    assert anchors(page) == {"title", "4-use-a-real-model", "the-papers-comparison-fedse-experiment", "title-1"}
+
+
+# ---- reference tables against the code ---------------------------------------------------------------
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of the Markdown table whose header row starts with `header`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_configuration_defaults_are_the_codes():
+    from apps.launcher import RunConfig
+    from services.aggregator.server import AggregatorConfig
+    from services.client_agent.config import ClientConfig
+    from services.env_server.server import EnvServerConfig
+
+    classes = {"aggregator": [AggregatorConfig], "client_agent": [ClientConfig], "env_server": [EnvServerConfig],
+               "`fedse run`": [RunConfig], "all": [AggregatorConfig, ClientConfig, EnvServerConfig]}
+    rows = table_rows((REPO / "docs" / "configuration.md").read_text(), "| service | setting | default |")
+    assert len(rows) >= 25
+    for service, settings, default, _ in rows:
+        flags = re.findall(r"`--([a-z-]+)`", settings)
+        documented = [d.strip() for d in default.split(",")] if default != "-" else [""] * len(flags)
+        if len(documented) != len(flags):  # one value for several flags, e.g. maze,wordle
+            documented = [default]
+        assert len(documented) == len(flags), (service, settings, default)
+        for cls in classes[service]:
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            for flag, want in zip(flags, documented):
+                name = flag.replace("-", "_")
+                assert name in fields, f"{cls.__name__} has no --{flag}"
+                got = fields[name].default
+                same = float(want) == float(got) if isinstance(got, (int, float)) and not isinstance(got, bool) \
+                    else want == str(got)
+                assert same, f"docs/configuration.md: {service} --{flag} defaults to {want!r}; {cls.__name__}: {got!r}"
+
+
+def test_builtin_environments_table_is_what_fedse_tasks_prints():
+    rows = table_rows((REPO / "docs" / "environments.md").read_text(), "| env | train | test | max turns |")
+    documented = {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in rows}
+    assert set(documented) == {"maze", "wordle", "babyai", "textcraft", "webshop"}
+    proc = subprocess.run([sys.executable, "-m", "apps.cli", "tasks", "--envs", ",".join(documented)],
+                          cwd=REPO, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    printed = {}
+    for line in proc.stdout.splitlines()[1:]:
+        name, train, test, turns, *_ = line.split()
+        printed[name] = (int(train), int(test), int(turns))
+    assert printed == documented
