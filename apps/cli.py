@@ -10,17 +10,28 @@ from fedse.config import field, parse_or_exit
 from fedse.security import Security
 
 
+# The services: `fedse NAME` runs the one of `python -m MODULE`, with the same flags and FEDSE_*
+# variables (images, manifests and `fedse run` start them this way).
+SERVICES = {"aggregator": "services.aggregator", "env-server": "services.env_server",
+            "client": "services.client_agent"}
+
+
 def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM (kill, timeout, a CI job ending) stops the processes as Ctrl-C does
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICES:  # before the signal handlers below: a service installs its own
+        return service(argv[0], argv[1:])
     signal.signal(signal.SIGTERM, _stop)
     # Ctrl-C too, even where the parent ran us with SIGINT ignored (Python then leaves it ignored).
     signal.signal(signal.SIGINT, _stop)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fedse run [options]            run a whole federation locally (fedse run --help)\n"
+        print("usage: fedse aggregator [options]     the aggregator service (fedse aggregator --help)\n"
+              "       fedse env-server [options]     the environments' gRPC server (fedse env-server --help)\n"
+              "       fedse client [options]         one organisation's client agent (fedse client --help)\n"
+              "       fedse run [options]            run a whole federation locally (fedse run --help)\n"
               "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
               "plots\n"
               "       fedse tasks [--env-server ADDR | --envs SPECS]  each environment's task counts, turn limit "
@@ -68,9 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         return status(rest)
     if command == "model":
         return model(rest)
-    print(f"unknown command {command!r}; try: fedse run, fedse experiment, fedse tasks, fedse status, fedse model",
-          file=sys.stderr)
+    print(f"unknown command {command!r}; try: fedse {', fedse '.join(SERVICES)}, fedse run, fedse experiment, "
+          "fedse tasks, fedse status, fedse model", file=sys.stderr)
     return 2
+
+
+def service(name: str, argv: list[str]) -> int:
+    """Runs the service `name` in this process, as `python -m SERVICES[name]` does: the same config
+    class (flags, FEDSE_* variables, --help) and the same serve()."""
+    if name == "aggregator":
+        from services.aggregator.server import AggregatorConfig as config, serve
+    elif name == "env-server":
+        from services.env_server.server import EnvServerConfig as config, serve
+    else:
+        from services.client_agent.server import ClientConfig as config, serve
+    return serve(parse_or_exit(config, argv, prog=f"fedse {name}"))
 
 
 def tasks(argv: list[str]) -> int:

@@ -62,11 +62,12 @@ def _convert(kind: type, raw: str, name: str) -> Any:
 
 
 def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | None = None,
-          environ: dict[str, str] | None = None) -> T:
-    """Builds cls from argv and the environment; raises ConfigError on a bad value."""
+          environ: dict[str, str] | None = None, prog: str | None = None) -> T:
+    """Builds cls from argv and the environment; raises ConfigError on a bad value. `prog` names the
+    command in --help's usage line (default: the program's file name)."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description or cls.__doc__)  # each help names its default
+    parser = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__)  # each help names its default
     for f in dataclasses.fields(cls):
         flag: dict[str, Any] = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}  # bare --flag: true
         env_help = f"env {env_name(f.name)}"
@@ -94,10 +95,10 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
     return cls(**values)
 
 
-def parse_or_exit(cls: type[T], argv: Sequence[str] | None = None) -> T:
+def parse_or_exit(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
     """For entry points only: a bad setting stops the process with one line on stderr."""
     try:
-        return parse(cls, argv)
+        return parse(cls, argv, prog=prog)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

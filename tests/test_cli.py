@@ -1,0 +1,53 @@
+"""Every service starts from the one `fedse` command: `fedse aggregator`, `fedse env-server` and
+`fedse client` take the flags, FEDSE_* variables and help of `python -m services.X`."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from apps import cli
+from apps.launcher import Proc
+from fedse.serving import insecure_channel
+from fedse.v1 import env_pb2, env_pb2_grpc
+
+
+def after_usage(text: str) -> str:
+    """--help's text from the description on (the usage line names the program)."""
+    return text.split("\n\n", 1)[1]
+
+
+@pytest.mark.parametrize("name", list(cli.SERVICES))
+def test_each_service_subcommand_prints_the_services_own_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([name, "--help"])
+    assert exit_.value.code == 0
+    ours = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"{cli.SERVICES[name]}.server").main(["--help"])
+    theirs = capsys.readouterr().out
+    assert ours.startswith(f"usage: fedse {name} [-h]")
+    assert after_usage(ours) == after_usage(theirs)
+    assert "--seed SEED" in ours and "FEDSE_SEED" in ours
+
+
+def test_a_bad_setting_stops_a_service_subcommand_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["aggregator", "--num-rounds", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "configuration error: --num-rounds must be at least 1, got 0\n"
+
+
+def test_fedse_env_server_serves_its_flags_and_variables_over_grpc(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSE_ENVS", "wordle?vocab_size=30,maze")  # a variable, as in the manifests
+    proc = Proc("env_server", ["apps.cli", "env-server", "--address", "127.0.0.1:0", "--metrics-port", "-1"],
+                tmp_path)
+    try:
+        with insecure_channel(f"127.0.0.1:{proc.port()}") as channel:
+            reply = env_pb2_grpc.EnvServiceStub(channel).ListEnvironments(env_pb2.ListEnvironmentsRequest(),
+                                                                         timeout=30)
+        assert list(reply.envs) == ["wordle", "maze"]
+    finally:
+        proc.stop()
+    assert proc.popen.returncode == 0  # SIGTERM: a graceful stop, as `python -m services.env_server`'s
