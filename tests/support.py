@@ -21,6 +21,7 @@ import yaml
 
 from fedse import adapter as ad
 from fedse import serde
+from apps.cli import SERVICES
 from apps.launcher import Proc
 from fedse.serving import GRPC_OPTIONS
 from fedse.v1 import federation_pb2 as fpb
@@ -43,6 +44,13 @@ BUDGET = {
 # What each service's own metrics are called (README, Metrics).
 OWN_METRICS = {"services.aggregator": "fedse_aggregator_", "services.env_server": "fedse_env_",
                "services.client_agent": "fedse_client_"}
+
+
+def service_module(command: list[str]) -> str:
+    """The service a container's command starts, as its module: `fedse NAME` runs SERVICES[NAME]."""
+    assert len(command) == 2 and command[0] == "fedse" and command[1] in SERVICES, \
+        f"the command must be fedse and one of {', '.join(SERVICES)}: {command}"
+    return SERVICES[command[1]]
 
 
 def wait_for(what: str, check, timeout: float = 180.0, procs: list[Proc] = ()):

@@ -55,7 +55,8 @@ import uuid
 
 import pytest
 
-from support import BUDGET, KUBECTL, NAMESPACE, OWN_METRICS, REPO, http_get, kustomize, probe_ports, serving
+from support import (BUDGET, KUBECTL, NAMESPACE, OWN_METRICS, REPO, http_get, kustomize, probe_ports, service_module,
+                     serving)
 
 BASE_IMAGE = os.environ.get("FEDSE_IMAGE_BASE", "localhost/fedse-base:bookworm")
 PAIR = "maze"
@@ -236,9 +237,7 @@ class Pod:
 
     @property
     def module(self) -> str:
-        cmd = self.container["command"]
-        assert cmd[:2] == ["python", "-m"] and len(cmd) == 3, cmd
-        return cmd[2]
+        return service_module(self.container["command"])
 
     def port(self, name: str) -> int:
         return next(p["containerPort"] for p in self.container["ports"] if p["name"] == name)

@@ -34,7 +34,7 @@ import shutil
 import pytest
 import yaml
 
-from support import K8S, KUBECTL, REPO, kustomize, write_scenario
+from support import K8S, KUBECTL, REPO, kustomize, service_module, write_scenario
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
 COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos")
 NAMESPACE = "fedse"
@@ -141,9 +141,7 @@ def config_class(module: str):
 
 
 def module_of(c: dict) -> str:
-    cmd = c.get("command", [])
-    assert cmd[:2] == ["python", "-m"] and len(cmd) == 3, f"{c['name']}: command must be python -m services.X: {cmd}"
-    return cmd[2]
+    return service_module(c.get("command", []))
 
 
 def env_of(c: dict) -> dict[str, str]:

@@ -2,7 +2,7 @@
 that completes a round? The default (all five pairs), and the mtls component (two pairs).
 
 `kubectl kustomize` renders them; every container of every Deployment and Job is started as a
-process, `python -m services.X` from this repository with this interpreter, with the container's
+process, its command `fedse NAME` from this repository with this interpreter, with the container's
 args and its env exactly as rendered, except what only a cluster provides, which is emulated:
 
 - volumes: each of a pod's volumes is a directory of its own here (emptyDir: a fresh one; a
@@ -43,7 +43,7 @@ import time
 import pytest
 
 from support import (BUDGET, KUBECTL, NAMESPACE, OWN_METRICS, REPO, free_ports, http_get, kustomize, probe_ports,
-                     serving, write_scenario)
+                     service_module, serving, write_scenario)
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
 RUN_TIMEOUT_S = 420.0
@@ -71,9 +71,7 @@ class Pod:
 
     @property
     def module(self) -> str:
-        cmd = self.container["command"]
-        assert cmd[:2] == ["python", "-m"] and len(cmd) == 3, cmd
-        return cmd[2]
+        return service_module(self.container["command"])
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log and self.log.exists() else ""
@@ -185,7 +183,9 @@ class Cluster:
             assert a.startswith("--") and "=" in a, f"{pod.name}: write flags as --name=value: {a!r}"
             flag, value = a.split("=", 1)
             argv.append(f"{flag}={self.rewrite(pod, flag, value)}")
-        pod.argv = [sys.executable, "-m", pod.module, *argv, *BUDGET[pod.module], *pod.extra]
+        # The container's command, `fedse NAME`, as this checkout's CLI runs it.
+        command = [sys.executable, "-m", "apps.cli", *pod.container["command"][1:]]
+        pod.argv = [*command, *argv, *BUDGET[pod.module], *pod.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FEDSE_")}
         env["PYTHONUNBUFFERED"] = "1"
         for e in pod.container.get("env", []):
