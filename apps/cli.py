@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from apps.launcher import RunConfig, run, shortfall
+        from apps.launcher import run
+        from apps.planning import RunConfig
+        from apps.results import shortfall
 
         cfg = parse_or_exit(RunConfig, rest)
         try:

@@ -38,8 +38,9 @@ import time
 from typing import IO, Any, Iterable
 
 from fedse.config import ConfigError, field
-from apps.launcher import RunConfig, round_mean, shortfall
 from apps.launcher import run as run_federation
+from apps.planning import RunConfig
+from apps.results import round_mean, shortfall
 from fedse.pretrained import check_base_model
 
 

@@ -65,7 +65,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fedse import adapter as ad  # noqa: E402
-from apps.launcher import Proc  # noqa: E402
+from apps.processes import Proc  # noqa: E402
 from fedse.serving import GRPC_OPTIONS  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.aggregator.store import Store  # noqa: E402

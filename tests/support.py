@@ -22,7 +22,7 @@ import yaml
 from fedse import adapter as ad
 from fedse import serde
 from apps.cli import SERVICES
-from apps.launcher import Proc
+from apps.processes import Proc
 from fedse.serving import GRPC_OPTIONS
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc

@@ -9,7 +9,7 @@ import json
 import grpc
 import pytest
 
-from apps.launcher import Proc
+from apps.processes import Proc
 from fedse.security import Security, channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc

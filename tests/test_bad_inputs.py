@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fedse import adapter as ad
 from fedse import serde
 from fedse.inputs import MAX_STATUS_CHARS
-from apps.launcher import Proc
+from apps.processes import Proc
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 from fedse.v1 import federation_pb2 as fpb

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 from apps import cli
-from apps.launcher import Proc
+from apps.processes import Proc
 from fedse.serving import insecure_channel
 from fedse.v1 import env_pb2, env_pb2_grpc
 

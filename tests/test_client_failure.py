@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from apps.launcher import exit_reason, log_summary
+from apps.logs import log_summary
+from apps.processes import exit_reason
 from fedse.serving import JsonFormatter, log_fields
 from support import child_running, wait_for
 

@@ -303,7 +303,7 @@ def test_default_is_the_whole_cpu_federation(scenario_tmp):
     for w, c in containers(docs):
         assert c["image"] == "fedse:0.1.0", (w["metadata"]["name"], c["image"])
     # Each client scores actions as `fedse run` scores its environment's with the tiny model.
-    from apps.launcher import scoring_for
+    from apps.planning import scoring_for
     for env in ENVS:
         (c,) = pod_spec(jobs[f"client-agent-{env}"])["containers"]
         assert env_of(c)["FEDSE_SCORING"] == scoring_for("auto", (env,)), env

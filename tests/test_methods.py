@@ -12,7 +12,9 @@ import pytest
 
 from fedse import adapter as ad
 from fedse.config import ConfigError
-from apps.launcher import RunConfig, collect, plan, read_metrics, run, scoring_for
+from apps.launcher import run
+from apps.planning import RunConfig, plan, scoring_for
+from apps.results import collect, read_metrics
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
 

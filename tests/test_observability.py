@@ -25,7 +25,7 @@ import fedse.serving  # noqa: F401 - registers the gRPC interceptor's metrics
 import services.aggregator.metrics  # noqa: F401 - registers the aggregator's metrics
 import services.client_agent.metrics  # noqa: F401 - registers the client agent's metrics
 import services.env_server.metrics  # noqa: F401 - registers the env server's metrics
-from apps.launcher import Proc
+from apps.processes import Proc
 from support import free_ports, http_get
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

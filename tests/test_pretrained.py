@@ -18,7 +18,7 @@ from fedse import adapter as ad
 from fedse import pretrained
 from fedse.config import ConfigError, parse
 from apps.experiment import ExperimentConfig
-from apps.launcher import RunConfig
+from apps.planning import RunConfig
 from services.aggregator.store import Store, config_with_base
 from services.client_agent.model import adapter_config_json, add_lora, get_adapter_state, load_base
 from services.client_agent.prompts import format_prompt

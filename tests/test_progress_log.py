@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from apps.launcher import Client, progress_lines
+from apps.logs import progress_lines
+from apps.planning import Client
 from fedse.progress import PhaseProgress, describe, duration, last_progress
 from fedse.serving import JsonFormatter
 

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from apps.launcher import Proc
+from apps.processes import Proc
 from fedse.serving import insecure_channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc

@@ -1,0 +1,190 @@
+"""What `fedse run` starts: its settings (RunConfig), the federations of its topology (plan) and the
+action scoring of each client (scoring_for).
+
+--topology says who federates with whom, which is all that tells the paper's methods apart beside
+the client settings (--explore-tasks, --keep, --history, --lora-r): "federated" (one client per
+environment, one aggregator: Fed-SE, FedIT), "local" (each client alone with its own aggregator,
+nothing averaged across clients: Local) or "centralized" (one client holding every environment:
+Centralized).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from fedse.config import SCORINGS, ConfigError, field
+from fedse.pretrained import check_base_model
+from fedse.tinymodel import TINY_MODEL_NAME, names_tiny_model
+
+TOPOLOGIES = ("federated", "local", "centralized")
+# Liveness at the aggregator: clients beat every HEARTBEAT_INTERVAL_S; one silent for
+# HEARTBEAT_TIMEOUT_S (several missed beats, so a busy but live client is not taken for dead) is
+# not waited for, which is how long a round can wait for a client that died.
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TIMEOUT_S = 15.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Run a whole Fed-SE federation locally (the embedded tiny model unless --base-model is a path)."""
+
+    envs: str = field("maze,wordle,babyai,textcraft,webshop", "environment specs, comma-separated (one client each; "
+                                                              "one for all of them with --topology centralized): a "
+                                                              "built-in or installed plugin by name, "
+                                                              "NAME=package.module:factory or "
+                                                              "NAME=agentgym:PROFILE@URL, each with ?KEY=VALUE&... "
+                                                              "options (e.g. wordle?vocab_size=30)")
+    demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
+                           "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
+    rounds: int = field(5, "federated rounds T")
+    results: str = field("results", "folder for results.json, success.png, logs and state")
+    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
+                                          "(`make model` writes models/smollm2-135m-instruct)")
+    strategy: str = field("fedavg", "aggregation strategy: fedavg, weighted, exact, median or trimmed_mean")
+    expert_demos: int = field(20, "expert demonstrations per client (D_0)")
+    explore_tasks: int = field(16, "training tasks each client attempts per round and environment (0 = none: "
+                                   "train on the expert demonstrations only)")
+    topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "
+                                       "client alone with its own aggregator) or 'centralized' (one client "
+                                       "holding every environment)")
+    keep: str = field("successes", "explored trajectories each client keeps: 'successes' or 'all' (no filter)")
+    history: str = field("cumulative", "what each client trains on: 'cumulative' (its whole buffer) or 'round' "
+                                       "(expert demonstrations plus the round's kept trajectories)")
+    lora_r: int = field(8, "LoRA rank")
+    lora_alpha: int = field(16, "LoRA alpha")
+    eval_tasks: int = field(20, "held-out test tasks per evaluation (0 = all)")
+    lr: float = field(3e-3, "client AdamW learning rate")
+    policy: str = field("score", "how clients act: 'score' (rank admissible actions by likelihood) or 'generate' "
+                                 "(write the action, matched to an admissible one)")
+    precision: str = field("auto", "clients' model precision: 'auto' (bf16 autocast for a real model on a CPU with "
+                                   "native bfloat16), 'fp32' or 'bf16'")
+    epochs: int = field(2, "epochs over the buffer per round")
+    scoring: str = field("auto", "what clients rank admissible actions by: 'sum' (log-likelihood) or 'calibrated' "
+                                 "(less the log-likelihood after an empty prompt), for all, or per environment as "
+                                 "env=rule pairs (the others: sum); 'auto' = babyai=calibrated with the embedded "
+                                 "tiny model, sum with a real one")
+    seed: int = field(0, "seed of everything")
+    round_deadline_s: float = field(1800.0, "round deadline at the aggregator: a round closes then without the "
+                                            "clients that have not uploaded")
+
+    def __post_init__(self) -> None:
+        if not self.env_list():
+            raise ConfigError("--envs is empty: name at least one environment, e.g. maze,wordle")
+        if self.rounds < 1:
+            raise ConfigError(f"--rounds must be at least 1, got {self.rounds}")
+        if self.explore_tasks < 0:
+            raise ConfigError(f"--explore-tasks must not be negative, got {self.explore_tasks}")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.policy not in ("score", "generate"):
+            raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        specs = self.env_specs()
+        from services.env_server import registry
+
+        try:  # here, once (each factory imports and takes its options), not in each server after others started
+            for text in specs.values():
+                registry.check(registry.parse_spec(text), self.seed)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"--envs: {exc}") from None
+
+        unknown = set(scoring_rules(self.scoring)) - {"", *specs, *registry.known_names()}
+        if unknown:
+            raise ConfigError(f"--scoring names {', '.join(sorted(unknown))}: environments are "
+                              f"{', '.join(specs)}")
+        demos = self.demo_files()
+        if set(demos) - set(specs):
+            raise ConfigError(f"--demos names {', '.join(sorted(set(demos) - set(specs)))}: this run's environments "
+                              f"are {', '.join(specs)}")
+        from services.client_agent.demos import load_demos
+
+        for env, paths in demos.items():  # every record checked before any process starts
+            load_demos(paths, [env])
+        check_base_model(self.base_model)  # here, not in each client process after the others have started
+
+    def env_specs(self) -> dict[str, str]:
+        """Each environment's name and its spec as the env server takes it (parsed only: __post_init__
+        checked that each can be served); ConfigError for a malformed spec."""
+        from services.env_server import registry
+
+        try:
+            return {spec.name: spec.text for spec in registry.parse_specs(self.envs)}
+        except registry.RegistryError as exc:
+            raise ConfigError(f"--envs: {exc}") from None
+
+    def env_list(self) -> list[str]:
+        return list(self.env_specs()) if self.envs.strip() else []
+
+    def demo_files(self) -> dict[str, list[str]]:
+        """ENV -> its demonstration files, in the order given."""
+        out: dict[str, list[str]] = {}
+        for part in (p.strip() for p in self.demos.split(",") if p.strip()):
+            env, sep, path = part.partition("=")
+            if not sep or not env.strip() or not path.strip():
+                raise ConfigError(f"--demos {part!r}: write ENV=PATH pairs separated by commas, e.g. "
+                                  "maze=demos/maze.json")
+            out.setdefault(env.strip(), []).append(path.strip())
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Client:
+    """A client agent to start: its id and the environments it holds (its env server hosts them)."""
+
+    client_id: str
+    envs: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """Names its processes and logs: env_server-maze, client_agent-maze+wordle."""
+        return "+".join(self.envs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Federation:
+    """One aggregator (process and state folder `name`, run `run_id`) and the clients that join it."""
+
+    name: str
+    run_id: str
+    clients: tuple[Client, ...]
+
+
+def plan(cfg: RunConfig) -> list[Federation]:
+    """The aggregators and clients of cfg.topology."""
+    envs = cfg.env_list()
+    if cfg.topology == "local":
+        return [Federation(f"aggregator-{e}", f"local-{e}", (Client(f"org-{e}", (e,)),)) for e in envs]
+    if cfg.topology == "centralized":
+        return [Federation("aggregator", "local", (Client("org-central", tuple(envs)),))]
+    return [Federation("aggregator", "local", tuple(Client(f"org-{e}", (e,)) for e in envs))]
+
+TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (README)
+
+
+def scoring_rules(spec: str, base_model: str = TINY_MODEL_NAME) -> dict[str, str]:
+    """--scoring as {environment: rule}; the key "" holds the rule of environments not named."""
+    if spec.strip() == "auto":
+        spec = TINY_SCORING if names_tiny_model(base_model) else "sum"
+    if "=" not in spec:
+        rules = {"": spec.strip()}
+    else:
+        rules = {"": "sum"}
+        for part in (p.strip() for p in spec.split(",") if p.strip()):
+            env, sep, rule = part.partition("=")
+            if not sep or not env.strip():
+                raise ConfigError(f"--scoring {spec!r}: write one rule (sum or calibrated) or env=rule pairs "
+                                  f"separated by commas, e.g. babyai=calibrated,webshop=calibrated")
+            rules[env.strip()] = rule.strip()
+    for env, rule in rules.items():
+        if rule not in SCORINGS:
+            raise ConfigError(f"--scoring {spec!r}: {rule!r} is not a rule; use one of {', '.join(SCORINGS)}")
+    return rules
+
+
+def scoring_for(spec: str, envs: Sequence[str], base_model: str = TINY_MODEL_NAME) -> str:
+    """The --scoring rule of a client holding `envs`: theirs where they all have the same, else sum."""
+    rules = scoring_rules(spec, base_model)
+    chosen = {rules.get(e, rules[""]) for e in envs}
+    return chosen.pop() if len(chosen) == 1 else "sum"

@@ -1,0 +1,168 @@
+"""A run's results: the rounds each client reported, per environment and as a mean over test
+tasks (collect, results.json), the table and plot of them, and the clients that failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Sequence
+
+from apps.logs import log_summary
+from apps.planning import Client, RunConfig
+from apps.processes import Proc, exit_reason
+
+
+def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A client agent that exited non-zero: who, how, and what its log said last (results.json's
+    failed_clients)."""
+
+    client_id: str
+    process: str  # its process and log name, e.g. client_agent-wordle
+    envs: tuple[str, ...]  # the environments it held
+    exit_code: int  # the process's return code; negative: killed by that signal
+    reason: str  # "killed by SIGKILL (out of memory?)", "exited with status 1"
+    last_round: int | None  # the last round it reported (None: none)
+    error: str  # the last error or exception in its log ("" if none)
+    last_lines: tuple[str, ...]  # its log's last meaningful lines
+    log: str  # its log's path
+
+
+def env_rows(reports: list[dict[str, Any]],
+             client_envs: dict[str, tuple[str, ...]]) -> dict[str, list[dict[str, Any]]]:
+    """Per environment, one row per round its client reported (the last report of a round counts):
+    that environment's test_success and test_tasks (from test_success/<env>, test_tasks/<env>) and
+    the client's other metrics (upload_bytes, train_loss, ...), which a Centralized client's
+    environments share."""
+    latest = {(r["client_id"], r["round"]): r["metrics"] for r in reports if r["client_id"] in client_envs}
+    envs: dict[str, list[dict[str, Any]]] = {}
+    for (cid, rnd), m in sorted(latest.items()):
+        shared = {k: v for k, v in m.items() if not k.startswith(("test_success", "test_tasks/"))}
+        for env in client_envs[cid]:
+            envs.setdefault(env, []).append({"round": rnd, **shared, "test_success": m[f"test_success/{env}"],
+                                             "test_tasks": m[f"test_tasks/{env}"]})
+    return envs
+
+
+def round_mean(rows: dict[str, list[dict[str, Any]]], envs: list[str], rnd: int) -> float | None:
+    """Round `rnd`'s success micro-averaged over the test tasks of every environment (successes over
+    tasks, as the paper averages); None until every environment has reported the round."""
+    found = [row for env in envs for row in rows.get(env, []) if row["round"] == rnd]
+    if len(found) < len(envs):
+        return None
+    tasks = sum(row["test_tasks"] for row in found)
+    return sum(row["test_success"] * row["test_tasks"] for row in found) / max(1.0, tasks)
+
+
+def success_table(rows: dict[str, list[dict[str, Any]]], envs: list[str], rounds: int) -> str:
+    envs = sorted(envs)
+    by = {(env, row["round"]): row["test_success"] for env in envs for row in rows.get(env, [])}
+    width = max(8, *(len(e) for e in envs))
+    head = "round | " + " | ".join(f"{e:>{width}}" for e in envs) + " | " + f"{'mean':>{width}}"
+    lines = [head, "-" * len(head)]
+    for rnd in range(rounds + 1):
+        cells = [f"{100 * by[e, rnd]:>{width - 1}.1f}%" if (e, rnd) in by else f"{'-':>{width}}" for e in envs]
+        mean = round_mean(rows, envs, rnd)
+        cells.append(f"{100 * mean:>{width - 1}.1f}%" if mean is not None else f"{'-':>{width}}")
+        lines.append(f"{rnd:>5} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lost = {env for f in results["failed_clients"] for env in f["envs"]}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for env, rows in sorted(results["envs"].items()):
+        xs = [r["round"] for r in rows if "test_success" in r]
+        ys = [100 * r["test_success"] for r in rows if "test_success" in r]
+        ax.plot(xs, ys, marker="o", label=f"{env} (client failed)" if env in lost else env)
+    mean = results.get("mean_test_success", [])
+    if mean:
+        ax.plot(range(len(mean)), [100 * m for m in mean], color="black", linestyle="--", marker="s", label="mean")
+    ax.set_xlabel("round (0 = base model, before any training)")
+    ax.set_ylabel("held-out success (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(f"Fed-SE, {pathlib.Path(results['base_model']).name}, {results['topology']}, "
+                 f"{len(results['envs'])} environments, {results['strategy']}")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...]], cfg: RunConfig,
+            wall_s: float, failed: Sequence[Failure] = (), stopped: str = "") -> dict[str, Any]:
+    """The run's results (results.json), what `fedse run` and the experiment driver read:
+
+    {"config": the RunConfig as a dict, "topology", "base_model", "strategy", "rounds", "wall_s",
+     "envs": {env: [{"round", "test_success" (that environment's held-out success), "test_tasks"
+              (its test tasks evaluated), "upload_bytes" (bytes of the adapter its client uploaded
+              that round; absent in the final, evaluation-only round), and its client's other
+              metrics: "train_loss", "buffer", "kept", "eval_s", ...}, one per round its client
+              reported: 0..rounds, fewer if the client failed (an environment whose client reported
+              nothing is absent)]},
+     "mean_test_success": [per round from 0, micro-averaged over all test tasks, while every
+                           environment has reported: a round that a failed client did not report
+                           has no mean, as it would average fewer environments than round 0's],
+     "complete": every client finished every round (no client failed, the run was not stopped),
+     "failed_clients": [Failure as a dict: client_id, process, envs, exit_code, reason, last_round
+                        (the last round it reported, null if none), error, last_lines, log],
+     "stopped": why the run was ended before its clients finished ("" if it was not)}
+    """
+    envs = env_rows(reports, client_envs)
+    mean: list[float] = []
+    for rnd in range(cfg.rounds + 1):
+        m = round_mean(envs, cfg.env_list(), rnd)
+        if m is None:
+            break
+        mean.append(m)
+    return {"config": dataclasses.asdict(cfg), "topology": cfg.topology, "base_model": cfg.base_model,
+            "strategy": cfg.strategy, "rounds": cfg.rounds, "wall_s": round(wall_s, 1), "envs": envs,
+            "mean_test_success": mean, "complete": not failed and not stopped,
+            "failed_clients": [dataclasses.asdict(f) for f in failed], "stopped": stopped}
+
+
+def shortfall(results: dict[str, Any]) -> str:
+    """Why a run did not finish, in one line ("" if it did)."""
+    why = [f"{f['client_id']} failed ({f['reason']})" for f in results["failed_clients"]]
+    return "; ".join(why + ([results["stopped"]] if results["stopped"] else []))
+
+
+def describe_failure(client: Client, proc: Proc, reports: list[dict[str, Any]]) -> Failure:
+    """The Failure of a client agent whose process exited non-zero."""
+    code = proc.popen.returncode
+    lines, error = log_summary(proc.log_path)
+    last = max((r["round"] for r in reports if r["client_id"] == client.client_id), default=None)
+    return Failure(client.client_id, proc.name, client.envs, code, exit_reason(code), last, error, lines,
+                   str(proc.log_path))
+
+
+def reported(f: Failure) -> str:
+    """Which round a failed client reported last, as words."""
+    return f"reported round {f.last_round} last" if f.last_round is not None else "reported no round"
+
+
+def failure_text(f: Failure) -> str:
+    """What `fedse run` says when a client fails: who, how, and how its log ends."""
+    lines = [f"client {f.client_id} ({'+'.join(f.envs)}) failed: {f.reason}, exit code {f.exit_code}; it "
+             f"{reported(f)}", f"  last error: {f.error or '(none logged)'}", f"  its log {f.log} ends with:"]
+    return "\n".join(lines + [f"    {line}" for line in f.last_lines])
