@@ -11,11 +11,13 @@ Centralized).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 from fedse.config import SCORINGS, ConfigError, field
 from fedse.pretrained import check_base_model
 from fedse.tinymodel import TINY_MODEL_NAME, names_tiny_model
+from services.aggregator.server import AggregatorConfig
+from services.client_agent.config import ClientConfig
 
 TOPOLOGIES = ("federated", "local", "centralized")
 # Liveness at the aggregator: clients beat every HEARTBEAT_INTERVAL_S; one silent for
@@ -23,6 +25,20 @@ TOPOLOGIES = ("federated", "local", "centralized")
 # not waited for, which is how long a round can wait for a client that died.
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TIMEOUT_S = 15.0
+# fedse run's own defaults, where they differ from the services' (ClientConfig, AggregatorConfig),
+# so that a run on one machine shows learning within minutes: each client explores 16 tasks a round
+# (not 32) and evaluates 20 test tasks (not all of them), and a round closes after half an hour at
+# the latest (not an hour).
+LOCAL_DEFAULTS: dict[str, Any] = {"explore_tasks": 16, "eval_tasks": 20, "round_deadline_s": 1800.0}
+
+
+def setting(service: type, name: str, help: str = "") -> Any:  # noqa: A002 - as fedse.config.field's
+    """A RunConfig field passed on to every process of `service` (a config class) as its setting
+    `name`: the service's default (LOCAL_DEFAULTS' where it names the setting) and the service's help
+    unless `help` says more."""
+    own = {f.name: f for f in dataclasses.fields(service)}[name]
+    return dataclasses.field(default=LOCAL_DEFAULTS.get(name, own.default),
+                             metadata={"help": help or own.metadata["help"], "service": service, "as": name})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,50 +53,41 @@ class RunConfig:
                                                               "options (e.g. wordle?vocab_size=30)")
     demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
                            "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
-    rounds: int = field(5, "federated rounds T")
+    rounds: int = setting(AggregatorConfig, "num_rounds")
     results: str = field("results", "folder for results.json, success.png, logs and state")
-    base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
-                                          "(`make model` writes models/smollm2-135m-instruct)")
-    strategy: str = field("fedavg", "aggregation strategy: fedavg, weighted, exact, median or trimmed_mean")
-    expert_demos: int = field(20, "expert demonstrations per client (D_0)")
-    explore_tasks: int = field(16, "training tasks each client attempts per round and environment (0 = none: "
-                                   "train on the expert demonstrations only)")
+    base_model: str = setting(ClientConfig, "base_model")
+    strategy: str = setting(AggregatorConfig, "strategy")
+    expert_demos: int = setting(ClientConfig, "expert_demos")
+    explore_tasks: int = setting(ClientConfig, "explore_tasks")
     topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "
                                        "client alone with its own aggregator) or 'centralized' (one client "
                                        "holding every environment)")
-    keep: str = field("successes", "explored trajectories each client keeps: 'successes' or 'all' (no filter)")
-    history: str = field("cumulative", "what each client trains on: 'cumulative' (its whole buffer) or 'round' "
-                                       "(expert demonstrations plus the round's kept trajectories)")
-    lora_r: int = field(8, "LoRA rank")
-    lora_alpha: int = field(16, "LoRA alpha")
-    eval_tasks: int = field(20, "held-out test tasks per evaluation (0 = all)")
-    lr: float = field(3e-3, "client AdamW learning rate")
-    policy: str = field("score", "how clients act: 'score' (rank admissible actions by likelihood) or 'generate' "
-                                 "(write the action, matched to an admissible one)")
-    precision: str = field("auto", "clients' model precision: 'auto' (bf16 autocast for a real model on a CPU with "
-                                   "native bfloat16), 'fp32' or 'bf16'")
-    epochs: int = field(2, "epochs over the buffer per round")
+    keep: str = setting(ClientConfig, "keep")
+    history: str = setting(ClientConfig, "history")
+    lora_r: int = setting(ClientConfig, "lora_r")
+    lora_alpha: int = setting(ClientConfig, "lora_alpha")
+    eval_tasks: int = setting(ClientConfig, "eval_tasks")
+    lr: float = setting(ClientConfig, "lr")
+    policy: str = setting(ClientConfig, "policy")
+    precision: str = setting(ClientConfig, "precision")
+    epochs: int = setting(ClientConfig, "epochs")
     scoring: str = field("auto", "what clients rank admissible actions by: 'sum' (log-likelihood) or 'calibrated' "
                                  "(less the log-likelihood after an empty prompt), for all, or per environment as "
                                  "env=rule pairs (the others: sum); 'auto' = babyai=calibrated with the embedded "
                                  "tiny model, sum with a real one")
     seed: int = field(0, "seed of everything")
-    round_deadline_s: float = field(1800.0, "round deadline at the aggregator: a round closes then without the "
-                                            "clients that have not uploaded")
+    round_deadline_s: float = setting(AggregatorConfig, "round_deadline_s", "round deadline at the aggregator: a "
+                                      "round closes then without the clients that have not uploaded")
 
     def __post_init__(self) -> None:
         if not self.env_list():
             raise ConfigError("--envs is empty: name at least one environment, e.g. maze,wordle")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be at least 1, got {self.rounds}")
-        if self.explore_tasks < 0:
-            raise ConfigError(f"--explore-tasks must not be negative, got {self.explore_tasks}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
-        if self.policy not in ("score", "generate"):
-            raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
+        for service in (ClientConfig, AggregatorConfig):  # the settings passed on, checked by their owners
+            service(**self.passed_on(service))
         specs = self.env_specs()
         from services.env_server import registry
 
@@ -103,6 +110,11 @@ class RunConfig:
         for env, paths in demos.items():  # every record checked before any process starts
             load_demos(paths, [env])
         check_base_model(self.base_model)  # here, not in each client process after the others have started
+
+    def passed_on(self, service: type) -> dict[str, Any]:
+        """This run's settings that every process of `service` takes, by their names there."""
+        return {f.metadata["as"]: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("service") is service}
 
     def env_specs(self) -> dict[str, str]:
         """Each environment's name and its spec as the env server takes it (parsed only: __post_init__

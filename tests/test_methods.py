@@ -5,6 +5,7 @@ and the LoRA rank. Real processes through `launcher.run` where the wiring matter
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import random
 
@@ -13,8 +14,9 @@ import pytest
 from fedse import adapter as ad
 from fedse.config import ConfigError
 from apps.launcher import run
-from apps.planning import RunConfig, plan, scoring_for
+from apps.planning import LOCAL_DEFAULTS, RunConfig, plan, scoring_for
 from apps.results import collect, read_metrics
+from services.aggregator.server import AggregatorConfig
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
 
@@ -76,10 +78,23 @@ def test_client_config_says_what_to_fix(kw, match):
     (dict(scoring="babyai=pmi"), "'pmi' is not a rule"),
     (dict(scoring="babyai:calibrated,=sum"), "write one rule .* or env=rule pairs"),
     (dict(scoring="chess=calibrated"), "--scoring names chess: environments are maze, wordle"),
+    (dict(keep="failures"), "--keep must be 'successes'"),  # the client's settings, checked as a client does
+    (dict(strategy="mean"), "--strategy 'mean' is unknown"),  # the aggregator's, as the aggregator does
 ])
 def test_run_config_says_what_to_fix(kw, match):
     with pytest.raises(ConfigError, match=match):
         RunConfig(**kw)
+
+
+def test_run_config_passes_on_the_services_settings_with_their_defaults_but_the_local_ones():
+    cfg = RunConfig(envs="maze")
+    for service in (ClientConfig, AggregatorConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(service)}
+        for name, value in cfg.passed_on(service).items():
+            assert value == LOCAL_DEFAULTS.get(name, defaults[name]), name
+    assert cfg.explore_tasks == 16 != ClientConfig().explore_tasks  # a local run's, stated in LOCAL_DEFAULTS
+    assert set(cfg.passed_on(ClientConfig)) >= {"base_model", "explore_tasks", "eval_tasks", "keep", "history", "lr"}
+    assert cfg.passed_on(AggregatorConfig) == {"num_rounds": 5, "strategy": "fedavg", "round_deadline_s": 1800.0}
 
 
 def test_each_topology_plans_its_aggregators_and_clients():
