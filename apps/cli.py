@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from apps.launcher import run
         from apps.planning import RunConfig
         from apps.results import shortfall
+        from fedse.config import ConfigError
 
         cfg = parse_or_exit(RunConfig, rest)
         try:
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\ninterrupted: all processes stopped; the rounds reported so far are in results.json",
                   file=sys.stderr)
             return 130
-        except (RuntimeError, TimeoutError) as exc:
+        except (RuntimeError, TimeoutError, ConfigError) as exc:  # ConfigError: a FEDSE_* variable a service refuses
             print(f"run failed: {exc}", file=sys.stderr)
             return 1
         if not results["complete"]:  # the results are written; a script must still notice

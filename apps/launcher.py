@@ -27,10 +27,12 @@ import sys
 import time
 from typing import IO, Any
 
+from fedse.config import to_argv
 from fedse.machine import available_cores
 from fedse.progress import EVERY_S as PROGRESS_EVERY_S
 from apps.logs import progress_lines
-from apps.planning import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, Client, Federation, RunConfig, plan, scoring_for
+from apps.planning import (Client, Federation, RunConfig, aggregator_config, client_config, env_server_config,
+                           plan)
 from apps.processes import Proc, stop_all
 from apps.results import (Failure, collect, describe_failure, env_rows, failure_text, plot, read_metrics, reported,
                           shortfall, success_table)
@@ -78,49 +80,25 @@ def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
-    def start(name: str, argv: list[str]) -> Proc:
-        procs.append(Proc(name, argv, logs))
+    def start(name: str, service: str, config: Any) -> Proc:
+        """Starts `fedse SERVICE` with the flags of its config, logging to logs/NAME.log."""
+        procs.append(Proc(name, ["apps.cli", service, *to_argv(config)], logs))
         return procs[-1]
 
     def reports() -> list[dict[str, Any]]:
         return [r for path in metrics_paths for r in read_metrics(path)]
 
-    specs, demos = cfg.env_specs(), cfg.demo_files()
     try:
-        env_servers = {
-            c: start(f"env_server-{c.label}", [
-                "services.env_server", "--address", "127.0.0.1:0", "--envs", ",".join(specs[e] for e in c.envs),
-                "--metrics-port", "-1", "--seed", str(cfg.seed)])
-            for _, c in members}
-        # Round 0 waits for every client to join; a round closes once every client still heard from
-        # has uploaded, so without one that died; the deadline alone cuts a healthy round short.
-        aggregators = {
-            f.name: start(f.name, [
-                "services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
-                "--state-dir", str(state / f.name), "--run-id", f.run_id, "--num-rounds", str(cfg.rounds),
-                "--start-clients", str(len(f.clients)), "--min-clients", "1",
-                "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S), "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
-                "--round-deadline-s", str(cfg.round_deadline_s), "--wait-after-min-s", str(cfg.round_deadline_s),
-                "--strategy", cfg.strategy, "--seed", str(cfg.seed)])
-            for f in feds}
+        env_servers = {c: start(f"env_server-{c.label}", "env-server", env_server_config(cfg, c)) for _, c in members}
+        aggregators = {f.name: start(f.name, "aggregator", aggregator_config(cfg, f, state)) for f in feds}
         env_ports = {c: p.port() for c, p in env_servers.items()}
         agg_ports = {name: p.port() for name, p in aggregators.items()}
         say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
             + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
         # The clients share this machine's cores; each gets its share (at least one thread).
         threads = max(1, available_cores() // len(members))
-        clients = {c: start(f"client_agent-{c.label}", [
-            "services.client_agent", "--client-id", c.client_id, "--env", ",".join(c.envs),
-            "--env-server", f"127.0.0.1:{env_ports[c]}", "--aggregator", f"127.0.0.1:{agg_ports[f.name]}",
-            "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(state / "clients"),
-            "--base-model", cfg.base_model, "--expert-demos", str(cfg.expert_demos),
-            "--explore-tasks", str(cfg.explore_tasks), "--eval-tasks", str(cfg.eval_tasks),
-            "--keep", cfg.keep, "--history", cfg.history, "--lora-r", str(cfg.lora_r),
-            "--lora-alpha", str(cfg.lora_alpha), "--lr", str(cfg.lr), "--epochs", str(cfg.epochs),
-            "--policy", cfg.policy, "--precision", cfg.precision,
-            "--scoring", scoring_for(cfg.scoring, c.envs, cfg.base_model),
-            "--seed", str(cfg.seed), "--torch-threads", str(threads),
-            *[arg for e in c.envs for path in demos.get(e, []) for arg in ("--demos", path)]]) for f, c in members}
+        clients = {c: start(f"client_agent-{c.label}", "client", client_config(
+            cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}", state, threads)) for f, c in members}
         say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
 
         shown = -1

@@ -11,15 +11,20 @@ Centralized).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import pathlib
+from typing import Any, Sequence, TypeVar
 
-from fedse.config import SCORINGS, ConfigError, field
+from fedse.config import SCORINGS, ConfigError, field, flags, parse
 from fedse.pretrained import check_base_model
 from fedse.tinymodel import TINY_MODEL_NAME, names_tiny_model
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.config import ClientConfig
+from services.env_server.server import EnvServerConfig
+
+T = TypeVar("T")
 
 TOPOLOGIES = ("federated", "local", "centralized")
+LOOPBACK = "127.0.0.1:0"  # every service listens on a free loopback port, which it logs
 # Liveness at the aggregator: clients beat every HEARTBEAT_INTERVAL_S; one silent for
 # HEARTBEAT_TIMEOUT_S (several missed beats, so a busy but live client is not taken for dead) is
 # not waited for, which is how long a round can wait for a client that died.
@@ -200,3 +205,40 @@ def scoring_for(spec: str, envs: Sequence[str], base_model: str = TINY_MODEL_NAM
     rules = scoring_rules(spec, base_model)
     chosen = {rules.get(e, rules[""]) for e in envs}
     return chosen.pop() if len(chosen) == 1 else "sum"
+
+
+def service_config(service: type[T], **settings: Any) -> T:
+    """The config that a process of `service` given `settings` as flags builds: those settings, the
+    FEDSE_* variables it inherits from this process for the others, else the defaults. Started with
+    to_argv() of it, the process has exactly this config."""
+    return parse(service, flags(settings))
+
+
+def env_server_config(cfg: RunConfig, client: Client) -> EnvServerConfig:
+    """The env server of `client`, hosting its environments."""
+    specs = cfg.env_specs()
+    return service_config(EnvServerConfig, address=LOOPBACK, envs=",".join(specs[e] for e in client.envs),
+                          metrics_port=-1, seed=cfg.seed)
+
+
+def aggregator_config(cfg: RunConfig, fed: Federation, state: pathlib.Path) -> AggregatorConfig:
+    """The aggregator of `fed`, keeping its run under state/<fed.name>. Round 0 waits for every client
+    to join; a round closes once every client still heard from has uploaded, so without one that
+    died; the deadline alone cuts a healthy round short."""
+    return service_config(AggregatorConfig, address=LOOPBACK, metrics_port=-1, state_dir=str(state / fed.name),
+                          run_id=fed.run_id, **cfg.passed_on(AggregatorConfig), start_clients=len(fed.clients),
+                          min_clients=1, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, wait_after_min_s=cfg.round_deadline_s,
+                          seed=cfg.seed)
+
+
+def client_config(cfg: RunConfig, client: Client, env_server: str, aggregator: str, state: pathlib.Path,
+                  threads: int) -> ClientConfig:
+    """The client agent `client`, talking to the env server and aggregator at those addresses, with
+    `threads` torch threads and its state under state/clients."""
+    demos = cfg.demo_files()
+    return service_config(ClientConfig, client_id=client.client_id, env=",".join(client.envs), env_server=env_server,
+                          aggregator=aggregator, address=LOOPBACK, metrics_port=-1, state_dir=str(state / "clients"),
+                          **cfg.passed_on(ClientConfig), scoring=scoring_for(cfg.scoring, client.envs, cfg.base_model),
+                          seed=cfg.seed, torch_threads=threads,
+                          demos=tuple(path for e in client.envs for path in demos.get(e, [])))

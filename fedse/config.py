@@ -105,14 +105,17 @@ def parse_or_exit(cls: type[T], argv: Sequence[str] | None = None, prog: str | N
 
 
 def to_argv(config: Any) -> list[str]:
-    """The flags that rebuild a config (used by the launcher to start service processes)."""
+    """The flags that rebuild a config, every field given (the launcher starts service processes
+    with them)."""
+    return flags({f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def flags(settings: dict[str, Any]) -> list[str]:
+    """The flags of settings named as their fields are: --foo-bar VALUE for foo_bar, and for a list
+    (a tuple) the flag once per item."""
     argv: list[str] = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, tuple):  # a list-valued field: the flag once per item
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        for item in value if isinstance(value, tuple) else (value,):
+            argv += [flag, str(item)]
     return argv

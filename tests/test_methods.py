@@ -12,9 +12,10 @@ import random
 import pytest
 
 from fedse import adapter as ad
-from fedse.config import ConfigError
+from fedse.config import ConfigError, parse, to_argv
 from apps.launcher import run
-from apps.planning import LOCAL_DEFAULTS, RunConfig, plan, scoring_for
+from apps.planning import (LOCAL_DEFAULTS, RunConfig, aggregator_config, client_config, env_server_config, plan,
+                           scoring_for)
 from apps.results import collect, read_metrics
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
@@ -105,6 +106,26 @@ def test_each_topology_plans_its_aggregators_and_clients():
     assert shape("local") == [("aggregator-maze", "local-maze", [("org-maze", ("maze",))]),
                               ("aggregator-wordle", "local-wordle", [("org-wordle", ("wordle",))])]
     assert shape("centralized") == [("aggregator", "local", [("org-central", ("maze", "wordle"))])]
+
+
+def test_each_process_is_planned_as_a_config_whose_flags_rebuild_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSE_BATCH_SIZE", "4")  # a client setting fedse run leaves alone: as the process would read it
+    monkeypatch.setenv("FEDSE_EXPLORE_TASKS", "99")  # one it sets: its value wins, as its flag would
+    demo = tmp_path / "wordle.json"
+    demo.write_text('[{"item_id": "wordle_0", "conversations": [{"from": "human", "value": "guess"}, '
+                    '{"from": "gpt", "value": "Action: crane"}]}]')
+    cfg = RunConfig(envs="maze,wordle?vocab_size=30", topology="centralized", demos=f"wordle={demo}", **TINY)
+    [fed] = plan(cfg)
+    client = client_config(cfg, fed.clients[0], "127.0.0.1:1", "127.0.0.1:2", tmp_path / "state", threads=3)
+    assert (client.client_id, client.env, client.batch_size, client.explore_tasks, client.torch_threads) == \
+        ("org-central", "maze,wordle", 4, 4, 3)
+    assert client.demos == (str(demo),) and client.state_dir == str(tmp_path / "state" / "clients")
+    env_server = env_server_config(cfg, fed.clients[0])
+    aggregator = aggregator_config(cfg, fed, tmp_path / "state")
+    assert env_server.envs == "maze,wordle?vocab_size=30" and env_server.metrics_port == -1
+    assert (aggregator.num_rounds, aggregator.start_clients, aggregator.min_clients) == (1, 1, 1)
+    for config in (client, env_server, aggregator):  # what the process is started with
+        assert parse(type(config), to_argv(config), environ={}) == config
 
 
 def test_scoring_is_set_per_environment_and_a_client_of_several_gets_theirs_when_they_agree(tmp_path):
