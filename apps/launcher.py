@@ -15,7 +15,9 @@ run waits for everyone (up to --round-deadline-s). A federation goes on while on
 lives; one whose client died before joining can never open round 0, so its other clients are
 stopped. Whatever ends the run (every client done, a failure, Ctrl-C), results.json and
 success.png hold every round every client reported, and results.json says which clients failed;
-the mean over environments is given for the rounds every environment reported (collect()).
+the mean over environments is given for the rounds every environment reported (collect()). The
+launcher learns what the aggregators know (who joined, what each client reported) through their
+GetRunStatus, as any operator's tool would.
 """
 
 from __future__ import annotations
@@ -30,131 +32,160 @@ from typing import IO, Any
 from fedse.config import to_argv
 from fedse.machine import available_cores
 from fedse.progress import EVERY_S as PROGRESS_EVERY_S
+from fedse.v1 import federation_pb2 as fpb
 from apps.logs import progress_lines
 from apps.planning import (Client, Federation, RunConfig, aggregator_config, client_config, env_server_config,
                            plan)
 from apps.processes import Proc, stop_all
-from apps.results import (Failure, collect, describe_failure, env_rows, failure_text, plot, read_metrics, reported,
-                          shortfall, success_table)
+from apps.results import (POLL_S, Failure, RunWatch, closing_words, collect, describe_failure, env_rows,
+                          failure_text, plot, reported, success_table)
 
 
-def unopenable(fed: Federation, run_dir: pathlib.Path, failed: set[str]) -> str:
+def unopenable(fed: Federation, status: fpb.RunStatus | None, failed: set[str]) -> str:
     """Why `fed` can never open round 0 ("" if it can or did): a client of it failed before joining,
-    and its aggregator opens round 0 only once every client has joined (run.json: the state and
-    the clients that joined)."""
+    and its aggregator opens round 0 only once every client has joined (`status`, its run's: the
+    state and the clients that joined; None before the aggregator first answered)."""
     dead = [c.client_id for c in fed.clients if c.client_id in failed]
-    if not dead:
+    if not dead or (status is not None and status.round.state != fpb.ROUND_STATE_WAITING_FOR_CLIENTS):
         return ""
-    try:
-        saved = json.loads((run_dir / "run.json").read_text())
-    except FileNotFoundError:
-        saved = {}  # nobody has joined yet
-    if saved.get("state", "waiting_for_clients") != "waiting_for_clients":
-        return ""
-    missing = [cid for cid in dead if cid not in saved.get("clients", {})]
+    joined = set(status.round.joined) if status is not None else set()
+    missing = [cid for cid in dead if cid not in joined]
     return (f"{', '.join(missing)} failed before joining, and {fed.name} opens round 0 only once every "
             "client has joined") if missing else ""
+
+
+class Launch:
+    """One local run: its processes, what their aggregators show, the clients that failed and why
+    the launcher ended (part of) the run early."""
+
+    def __init__(self, cfg: RunConfig, out: IO[str]):
+        self.cfg, self.out = cfg, out
+        self.dir = pathlib.Path(cfg.results)
+        self.state, self.logs = self.dir / "state", self.dir / "logs"
+        self.feds = plan(cfg)
+        self.client_envs = {c.client_id: c.envs for f in self.feds for c in f.clients}
+        self.procs: list[Proc] = []  # every process, in the order started
+        self.clients: dict[Client, Proc] = {}
+        self.watch: RunWatch | None = None  # once the aggregators serve
+        self.failed: list[Failure] = []
+        self.halted: set[str] = set()  # clients the launcher stopped (their federation could not go on)
+        self.stops: list[str] = []  # why the launcher ended (part of) the run early
+        self.started = time.monotonic()
+
+    def say(self, msg: str) -> None:
+        print(msg, file=self.out, flush=True)
+
+    def elapsed(self) -> str:
+        return f"[{time.monotonic() - self.started:6.1f}s]"
+
+    def process(self, name: str, service: str, config: Any) -> Proc:
+        """`fedse SERVICE` started with the flags of its config, logging to logs/NAME.log."""
+        self.procs.append(Proc(name, ["apps.cli", service, *to_argv(config)], self.logs))
+        return self.procs[-1]
+
+    def start(self) -> None:
+        """Starts the env servers and aggregators, then, once they serve, the client agents."""
+        members = [(f, c) for f in self.feds for c in f.clients]
+        env_servers = {c: self.process(f"env_server-{c.label}", "env-server", env_server_config(self.cfg, c))
+                       for _, c in members}
+        aggregators = {f.name: self.process(f.name, "aggregator", aggregator_config(self.cfg, f, self.state))
+                       for f in self.feds}
+        env_ports = {c: p.port() for c, p in env_servers.items()}
+        agg_ports = {name: p.port() for name, p in aggregators.items()}
+        self.say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
+                 + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
+        self.watch = RunWatch({name: f"127.0.0.1:{port}" for name, port in agg_ports.items()})
+        # The clients share this machine's cores; each gets its share (at least one thread).
+        threads = max(1, available_cores() // len(members))
+        for f, c in members:
+            self.clients[c] = self.process(f"client_agent-{c.label}", "client", client_config(
+                self.cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}", self.state, threads))
+        self.say(f"{len(self.clients)} clients started ({', '.join(self.client_envs)}); logs in {self.logs}/")
+
+    def reports(self) -> list[dict[str, Any]]:
+        return self.watch.reports() if self.watch else []
+
+    def note_failures(self) -> list[Failure]:
+        """The clients that exited non-zero since the last call, each reported as it is found."""
+        known = {f.client_id for f in self.failed} | self.halted
+        dead = [(c, p) for c, p in self.clients.items() if c.client_id not in known and p.popen.poll() not in (None, 0)]
+        self.watch.refresh()  # after the polls: it shows every report a dead client had acknowledged
+        new = [describe_failure(c, p, self.reports()) for c, p in dead]
+        self.failed += new
+        for f in new:
+            alive = [c.client_id for c, p in self.clients.items() if p.popen.poll() is None]
+            self.say(f"\n{failure_text(f)}\n" + (f"the run goes on with {', '.join(alive)}" if alive
+                                                 else "no client is left"))
+        return new
+
+    def stop_unopenable(self) -> None:
+        """Stops the live clients of a federation that can never open round 0."""
+        failed = {f.client_id for f in self.failed}
+        for fed in self.feds:
+            why = unopenable(fed, self.watch.status.get(fed.name), failed)
+            live = [c for c in fed.clients if self.clients[c].popen.poll() is None]
+            if why and live:
+                self.say(f"\nstopping {', '.join(c.client_id for c in live)}: {why}")
+                for c in live:
+                    self.clients[c].stop()
+                    self.halted.add(c.client_id)
+                self.stops.append(why)
+
+    def follow(self) -> None:
+        """Until every client agent has exited: failures as they happen, the table of held-out
+        success whenever a report comes in, and else what the clients are doing, now and then."""
+        shown, said_at, progress_seen = -1, time.monotonic(), {}
+        while True:
+            new = self.note_failures()
+            self.stop_unopenable()
+            seen = self.reports()
+            if len(seen) != shown or new:
+                shown, said_at = len(seen), time.monotonic()
+                self.say(f"\n{self.elapsed()} held-out success per environment and round\n"
+                         + success_table(env_rows(seen, self.client_envs), self.cfg.env_list(), self.cfg.rounds)
+                         + "".join(f"\n{f.client_id} failed ({f.reason}); it {reported(f)}" for f in self.failed))
+            elif time.monotonic() - said_at >= PROGRESS_EVERY_S:
+                said_at = time.monotonic()
+                lines = progress_lines(self.clients, progress_seen)
+                if lines:
+                    self.say(f"{self.elapsed()} " + "\n          ".join(lines))
+            if all(p.popen.poll() is not None for p in self.clients.values()):
+                return
+            time.sleep(POLL_S)
+
+    def finish(self) -> dict[str, Any]:
+        """Stops every process, then writes results.json and success.png and says how the run went.
+        The clients stop first, so that the aggregators still show every report they acknowledged."""
+        clients = list(self.clients.values())
+        stop_all(clients)
+        if self.watch:
+            self.watch.refresh()
+            self.watch.close()
+        stop_all([p for p in reversed(self.procs) if p not in clients])
+        results = collect(self.reports(), self.client_envs, self.cfg, time.monotonic() - self.started, self.failed,
+                          "; ".join(self.stops))
+        (self.dir / "results.json").write_text(json.dumps(results, indent=2))
+        plot(results, self.dir / "success.png")
+        for line in closing_words(results):
+            self.say(line)
+        self.say(f"done in {results['wall_s']:.0f}s; wrote {self.dir / 'results.json'} and {self.dir / 'success.png'}")
+        return results
 
 
 def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     """Runs the federation until every client agent has exited, then writes and returns its results
     (collect()). A client that fails is reported and recorded, and the others go on; on Ctrl-C (or
     any other exception) the results so far are written before the exception goes on up."""
-    results_dir = pathlib.Path(cfg.results)
-    state = results_dir / "state"
-    logs = results_dir / "logs"
-    shutil.rmtree(state, ignore_errors=True)
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir(parents=True)
-    feds = plan(cfg)
-    members = [(f, c) for f in feds for c in f.clients]
-    client_envs = {c.client_id: c.envs for _, c in members}
-    metrics_paths = [state / f.name / f.run_id / "metrics.jsonl" for f in feds]
-    procs: list[Proc] = []
-    clients: dict[Client, Proc] = {}
-    failed: list[Failure] = []
-    halted: set[str] = set()  # clients the launcher stopped (their federation could not go on)
-    stops: list[str] = []  # why the launcher ended (part of) the run early
-    started = time.monotonic()
-
-    def say(msg: str) -> None:
-        print(msg, file=out, flush=True)
-
-    def start(name: str, service: str, config: Any) -> Proc:
-        """Starts `fedse SERVICE` with the flags of its config, logging to logs/NAME.log."""
-        procs.append(Proc(name, ["apps.cli", service, *to_argv(config)], logs))
-        return procs[-1]
-
-    def reports() -> list[dict[str, Any]]:
-        return [r for path in metrics_paths for r in read_metrics(path)]
-
+    launch = Launch(cfg, out)
+    shutil.rmtree(launch.state, ignore_errors=True)
+    shutil.rmtree(launch.logs, ignore_errors=True)
+    launch.logs.mkdir(parents=True)
     try:
-        env_servers = {c: start(f"env_server-{c.label}", "env-server", env_server_config(cfg, c)) for _, c in members}
-        aggregators = {f.name: start(f.name, "aggregator", aggregator_config(cfg, f, state)) for f in feds}
-        env_ports = {c: p.port() for c, p in env_servers.items()}
-        agg_ports = {name: p.port() for name, p in aggregators.items()}
-        say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
-            + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
-        # The clients share this machine's cores; each gets its share (at least one thread).
-        threads = max(1, available_cores() // len(members))
-        clients = {c: start(f"client_agent-{c.label}", "client", client_config(
-            cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}", state, threads)) for f, c in members}
-        say(f"{len(clients)} clients started ({', '.join(client_envs)}); logs in {logs}/")
-
-        shown = -1
-        said_at = time.monotonic()
-        progress_seen: dict[str, str] = {}
-        while True:
-            known = {f.client_id for f in failed} | halted
-            dead = [(c, p) for c, p in clients.items() if c.client_id not in known and p.popen.poll() not in (None, 0)]
-            seen = reports()  # read after the polls: it holds every report a dead client had acknowledged
-            new = [describe_failure(c, p, seen) for c, p in dead]
-            failed += new
-            for f in new:
-                alive = [c.client_id for c, p in clients.items() if p.popen.poll() is None]
-                say(f"\n{failure_text(f)}\n" + (f"the run goes on with {', '.join(alive)}" if alive
-                                                 else "no client is left"))
-            for fed in feds:
-                why = unopenable(fed, state / fed.name / fed.run_id, {f.client_id for f in failed})
-                live = [c for c in fed.clients if clients[c].popen.poll() is None]
-                if why and live:
-                    say(f"\nstopping {', '.join(c.client_id for c in live)}: {why}")
-                    for c in live:
-                        clients[c].stop()
-                        halted.add(c.client_id)
-                    stops.append(why)
-            if len(seen) != shown or new:
-                shown = len(seen)
-                say(f"\n[{time.monotonic() - started:6.1f}s] held-out success per environment and round\n"
-                    + success_table(env_rows(seen, client_envs), cfg.env_list(), cfg.rounds)
-                    + "".join(f"\n{f.client_id} failed ({f.reason}); it {reported(f)}" for f in failed))
-                said_at = time.monotonic()
-            elif time.monotonic() - said_at >= PROGRESS_EVERY_S:
-                said_at = time.monotonic()
-                lines = progress_lines(clients, progress_seen)
-                if lines:
-                    say(f"[{time.monotonic() - started:6.1f}s] " + "\n          ".join(lines))
-            if all(p.popen.poll() is not None for p in clients.values()):
-                break
-            time.sleep(1.0)
+        launch.start()
+        launch.follow()
     except BaseException as exc:
-        stops.append("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        launch.stops.append("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        stop_all(list(reversed(procs)))
-        results = collect(reports(), client_envs, cfg, time.monotonic() - started, failed, "; ".join(stops))
-        (results_dir / "results.json").write_text(json.dumps(results, indent=2))
-        plot(results, results_dir / "success.png")
-        mean = results["mean_test_success"]
-        if len(mean) > 1:
-            say(f"\nmean held-out success: {100 * mean[0]:.1f}% before round 1 -> {100 * mean[-1]:.1f}% after round "
-                f"{len(mean) - 1}")
-        elif mean:
-            say(f"\nmean held-out success before round 1: {100 * mean[0]:.1f}%")
-        if mean and len(mean) <= cfg.rounds:
-            say(f"no mean after round {len(mean) - 1}: an environment did not report it")
-        if not results["complete"]:
-            say(f"\nthe run did not finish: {shortfall(results)}")
-        say(f"done in {results['wall_s']:.0f}s; wrote "
-            f"{results_dir / 'results.json'} and {results_dir / 'success.png'}")
+        results = launch.finish()
     return results

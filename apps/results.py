@@ -4,25 +4,54 @@ tasks (collect, results.json), the table and plot of them, and the clients that 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any, Sequence
 
+import grpc
+
+from fedse.serving import insecure_channel
+from fedse.v1 import federation_pb2 as fpb
+from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from apps.logs import log_summary
 from apps.planning import Client, RunConfig
 from apps.processes import Proc, exit_reason
 
+# How often the launcher asks each aggregator for its run's status. A status shows each client's
+# latest report only, so each report must be seen before the client's next one, which comes after
+# at least one more download and evaluation (0.7 s for 2 test tasks of the tiny model on 2 cores).
+POLL_S = 0.1
+STATUS_TIMEOUT_S = 5.0
 
-def read_metrics(path: pathlib.Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+
+class RunWatch:
+    """The aggregators' runs as their GetRunStatus shows them: each one's last status, and every
+    report (a client's metrics of a round) seen in any of them, as collect() takes reports."""
+
+    def __init__(self, addresses: dict[str, str]):
+        self._channels = {name: insecure_channel(address) for name, address in addresses.items()}
+        self._stubs = {name: fpb_grpc.FederationServiceStub(ch) for name, ch in self._channels.items()}
+        self.status: dict[str, fpb.RunStatus] = {}  # by aggregator name; absent until it first answered
+        self._reports: dict[tuple[str, int], dict[str, float]] = {}
+
+    def refresh(self) -> None:
+        """Asks every aggregator for its run's status; one that does not answer keeps its last."""
+        for name, stub in self._stubs.items():
+            try:
+                st = stub.GetRunStatus(fpb.RunStatusRequest(), timeout=STATUS_TIMEOUT_S)
+            except grpc.RpcError:
+                continue
+            self.status[name] = st
+            for c in st.clients:
+                if c.metrics_round >= 0:
+                    self._reports[c.client_id, c.metrics_round] = dict(sorted(c.metrics.items()))
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every report seen, as {"client_id", "round", "metrics"}."""
+        return [{"client_id": cid, "round": rnd, "metrics": m} for (cid, rnd), m in self._reports.items()]
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,3 +195,19 @@ def failure_text(f: Failure) -> str:
     lines = [f"client {f.client_id} ({'+'.join(f.envs)}) failed: {f.reason}, exit code {f.exit_code}; it "
              f"{reported(f)}", f"  last error: {f.error or '(none logged)'}", f"  its log {f.log} ends with:"]
     return "\n".join(lines + [f"    {line}" for line in f.last_lines])
+
+
+def closing_words(results: dict[str, Any]) -> list[str]:
+    """What `fedse run` says of its results at the end: the mean before and after training, and why
+    the run did not finish."""
+    mean, lines = results["mean_test_success"], []
+    if len(mean) > 1:
+        lines.append(f"\nmean held-out success: {100 * mean[0]:.1f}% before round 1 -> {100 * mean[-1]:.1f}% after "
+                     f"round {len(mean) - 1}")
+    elif mean:
+        lines.append(f"\nmean held-out success before round 1: {100 * mean[0]:.1f}%")
+    if mean and len(mean) <= results["rounds"]:
+        lines.append(f"no mean after round {len(mean) - 1}: an environment did not report it")
+    if not results["complete"]:
+        lines.append(f"\nthe run did not finish: {shortfall(results)}")
+    return lines

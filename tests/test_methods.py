@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from fedse.config import ConfigError, parse, to_argv
 from apps.launcher import run
 from apps.planning import (LOCAL_DEFAULTS, RunConfig, aggregator_config, client_config, env_server_config, plan,
                            scoring_for)
-from apps.results import collect, read_metrics
+from apps.results import collect
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
@@ -245,7 +246,8 @@ def test_local_each_client_alone_with_its_own_aggregator(local_run):
     check_rows(results, ["maze", "wordle"])
     for env in ("maze", "wordle"):
         run_dir = out / "state" / f"aggregator-{env}" / f"local-{env}"
-        assert {r["client_id"] for r in read_metrics(run_dir / "metrics.jsonl")} == {f"org-{env}"}
+        reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert {r["client_id"] for r in reports} == {f"org-{env}"}
         # Nothing averaged across clients: the next global adapter is this client's own upload.
         upload = ad.decode((out / "state" / "clients" / f"org-{env}" / "upload.safetensors").read_bytes())
         glob = ad.decode((run_dir / "global" / "round_0001" / "adapter_model.safetensors").read_bytes())
