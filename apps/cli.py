@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         from apps.results import shortfall
         from fedse.config import ConfigError
 
-        cfg = parse_or_exit(RunConfig, rest)
+        cfg = parse_or_exit(RunConfig, rest, prog="fedse run")
         try:
             results = run(cfg)
         except KeyboardInterrupt:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from apps.experiment import ExperimentConfig
         from apps.experiment import run as run_experiment
 
-        exp = parse_or_exit(ExperimentConfig, rest)
+        exp = parse_or_exit(ExperimentConfig, rest, prog="fedse experiment")
         try:
             run_experiment(exp)
         except KeyboardInterrupt:
@@ -200,7 +200,7 @@ def status(argv: list[str]) -> int:
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
-    cfg = parse_or_exit(StatusConfig, argv)
+    cfg = parse_or_exit(StatusConfig, argv, prog="fedse status")
     try:
         with channel(cfg.aggregator, cfg) as ch:
             st = fpb_grpc.FederationServiceStub(ch).GetRunStatus(fpb.RunStatusRequest(), timeout=cfg.timeout_s,

@@ -32,6 +32,14 @@ def test_each_service_subcommand_prints_the_services_own_help(name, capsys):
     assert "--seed SEED" in ours and "FEDSE_SEED" in ours
 
 
+@pytest.mark.parametrize("command", ["run", "experiment", "status"])
+def test_the_other_commands_help_names_them_too(command, capsys, monkeypatch):
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)  # leave pytest's handlers alone
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"usage: fedse {command} [-h]")
+
+
 def test_a_bad_setting_stops_a_service_subcommand_with_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["aggregator", "--num-rounds", "0"])
