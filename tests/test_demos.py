@@ -14,7 +14,7 @@ import pytest
 from fedse.tinymodel import build_tiny_tokenizer
 from services.client_agent.buffer import Trajectory
 from services.client_agent.demos import DemoError, conversation_to_trajectory, load_demos, load_file
-from services.client_agent.prompts import ChatFormat, PlainFormat, TokenCache
+from services.client_agent.prompts import REACT_FORMAT, ChatFormat, PlainFormat, TokenCache
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ACK = "OK. I'll follow your instructions and try my best to solve the task."
@@ -178,7 +178,7 @@ def test_training_covers_the_whole_gpt_text_where_the_agent_writes_and_the_actio
     assert covered(p) == [f"Action: {a}<|im_end|>" for _, a in t.turns]
     # What the writing agent sees: the ReAct instructions, and its earlier thought in the history.
     seen = tok.decode(list(w.ids))
-    assert "Thought:\n<your thoughts>\n\nAction:\n<your next action>" in seen and "I need planks first." in seen
+    assert REACT_FORMAT in seen and "I need planks first." in seen
     assert "I need planks first." not in tok.decode(list(p.ids))
     # The plain format (the tiny model's) trains on the text too, a sequence per turn.
     plain = training_examples([t], PlainFormat(max_history=1), tokenize, 4096, PlainFormat(1, None, True),

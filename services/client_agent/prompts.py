@@ -42,12 +42,16 @@ ANSWER_ROOM = 64
 SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each turn you read an observation "
                  "and answer with exactly one line, \"Action: <action>\", naming one of the actions available "
                  "in that situation.")
-# AgentGym's answer format, for environments where the agent writes its action itself.
-REACT_FORMAT = "Thought:\n<your thoughts>\n\nAction:\n<your next action>"
-REACT_SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each turn you read an observation, "
-                       "think about what to do, and answer in this format:\n" + REACT_FORMAT + "\nThe action is one "
-                       "line, written as the task describes its commands.")
-REACT_HINT = "Answer each observation in this format:\n" + REACT_FORMAT
+# AgentGym's answer format ("Thought: ...\n\nAction:\n<action>"), for environments where the agent
+# writes its action itself, said in words: shown as a template with placeholders, SmolLM2-135M-Instruct
+# learnt to copy them after one round of training on 8 TextCraft demonstrations (it answered
+# "Action:\n<your next action>"; 4 of 36 greedy steps named an action, against 36 of 36 with the words).
+REACT_FORMAT = ("two parts: first a line that begins with \"Thought:\" and says in one sentence what to do next, "
+                "then a line \"Action:\" and, on the line after it, the action alone, written as the task "
+                "describes its commands")
+REACT_SYSTEM_PROMPT = ("You are an agent completing a task in a text environment. Each turn you read an observation "
+                       "and answer in " + REACT_FORMAT + ".")
+REACT_HINT = "Answer each observation in " + REACT_FORMAT + "."
 # How a written answer begins, already in the prompt: asked for the format alone, SmolLM2-135M-Instruct
 # restated the task instead ("Craft the goal item in a Minecraft-like crafting game."); after
 # "Thought:" it wrote a thought and an "Action:" line (3 of 3 TextCraft goals tried).
