@@ -5,6 +5,13 @@
   directory holding a copy of k8s/ (the guides edit the on-prem overlay), with the virtualenv's
   commands on PATH. Those blocks need no cluster: `kubectl apply -k DIR` builds DIR with
   `kubectl kustomize`, and any other kubectl command fails the test.
+- A block marked `<!-- tested: serves -->` starts a service that runs until stopped, as a person
+  starts one in a terminal of its own: the test starts it, waits for the line it logs once it
+  answers (`serving`; a client agent's `started`), runs the blocks after it, and stops it at the
+  end (SIGTERM to its process group, then SIGKILL); one that exits before is a failure. The ports a
+  guide's blocks name on this machine (`127.0.0.1:N`, `0.0.0.0:N`, `--metrics-port N`) become free
+  ports, the same one for the same number throughout the guide, and a port a service leaves to its
+  default is a free one (FEDSE_ADDRESS, FEDSE_METRICS_PORT), so guides run beside other tests.
 - The certificates the guide to joining a federation makes are ones fedse accepts: an aggregator
   serving mTLS with them answers `fedse status` from the organisation's certificate.
 - Every relative link (and #anchor) in README.md and docs/*.md points to something that exists,
@@ -15,37 +22,52 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from support import KUBECTL, REPO
+from support import KUBECTL, REPO, free_ports
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
 MARK = "<!-- tested -->"
+SERVES = "<!-- tested: serves -->"  # a block that starts a service and leaves it running
 BLOCK_TIMEOUT_S = 120
+SERVING_TIMEOUT_S = 60
 FENCE = re.compile(r"^(```+|~~~+)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A command block a guide marks as tested: the line of its fence, its text, and whether it
+    starts a service that runs until stopped."""
+
+    line: int
+    text: str
+    serves: bool = False
+
+
 # ---- reading Markdown --------------------------------------------------------------------------------
-def marked_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
-    """(line number, text) of each command block marked as tested, in the order of the file."""
+def marked_blocks(path: pathlib.Path) -> list[Block]:
+    """Each command block marked as tested, in the order of the file."""
     lines = path.read_text().splitlines()
     out = []
     for i, line in enumerate(lines):
-        if line.strip() != MARK:
+        if line.strip() not in (MARK, SERVES):
             continue
         fence = lines[i + 1] if i + 1 < len(lines) else ""
         assert fence.strip() in ("```sh", "```bash"), \
-            f"{path.name}:{i + 1}: {MARK} must stand right before a ```sh block, not {fence!r}"
+            f"{path.name}:{i + 1}: {line.strip()} must stand right before a ```sh block, not {fence!r}"
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
-        out.append((i + 2, "\n".join(lines[i + 2:end])))
+        out.append(Block(i + 2, "\n".join(lines[i + 2:end]), line.strip() == SERVES))
     return out
 
 
@@ -108,7 +130,31 @@ def sandbox(root: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(shims), str(pathlib.Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["FEDSE_ADDRESS"] = "127.0.0.1:0"  # what a service started by a block binds where the block says nothing
+    env["FEDSE_METRICS_PORT"] = "0"
     return env
+
+
+class LocalPorts:
+    """A free port for each port a guide's blocks name on this machine, the same one for the same
+    number throughout the guide: the guide names the ports a person would use."""
+
+    NAMED = re.compile(r"(?<=127\.0\.0\.1:)\d+|(?<=0\.0\.0\.0:)\d+|(?<=--metrics-port )\d+")
+
+    def __init__(self) -> None:
+        self.free: dict[str, str] = {}
+
+    def __call__(self, text: str) -> str:
+        return self.NAMED.sub(self._port, text)
+
+    def _port(self, m: re.Match) -> str:
+        if m.group() == "0":
+            return "0"
+        while m.group() not in self.free:
+            port = str(free_ports(1)[0])
+            if port not in self.free.values():
+                self.free[m.group()] = port
+        return self.free[m.group()]
 
 
 def run_block(doc: pathlib.Path, line: int, block: str, root: pathlib.Path, env: dict[str, str]) -> str:
@@ -119,6 +165,52 @@ def run_block(doc: pathlib.Path, line: int, block: str, root: pathlib.Path, env:
     return proc.stdout
 
 
+class Terminals:
+    """The services a guide's blocks start, each as in a terminal of its own: in a process group of
+    its own, running until the guide's blocks are done, then stopped (SIGTERM, then SIGKILL)."""
+
+    READY = ('"msg": "serving"', '"msg": "started"')  # the servers' line, and a client agent's
+
+    def __init__(self, doc: pathlib.Path, root: pathlib.Path, env: dict[str, str]):
+        self.doc, self.root, self.env = doc, root, env
+        self.running: list[tuple[int, subprocess.Popen, pathlib.Path]] = []
+
+    def __enter__(self) -> "Terminals":
+        return self
+
+    def start(self, line: int, block: str) -> None:
+        """Starts the block and returns once the service it starts says it answers."""
+        log = self.root / f".terminal-{line}.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", block], cwd=self.root, env=self.env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.running.append((line, proc, log))
+        deadline = time.monotonic() + SERVING_TIMEOUT_S
+        while not any(ready in log.read_text() for ready in self.READY):
+            where = f"{self.doc.relative_to(REPO)}:{line}"
+            assert proc.poll() is None, f"{where}: exited {proc.returncode} before it answered\n{block}\n" \
+                                        f"{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{where}: not answering after {SERVING_TIMEOUT_S} s\n{block}\n" \
+                                                f"{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        exited = [(line, proc.returncode, log) for line, proc, log in self.running if proc.poll() is not None]
+        for _, proc, _ in self.running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, _ in self.running:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if exc_type is None:
+            assert not exited, "; ".join(f"{self.doc.relative_to(REPO)}:{line}: exited {rc} before the guide's "
+                                         f"blocks were done\n{log.read_text()[-3000:]}" for line, rc, log in exited)
+
+
 GUIDES_WITH_TESTS = [d for d in DOCS if marked_blocks(d)]
 # What the output of a guide's blocks shows, as the guide says it does.
 SHOWN = {
@@ -127,16 +219,24 @@ SHOWN = {
     # every workload of the federation from the registry in the overlay of your own
     "deploy.md": ["11\n"],
     "environments.md": ["webshop "],
+    # the services started by hand answer: the aggregator's run waits for its first client
+    "running-locally.md": ["round 0 of 3, waiting_for_clients"],
 }
 
 
 @pytest.mark.parametrize("doc", GUIDES_WITH_TESTS, ids=lambda d: d.name)
 def test_tested_commands_run(doc, tmp_path):
     blocks = marked_blocks(doc)
-    if KUBECTL is None and any("kubectl" in b for _, b in blocks):
+    if KUBECTL is None and any("kubectl" in b.text for b in blocks):
         pytest.skip("kubectl not found (the guide's blocks build kustomizations)")
     env = sandbox(tmp_path)
-    out = "".join(run_block(doc, line, block, tmp_path, env) for line, block in blocks)
+    ports, out = LocalPorts(), ""
+    with Terminals(doc, tmp_path, env) as terminals:
+        for block in blocks:
+            if block.serves:
+                terminals.start(block.line, ports(block.text))
+            else:
+                out += run_block(doc, block.line, ports(block.text), tmp_path, env)
     for shown in SHOWN.get(doc.name, []):
         assert shown in out, f"{doc.name}: its tested blocks did not print {shown!r}:\n{out[-3000:]}"
 
@@ -146,7 +246,7 @@ def test_the_guides_mark_what_a_test_can_run():
     assert {"README.md", "running-locally.md", "deploy.md", "join-a-federation.md", "environments.md",
             "configuration.md"} <= names, names
     for doc in DOCS:  # a marker that is not before a block would silently test nothing
-        marks = [line for line in doc.read_text().splitlines() if line.strip() == MARK]
+        marks = [line for line in doc.read_text().splitlines() if line.strip() in (MARK, SERVES)]
         assert len(marks) == len(marked_blocks(doc)), doc.name
 
 
@@ -161,33 +261,30 @@ def test_kubectl_in_tested_blocks_only_builds(tmp_path):
 
 def test_the_join_guides_certificates_work_with_fedse(tmp_path, capsys):
     """The openssl blocks of the join guide make a CA, an aggregator certificate and an organisation's
-    certificate that an aggregator serving mTLS accepts: `fedse status` with the organisation's
-    certificate reads the run, and the identity it presents is the client id."""
+    certificate, and the aggregator the guide starts with them serves mTLS: `fedse status` with the
+    organisation's certificate reads the run, and the identity it presents is the client id."""
     from apps.cli import status
-    from services.aggregator.server import AggregatorConfig, create_server
 
     doc = REPO / "docs" / "join-a-federation.md"
     env = sandbox(tmp_path)
-    for line, block in marked_blocks(doc):
-        if "openssl" in block:
-            run_block(doc, line, block, tmp_path, env)
-    pem = {name: str(tmp_path / name) for name in ("ca.pem", "aggregator.pem", "aggregator-key.pem",
-                                                   "org-wordle.pem", "org-wordle-key.pem")}
-    server, port = create_server(AggregatorConfig(
-        address="127.0.0.1:0", metrics_port=-1, state_dir=str(tmp_path / "state"), tls_ca=pem["ca.pem"],
-        tls_cert=pem["aggregator.pem"], tls_key=pem["aggregator-key.pem"], allowed_clients="org-wordle"))
-    server.start()
-    try:
-        argv = [f"--aggregator=127.0.0.1:{port}", "--tls-server-name=aggregator.federation.example.org",
-                f"--tls-ca={pem['ca.pem']}", "--timeout-s=20"]
+    ports = LocalPorts()
+    with Terminals(doc, tmp_path, env) as terminals:
+        for block in marked_blocks(doc):
+            if block.serves and "fedse aggregator" in block.text:
+                terminals.start(block.line, ports(block.text))
+            elif "openssl" in block.text:
+                run_block(doc, block.line, block.text, tmp_path, env)
+        assert terminals.running, "the join guide starts no aggregator in a block marked as tested"
+        pem = {name: str(tmp_path / name) for name in ("ca.pem", "aggregator.pem", "aggregator-key.pem",
+                                                       "org-wordle.pem", "org-wordle-key.pem")}
+        argv = [f"--aggregator=127.0.0.1:{ports.free['50060']}", f"--tls-ca={pem['ca.pem']}",
+                "--tls-server-name=aggregator.federation.example.org", "--timeout-s=20"]
         capsys.readouterr()
         assert status([*argv, f"--tls-cert={pem['org-wordle.pem']}", f"--tls-key={pem['org-wordle-key.pem']}"]) == 0
         assert capsys.readouterr().out.startswith("run ")
         # The aggregator's own certificate is for serving: it cannot stand in for a client.
         assert status([*argv, "--timeout-s=3", f"--tls-cert={pem['aggregator.pem']}",
                        f"--tls-key={pem['aggregator-key.pem']}"]) == 1
-    finally:
-        server.stop(0)
 
 
 # ---- links and length --------------------------------------------------------------------------------
