@@ -177,7 +177,7 @@ def plan(cfg: RunConfig) -> list[Federation]:
         return [Federation("aggregator", "local", (Client("org-central", tuple(envs)),))]
     return [Federation("aggregator", "local", tuple(Client(f"org-{e}", (e,)) for e in envs))]
 
-TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (README)
+TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (docs/results.md)
 
 
 def scoring_rules(spec: str, base_model: str = TINY_MODEL_NAME) -> dict[str, str]:

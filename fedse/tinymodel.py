@@ -37,7 +37,7 @@ in-process (services/client_agent/MODEL_NOTES.md): with the circuit on 4 layers 
 60 expert demonstrations to 25% held-out success by the second round and 50% by the third (without
 it 0% and 20%; on the default 3 layers 10-15% by rounds 2-3), the Maze to 72-80% after the first
 round (48%). In the 5-client federation of `fedse run` the Maze learns; BabyAI, scored calibrated,
-solves 35% untrained and 40-45% after training (README).
+solves 35% untrained and 40-45% after training (docs/results.md).
 3 layers, 128 + 64 wide, 6 heads of 32 (0.99 M parameters, 69 k in the r=8 LoRA): 3 layers score
 TextCraft's 19 candidates 1.2x as long as the 4 layers x 128 without the circuit did (4 layers with
 it: 1.6x) and learn the Maze as well. Measurements: services/client_agent/MODEL_NOTES.md.

@@ -41,7 +41,7 @@ BUDGET = {
                               "--torch-threads=1"],
     "services.env_server": [],
 }
-# What each service's own metrics are called (README, Metrics).
+# What each service's own metrics are called (docs/metrics.md).
 OWN_METRICS = {"services.aggregator": "fedse_aggregator_", "services.env_server": "fedse_env_",
                "services.client_agent": "fedse_client_"}
 
