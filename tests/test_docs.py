@@ -14,8 +14,8 @@
   default is a free one (FEDSE_ADDRESS, FEDSE_METRICS_PORT), so guides run beside other tests.
 - The certificates the guide to joining a federation makes are ones fedse accepts: an aggregator
   serving mTLS with them answers `fedse status` from the organisation's certificate.
-- Every relative link (and #anchor) in README.md and docs/*.md points to something that exists,
-  and README.md stays under 220 lines.
+- Every relative link (and #anchor) in README.md, docs/*.md and the services' and k8s/'s READMEs
+  points to something that exists, and README.md stays under 220 lines.
 - The reference tables agree with the code: the defaults in docs/configuration.md, and the
   built-in environments' task counts and turn limits in docs/environments.md.
 """
@@ -38,6 +38,8 @@ import pytest
 from support import KUBECTL, REPO, free_ports
 
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
+# Where else the documentation links: each service's README and the manifests'.
+READMES = sorted([*(REPO / "services").glob("*/README.md"), REPO / "k8s" / "README.md"])
 MARK = "<!-- tested -->"
 SERVES = "<!-- tested: serves -->"  # a block that starts a service and leaves it running
 BLOCK_TIMEOUT_S = 120
@@ -295,7 +297,7 @@ def test_readme_is_a_front_door():
         assert f"](docs/{guide}.md)" in "\n".join(lines), f"README.md links no docs/{guide}.md"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+@pytest.mark.parametrize("doc", DOCS + READMES, ids=lambda d: str(d.relative_to(REPO)))
 def test_relative_links_point_to_what_exists(doc):
     broken = []
     for target in links(doc):
