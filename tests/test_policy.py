@@ -8,8 +8,10 @@ import torch
 
 from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
 from services.client_agent.model import add_lora
-from services.client_agent.policy import (ActionScorer, PrefixTree, Written, _ActionLineDone, _cut_after_action,
-                                          parse_action)
+from services.client_agent.actions import Written, cut_after_action, parse_action
+from services.client_agent.generation import ActionLineDone, ActionWriter
+from services.client_agent.policy import ActionScorer
+from services.client_agent.prefixes import PrefixTree
 from services.client_agent.prompts import (EMPTY_TEXT_ACTION, MAX_WRITTEN_ACTION_CHARS, PlainFormat, fallback_action,
                                            format_prompt, format_target, parse_react)
 from services.env_server.envs.maze import MazeEnv
@@ -194,11 +196,12 @@ def test_generate_actions_returns_admissible_actions_with_a_fallback():
     scorer = ActionScorer(model, tok, max_prompt_tokens=160)
     prompts = _maze_prompts(3)
     cands = [MAZE_ACTIONS, ["move left", "move right"], MAZE_ACTIONS]
-    actions = scorer.generate_actions(prompts, cands, max_new_tokens=6)
+    writer = ActionWriter(scorer)
+    actions = writer.generate_actions(prompts, cands, max_new_tokens=6)
     assert all(a in c for a, c in zip(actions, cands))
     # An untrained byte model does not write "Action: ..."; those rows fall back to greedy scoring.
     greedy = scorer.choose(prompts, cands, greedy=True)
-    for i, text in enumerate(scorer.last_generated):
+    for i, text in enumerate(writer.last_generated):
         if parse_action(text, cands[i]) is None:
             assert actions[i] == cands[i][greedy[i]]
 
@@ -324,11 +327,11 @@ def test_a_text_without_an_action_sends_its_last_line_bounded():
 
 def test_generation_stops_after_an_action_on_its_own_line():
     text = "Thought:\nhmm\n\nAction:\nmove up\n"
-    assert _cut_after_action(text + "Thought: more") == text
-    assert _cut_after_action("Action: move up\nmore") == "Action: move up\n"
-    assert _cut_after_action("Action:\n") == "Action:\n"  # not yet an action: kept whole, generation goes on
+    assert cut_after_action(text + "Thought: more") == text
+    assert cut_after_action("Action: move up\nmore") == "Action: move up\n"
+    assert cut_after_action("Action:\n") == "Action:\n"  # not yet an action: kept whole, generation goes on
     tok = build_tiny_tokenizer()
-    done = _ActionLineDone(tok, 0)
+    done = ActionLineDone(tok, 0)
     rows = ["Thought:\nx\n\nAction:\n", "Thought:\nx\n\nAction:\nmove up\n", "Action: a\n"]
     ids = torch.tensor([tok(r.ljust(30), add_special_tokens=False)["input_ids"][:30] for r in rows])
     assert done(ids, None).tolist() == [False, True, True]
@@ -338,16 +341,17 @@ def test_written_actions_are_parsed_or_fall_back_counted_and_sampled_reproducibl
     model, tok = _model()
     scorer = ActionScorer(model, tok, max_prompt_tokens=160, fmt=PlainFormat(1, 160, react=True))
     prompts = _maze_prompts(3)
-    out = scorer.write_actions(prompts, max_new_tokens=12)
+    writer = ActionWriter(scorer)
+    out = writer.write_actions(prompts, max_new_tokens=12)
     assert len(out) == 3 and all(isinstance(w, Written) for w in out)
     for w in out:
         assert w.action == (parse_react(w.text) if w.parsed else fallback_action(w.text)) and w.action.strip()
-    assert (scorer.written, scorer.unparsed) == (3, sum(not w.parsed for w in out))
-    assert [w.text for w in scorer.write_actions(prompts, max_new_tokens=12)] == [w.text for w in out]  # greedy
+    assert (writer.written, writer.unparsed) == (3, sum(not w.parsed for w in out))
+    assert [w.text for w in writer.write_actions(prompts, max_new_tokens=12)] == [w.text for w in out]  # greedy
     # The text kept is the whole answer: the opening the prompts end with, then what the model wrote.
-    opened = scorer.write_actions(prompts, max_new_tokens=12, opening="Thought:")
+    opened = writer.write_actions(prompts, max_new_tokens=12, opening="Thought:")
     assert [w.text for w in opened] == ["Thought:" + w.text for w in out]
-    a = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
-    b = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
-    c = scorer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(4))
+    a = writer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
+    b = writer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
+    c = writer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(4))
     assert a == b and a != c

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fedse.machine import cpu_has_native_bf16
+from services.client_agent.layouts import Reuse
 from services.client_agent.model import (add_lora, get_adapter_state, load_base, pick_precision,
                                          store_frozen_linears_in_bf16)
 from services.client_agent.policy import ActionScorer
@@ -62,7 +63,7 @@ def test_scoring_with_the_chat_template_matches_a_direct_pass_and_reuses_the_pre
     model, tok = smollm2
     fmt = make_format(model, tok)
     scorer = ActionScorer(model, tok, fmt=fmt)
-    assert scorer.method == "reuse"
+    assert isinstance(scorer.layout, Reuse)
     instruction, turns, obs = _episode(2)
     actions = ["move up", "move down", "move left", "move right"]
     for i in range(len(turns) + 1):

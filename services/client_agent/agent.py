@@ -10,7 +10,7 @@ metrics cover phi_0 (the untrained base) to phi_T.
 Environments differ in what they offer (ListEnvironments): one without an expert is never asked for
 expert actions (its D_0 comes from files, or it explores from nothing); in one that lists no
 admissible actions the agent writes its action as ReAct text (prompts' ReAct variant), whatever
---policy says, and the action parsed from the text is sent (policy.ActionScorer.write_actions);
+--policy says, and the action parsed from the text is sent (generation.ActionWriter.write_actions);
 the text is kept and trained on. The round metrics then give the share of written turns whose text
 named an action (`parseable_action_rate`, and per phase `eval_...` and `explore_...`).
 
@@ -64,6 +64,7 @@ from .federation import FederationClient, StaleRound
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
 from .metrics import (BUFFER, DEMOS, EPISODES, KEPT, LOSS, PHASE_SECONDS, ROUND, STEPS, TEST_SUCCESS, TRAIN_SECONDS,
                       WRITTEN, init_client)
+from .generation import ActionWriter
 from .policy import ActionScorer
 from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_trajectory, inner_model,
                       is_tiny, make_format)
@@ -171,11 +172,12 @@ class ClientAgent:
         self.scorer = ActionScorer(self.model, self.tokenizer, self.device, max_prompt_tokens=self.max_prompt_tokens,
                                    fmt=self.fmt, precision=self.precision, cache_bytes=config.score_cache_mb << 20,
                                    tokenize=self.tokenize, scoring=config.scoring)
-        self.concurrency = config.concurrency or (4 if self.scorer.method == "reuse" else 16)
+        self.writer = ActionWriter(self.scorer)
+        self.concurrency = config.concurrency or (16 if self.scorer.layout.batches_prompts else 4)
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
                                                  prompt_format=type(self.fmt).__name__,
-                                                 scoring=self.scorer.method, action_scores=config.scoring,
+                                                 scoring=self.scorer.layout.name, action_scores=config.scoring,
                                                  concurrency=self.concurrency))
         self.buffer = Buffer(self.dir / BUFFER_NAME)
         self.history: list[dict[str, float]] = []
@@ -202,7 +204,7 @@ class ClientAgent:
         def write(states: list[Live]) -> list:
             prompts = [self.react_fmt.prompt(s.session.instruction, s.turns, s.observation.text, s.texts)
                        for s in states]
-            written = self.scorer.write_actions(prompts, self.write_tokens, greedy=greedy,
+            written = self.writer.write_actions(prompts, self.write_tokens, greedy=greedy,
                                                 temperature=self.cfg.temperature, generator=generator,
                                                 opening=self.react_fmt.opening)
             parsed = sum(w.parsed for w in written)
@@ -214,7 +216,7 @@ class ClientAgent:
             prompts = [self.fmt.prompt(s.session.instruction, s.turns, s.observation.text) for s in states]
             candidates = [s.observation.actions for s in states]
             if self.cfg.policy == "generate":
-                return self.scorer.generate_actions(prompts, candidates)
+                return self.writer.generate_actions(prompts, candidates)
             picks = self.scorer.choose(prompts, candidates, greedy=greedy, generator=generator,
                                        temperature=self.cfg.temperature)
             return [c[i] for c, i in zip(candidates, picks)]
@@ -292,7 +294,7 @@ class ClientAgent:
         agent writes its actions, the share of written turns that named one (`eval_parseable_action_rate`)."""
         metrics: dict[str, float] = {}
         successes = episodes = 0
-        generated, fallbacks = self.scorer.generated, self.scorer.fallbacks
+        generated, fallbacks = self.writer.generated, self.writer.fallbacks
         since = self.written_so_far()
         for task in tasks:
             trajs = self.episodes(task.env, task.test_ids,
@@ -305,8 +307,8 @@ class ClientAgent:
             TEST_SUCCESS.labels(task.name).set(metrics[f"test_success/{task.name}"])
             successes, episodes = successes + ok, episodes + len(trajs)
         metrics["test_success"] = successes / max(1, episodes)
-        if self.scorer.generated > generated:  # --policy generate: how often the text named no admissible action
-            metrics["eval_fallback_rate"] = (self.scorer.fallbacks - fallbacks) / (self.scorer.generated - generated)
+        if self.writer.generated > generated:  # --policy generate: how often the text named no admissible action
+            metrics["eval_fallback_rate"] = (self.writer.fallbacks - fallbacks) / (self.writer.generated - generated)
         self.parseable_since(since, metrics, "eval_parseable_action_rate")  # environments without listed actions
         return metrics
 
@@ -486,13 +488,13 @@ class ClientAgent:
             phase = steps[phase](r)
 
     def written_so_far(self) -> tuple[int, int]:
-        """The scorer's count of turns written and of those that named no action, for parseable_since."""
-        return self.scorer.written, self.scorer.unparsed
+        """The writer's count of turns written and of those that named no action, for parseable_since."""
+        return self.writer.written, self.writer.unparsed
 
     def parseable_since(self, since: tuple[int, int], metrics: dict[str, float], key: str) -> None:
         """Sets metrics[key]: of the turns written since `since` (written_so_far), the share whose text
         named an action; nothing where none were written."""
-        written, unparsed = self.scorer.written - since[0], self.scorer.unparsed - since[1]
+        written, unparsed = self.writer.written - since[0], self.writer.unparsed - since[1]
         if written:
             metrics[key] = 1 - unparsed / written
 

@@ -28,7 +28,7 @@ class Live:
 
 
 class WrittenAction(Protocol):
-    """An action the agent wrote itself (policy.Written): the action sent and the whole text."""
+    """An action the agent wrote itself (actions.Written): the action sent and the whole text."""
 
     action: str
     text: str

@@ -1,0 +1,127 @@
+"""Actions the model writes (policy.py's docstring lists the ways to act):
+- generation (`--policy generate`): generate the agent's text and match the action to an admissible
+  one (actions.parse_action); a row stops at the end of the action line or the chat template's end
+  of turn, or after a token limit set from the longest candidate; when nothing matches, fall back to
+  the scoring choice;
+- writing (environments that list no actions, whatever the policy): generate the agent's ReAct text,
+  "Thought:\\n...\\n\\nAction:\\n<action>", greedily (evaluation) or sampled at the temperature
+  (exploration), and send the action parsed from it (prompts.parse_react); the whole text is kept
+  for training. Where no action can be parsed, the text's last non-empty line is sent
+  (`Written.parsed` False, counted), so the episode goes on and the environment answers what it
+  makes of it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .actions import Written, cut_after_action, has_action_line, parse_action
+from .model import autocast
+from .policy import ActionScorer
+from .prompts import fallback_action, inner_model, parse_react
+
+
+class ActionLineDone:
+    """Stopping criterion: every row has produced a complete action line ending in a newline:
+    "Action: <action>\\n", or AgentGym's "Action:\\n<action>\\n"."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.tokenizer = tokenizer
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        return torch.tensor([has_action_line(t) for t in texts], dtype=torch.bool, device=input_ids.device)
+
+
+class ActionWriter:
+    """Generates the agent's text with the scorer's model, prompt format and tokenizer, and falls
+    back to the scorer's choice where a generated text names no admissible action. Counts what the
+    round metrics report: actions generated and those scoring chose (`generated`, `fallbacks`:
+    eval_fallback_rate), turns written and those that named no action (`written`, `unparsed`:
+    parseable_action_rate)."""
+
+    def __init__(self, scorer: ActionScorer):
+        self.scorer = scorer
+        self.generated = self.fallbacks = 0
+        self.written = self.unparsed = 0
+
+    @torch.no_grad()
+    def generate_texts(self, prompts: Sequence[str], max_new_tokens: int = 128, greedy: bool = True,
+                       temperature: float = 1.0, generator: torch.Generator | None = None) -> list[str]:
+        """Continuations of the prompts, cut after the first complete action line ("Action: ..." or
+        "Action:\\n..."); a row stops at the end of that line, at the format's end of turn (a chat
+        model's end-of-message token) or after max_new_tokens. Greedy, or sampled from the whole
+        softmax at `temperature` with torch's generator seeded from `generator` (so a seeded
+        generator gives the same texts again)."""
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        sc = self.scorer
+        pad_id, device = sc.runner.pad_id, sc.device
+        eos = inner_model(sc.model).config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        end = getattr(sc.fmt, "end_of_turn", "")
+        if end:
+            eos += [t for t in sc.tokenize(end) if t not in eos]
+        encoded = [sc.tokenize.prompt(p, sc.max_prompt_tokens) for p in prompts]
+        L = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), L), pad_id, dtype=torch.long)
+        att = torch.zeros((len(encoded), L), dtype=torch.long)
+        for b, e in enumerate(encoded):
+            ids[b, L - len(e):] = torch.tensor(e, dtype=torch.long)
+            att[b, L - len(e):] = 1
+        sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+        seed = None if greedy else int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+        devices = [] if device.type != "cuda" else \
+            [device.index if device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None), autocast(sc.precision, device):
+            if seed is not None:
+                torch.manual_seed(seed)
+            gen = sc.model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
+                                    max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
+                                    pad_token_id=pad_id, eos_token_id=eos or None,
+                                    stopping_criteria=[ActionLineDone(sc.tokenizer, L)])
+        texts = sc.tokenizer.batch_decode(gen[:, L:], skip_special_tokens=True)
+        return [cut_after_action(t) for t in texts]
+
+    def write_actions(self, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
+                      temperature: float = 1.0, generator: torch.Generator | None = None,
+                      opening: str = "") -> list[Written]:
+        """Writing mode (an environment that lists no actions): the agent's ReAct text for each
+        prompt (`opening`, the start of it the prompts end with, then what the model wrote) and the
+        action parsed from it (parse_react), or fallback_action's where it names none; counted in
+        `written` and `unparsed`."""
+        texts = [opening + t for t in self.generate_texts(prompts, max_new_tokens, greedy=greedy,
+                                                           temperature=temperature, generator=generator)]
+        out = []
+        for text in texts:
+            action = parse_react(text)
+            out.append(Written(action, text, True) if action else Written(fallback_action(text), text, False))
+        self.written += len(out)
+        self.unparsed += sum(not w.parsed for w in out)
+        return out
+
+    def generate_actions(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]],
+                         max_new_tokens: int | None = None) -> list[str]:
+        """Generation mode: the admissible action each prompt's generated text names; where it names
+        none (parse_action gives None), the greedy scoring choice among the candidates; counted in
+        `generated` and `fallbacks`. max_new_tokens None: the longest candidate's text (format
+        target) plus 8 tokens, so a model that rambles stops soon after any action it could have
+        meant."""
+        sc = self.scorer
+        if max_new_tokens is None:
+            max_new_tokens = 8 + max(len(sc.tokenize(sc.fmt.target(c))) for cands in candidates for c in cands)
+        texts = self.generate_texts(prompts, max_new_tokens)
+        actions: list[str | None] = [parse_action(t, c) for t, c in zip(texts, candidates)]
+        missing = [i for i, a in enumerate(actions) if a is None]
+        if missing:
+            picks = sc.choose([prompts[i] for i in missing], [candidates[i] for i in missing], greedy=True)
+            for i, k in zip(missing, picks):
+                actions[i] = candidates[i][k]
+        self.last_generated = texts
+        self.last_fallbacks = len(missing)
+        self.generated += len(texts)
+        self.fallbacks += len(missing)
+        return actions  # type: ignore[return-value]

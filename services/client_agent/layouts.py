@@ -1,0 +1,382 @@
+"""How the scorer lays out its forward passes over prompts and their candidates' target tokens.
+
+A prompt is prepared once (Prepared): the target tokens all its candidates share are appended to
+it and scored once, and the candidates' later tokens form a prefix tree (prefixes.PrefixTree). A
+layout then runs a batch of prepared prompts (Batch) through the model and adds, for every scored
+token (Target), log p(token | what precedes it) to its prompt's candidate totals:
+- Packed: one pass, each row the prompt followed by its candidates' prefix tree, with a 4D mask
+  (best for a few short candidates);
+- Cached: a prompt pass keeping the KV cache, then rows of up to `group_size` candidates packed on a
+  copy of their prompt's cache: attention and copy costs grow linearly, not quadratically, with the
+  number of candidates (100 Wordle words: ~1.7x faster than packed);
+- Reuse (real models): one prompt at a time, starting from the KV cache of the longest cached prompt
+  it begins with (prefixes.PrefixCache: the previous turn, the shared instruction), then its
+  candidates packed in rows on that prompt's cache;
+- Auto: Packed up to `packed_max_candidates` candidates, else Cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from fedse.machine import release_free_memory
+
+from .model import bucket_length
+from .prefixes import PrefixCache, PrefixTree
+from .prompts import inner_model
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One scored token: the batch's prompt it counts for, where the hidden state that predicts it
+    sits in the pass's (flattened) hidden states, the token, and the candidate it belongs to (-1:
+    shared by all the prompt's candidates)."""
+
+    item: int
+    at: int
+    token: int
+    cand: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """One prompt ready to score: `prompt` holds its `n_prompt` tokens followed by the `shared` first
+    target tokens all its candidates have in common ("Action: ", scored once as part of the prompt);
+    `suffixes` are every candidate's remaining target tokens (at least one each), and `tree` their
+    prefix tree."""
+
+    prompt: list[int]
+    n_prompt: int
+    shared: int
+    suffixes: list[list[int]]
+    tree: PrefixTree
+
+    @classmethod
+    def of(cls, prompt: list[int], targets: list[list[int]]) -> Prepared:
+        """The prompt's tokens and its candidates' target tokens, prepared."""
+        shared = min(len(t) for t in targets) - 1  # keep >= 1 token per suffix
+        first = targets[0]
+        for t in targets[1:]:
+            k = 0
+            while k < shared and t[k] == first[k]:
+                k += 1
+            shared = k
+        shared = max(shared, 0)
+        suffixes = [t[shared:] for t in targets]
+        return cls(prompt + first[:shared], len(prompt), shared, suffixes, PrefixTree(list(enumerate(suffixes))))
+
+    @property
+    def length(self) -> int:
+        """Its row's width in a packed pass."""
+        return len(self.prompt) + self.tree.width
+
+    def first_targets(self, b: int, last: int) -> list[Target]:
+        """The targets the prompt's own pass predicts, for the batch's prompt b: the tokens all
+        candidates share (the last `shared` tokens of `prompt`) and every candidate's first token;
+        `last` is where the prompt's last token sits in the pass's hidden states."""
+        n, k_sh = len(self.prompt), self.shared
+        out = [Target(b, last - k_sh + k, self.prompt[n - k_sh + k], -1) for k in range(k_sh)]
+        return out + [Target(b, last, suf[0], j) for j, suf in enumerate(self.suffixes)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Prompts scored together, and where their scores go: items[b]'s candidate totals are
+    totals[where[b]] (None until a pass adds to them)."""
+
+    items: list[Prepared]
+    where: list[int]
+    totals: list[torch.Tensor | None]
+
+    def add(self, lm, hidden: torch.Tensor, targets: list[Target]) -> None:
+        """Adds log p(target) to the totals for each target, predicted from hidden[target.at]
+        (hidden: [N, d]), to its prompt's candidate (every candidate where it is shared). The
+        output layer runs once per distinct state: a start several candidates share predicts all
+        their next tokens from one (so its logits never outnumber a pass's columns)."""
+        states, which = torch.unique(torch.tensor([t.at for t in targets]), return_inverse=True)
+        h = hidden[states.to(hidden.device)]
+        head = lm.get_output_embeddings()
+        with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
+            logits = head(h.to(head.weight.dtype)).float()
+        tokens = torch.tensor([t.token for t in targets], device=h.device)
+        logp = torch.log_softmax(logits, dim=-1)[which.to(h.device), tokens]
+        del logits
+        logp = logp.cpu()
+        items, cands = torch.tensor([t.item for t in targets]), torch.tensor([t.cand for t in targets])
+        for b in set(items.tolist()):
+            mine = items == b
+            n_c = len(self.items[b].suffixes)
+            shared = logp[mine & (cands == -1)].sum()
+            per = torch.zeros(n_c).index_add_(0, cands[mine & (cands >= 0)], logp[mine & (cands >= 0)])
+            if self.totals[self.where[b]] is None:
+                self.totals[self.where[b]] = torch.zeros(n_c)
+            self.totals[self.where[b]] += per + shared
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """What every layout's passes need: the model (a PeftModel or a plain causal LM), its device,
+    the pad token, the most (rows x row length) tokens of one pass, and whether passes are padded to
+    bucket lengths (model.bucket_length)."""
+
+    model: Any
+    device: torch.device
+    pad_id: int
+    max_batch_tokens: int
+    bucket: bool
+
+    @property
+    def lm(self):
+        return inner_model(self.model)
+
+    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The attention mask, in the weights' dtype, of a boolean [rows, queries, keys] one."""
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros((allowed.shape[0], 1, *allowed.shape[1:]), dtype=dtype)
+        return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+
+
+class Layout:
+    """A way of laying out a batch's passes; `batches_prompts`: whether a pass holds several prompts
+    (else they run one at a time, and fewer concurrent episodes serve as well)."""
+
+    name = ""
+    batches_prompts = True
+
+    def run(self, runner: Runner, batch: Batch) -> None:
+        raise NotImplementedError
+
+
+class Packed(Layout):
+    """One forward pass: each row is [prompt | its candidates' prefix tree] with a 4D mask."""
+
+    name = "packed"
+
+    def run(self, runner: Runner, batch: Batch) -> None:
+        dev = runner.device
+        P = max(len(it.prompt) for it in batch.items)  # prompt block width (left padded)
+        T = P + max(it.tree.width for it in batch.items)
+        B = len(batch.items)
+        ids = torch.full((B, T), runner.pad_id, dtype=torch.long)
+        pos = torch.zeros((B, T), dtype=torch.long)
+        allowed = torch.zeros((B, T, T), dtype=torch.bool)
+        targets: list[Target] = []
+        causal = torch.ones((P, P), dtype=torch.bool).tril()
+        for b, it in enumerate(batch.items):
+            n = len(it.prompt)
+            start = P - n
+            ids[b, start:P] = torch.tensor(it.prompt, dtype=torch.long)
+            pos[b, start:P] = torch.arange(n)
+            allowed[b, start:P, start:P] = causal[:n, :n]
+            # The shared tokens and every candidate's first are predicted in the prompt block.
+            targets += it.first_targets(b, b * T + P - 1)
+            for col, token, j in it.tree.pack(n, ids[b, P:], pos[b, P:], allowed[b, P:, P:]):
+                targets.append(Target(b, b * T + P + col, token, j))
+            used = P + it.tree.width
+            allowed[b, P:used, start:P] = True
+            # Padding positions attend to themselves only (keeps softmax finite; never read).
+            idle = torch.ones(T, dtype=torch.bool)
+            idle[start:used] = False
+            idle_pos = idle.nonzero().squeeze(1)
+            allowed[b, idle_pos, idle_pos] = True
+        lm = runner.lm
+        hidden = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
+                                  position_ids=pos.to(dev), use_cache=False).last_hidden_state
+        batch.add(lm, hidden.flatten(0, 1), targets)
+
+
+class Cached(Layout):
+    """The prompts once (keeping their KV cache), then the candidates' later tokens in rows of up to
+    `group_size` candidates of one prompt, each row on top of a copy of its prompt's cache."""
+
+    name = "cached"
+
+    def __init__(self, group_size: int):
+        self.group_size = max(1, group_size)
+
+    def run(self, runner: Runner, batch: Batch) -> None:
+        dev = runner.device
+        lm = runner.lm
+        P = max(len(it.prompt) for it in batch.items)
+        B = len(batch.items)
+        ids = torch.full((B, P), runner.pad_id, dtype=torch.long)
+        att = torch.zeros((B, P), dtype=torch.long)
+        pos = torch.zeros((B, P), dtype=torch.long)
+        for b, it in enumerate(batch.items):
+            n = len(it.prompt)
+            ids[b, P - n:] = torch.tensor(it.prompt, dtype=torch.long)
+            att[b, P - n:] = 1
+            pos[b, P - n:] = torch.arange(n)
+        first = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev), position_ids=pos.to(dev),
+                                 use_cache=True)
+        layers = [(layer.keys, layer.values) for layer in first.past_key_values.layers]
+        # Shared-prefix tokens and every suffix's first token are predicted from the prompt pass.
+        targets = [t for b, it in enumerate(batch.items) for t in it.first_targets(b, b * P + P - 1)]
+        batch.add(lm, first.last_hidden_state.flatten(0, 1), targets)
+        rows = sorted(self._rows(batch.items), key=lambda row: row[1].width)
+        c0 = 0
+        while c0 < len(rows):
+            # As many rows as fit in max_batch_tokens (rows are sorted by width; the last is widest).
+            c1 = c0 + 1
+            while c1 < len(rows) and (c1 + 1 - c0) * (P + rows[c1][1].width) <= runner.max_batch_tokens:
+                c1 += 1
+            self._later_pass(runner, batch, rows[c0:c1], layers, att)
+            c0 = c1
+
+    def _rows(self, items: list[Prepared]) -> list[tuple[int, PrefixTree]]:
+        """The rows of later suffix tokens, (prompt, tree): up to `group_size` candidates of one
+        prompt (in token order, so that those beginning alike share a row), laid out as the prefix
+        tree of their later tokens."""
+        by_prompt: dict[int, list[tuple[int, list[int]]]] = {}
+        pairs = [(b, j, suf) for b, it in enumerate(items) for j, suf in enumerate(it.suffixes) if len(suf) > 1]
+        for b, j, suf in sorted(pairs, key=lambda pr: (pr[0], pr[2])):
+            by_prompt.setdefault(b, []).append((j, suf))
+        return [(b, PrefixTree(mine[g:g + self.group_size])) for b, mine in by_prompt.items()
+                for g in range(0, len(mine), self.group_size)]
+
+    @staticmethod
+    def _later_pass(runner: Runner, batch: Batch, rows: list[tuple[int, PrefixTree]], layers: KV,
+                    att: torch.Tensor) -> None:
+        """One pass of rows, each its tree after a copy of its prompt's cache, each column seeing the
+        prompt and its own start only."""
+        from transformers import DynamicCache
+
+        dev = runner.device
+        P = att.shape[1]
+        W = max(tree.width for _, tree in rows)
+        R = len(rows)
+        sel = torch.tensor([b for b, _ in rows])
+        s_ids = torch.full((R, W), runner.pad_id, dtype=torch.long)
+        s_pos = torch.zeros((R, W), dtype=torch.long)
+        allowed = torch.zeros((R, W, P + W), dtype=torch.bool)
+        allowed[:, :, :P] = att.index_select(0, sel).bool().unsqueeze(1)
+        targets: list[Target] = []
+        for r, (b, tree) in enumerate(rows):
+            for col, token, j in tree.pack(len(batch.items[b].prompt), s_ids[r], s_pos[r], allowed[r, :, P:]):
+                targets.append(Target(b, r * W + col, token, j))
+            pad = torch.arange(tree.width, W)
+            allowed[r, pad, P + pad] = True  # padding attends to itself only (finite, never read)
+        sel_d = sel.to(dev)
+        past = DynamicCache(ddp_cache_data=[(k.index_select(0, sel_d), v.index_select(0, sel_d)) for k, v in layers])
+        lm = runner.lm
+        hidden = lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
+                                  position_ids=s_pos.to(dev), past_key_values=past, use_cache=True).last_hidden_state
+        batch.add(lm, hidden.flatten(0, 1), targets)
+
+
+class Reuse(Layout):
+    """One prompt at a time: its tokens after the longest cached prefix run on that prefix's KV
+    cache (the result is cached in turn), then its candidates' later tokens in rows of at most
+    max_batch_tokens / 4 tokens on top of the prompt's cache, each candidate seeing the prompt and
+    its own earlier tokens only. No copies of a cache are made (every row has batch 1)."""
+
+    name = "reuse"
+    batches_prompts = False
+
+    def __init__(self, cache: PrefixCache):
+        self.cache = cache
+
+    def run(self, runner: Runner, batch: Batch) -> None:
+        for b, it in enumerate(batch.items):
+            layers, hidden, start = self._prompt_pass(runner, it)
+            batch.add(runner.lm, hidden, it.first_targets(b, len(it.prompt) - 1 - start))
+            self._candidate_passes(runner, batch, b, layers)
+            del hidden
+            # A prompt's passes free tensors of many sizes; glibc would keep most of them resident
+            # (measured: a WebShop evaluation held 3.9 GB with the cache at 441 MB; 2.1 GB returned so).
+            release_free_memory()
+
+    def _prompt_pass(self, runner: Runner, it: Prepared) -> tuple[KV, torch.Tensor, int]:
+        """Runs the prompt from its longest cached prefix and caches its keys and values: (those,
+        the hidden states of positions start .. len(prompt) - 1, start)."""
+        from transformers import DynamicCache
+
+        dev = runner.device
+        ids = it.prompt
+        # Reuse at most up to the token before the prompt's end: its hidden state predicts the
+        # first scored token.
+        start, kv = self.cache.lookup(ids, it.n_prompt - 1)
+        past = DynamicCache(ddp_cache_data=[(k[:, :, :start], v[:, :, :start]) for k, v in kv]) \
+            if kv is not None and start > 0 else DynamicCache()
+        self.cache.hits += start > 0
+        self.cache.reused += start
+        self.cache.computed += len(ids) - start
+        # With buckets the pass runs pad tokens after the prompt's: no prompt token sees them
+        # (causal), and their keys and values are cut off below.
+        n_new = len(ids) - start
+        width = bucket_length(n_new) if runner.bucket else n_new
+        run = runner.lm.get_decoder()(
+            input_ids=torch.tensor([ids[start:] + [runner.pad_id] * (width - n_new)], device=dev),
+            position_ids=torch.arange(start, start + width, device=dev).unsqueeze(0),
+            past_key_values=past, use_cache=True)
+        # Keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but
+        # attention reads them in bf16, so bf16 keys halve the cache and change no score.
+        # All layers' keys and values in one block: one allocation per cached prompt (a large one is
+        # mapped and unmapped whole) rather than 60 that interleave with the passes' (six BabyAI
+        # evaluation episodes: peak 1.92 GB instead of 2.02).
+        kv = run.past_key_values.layers
+        block = torch.stack([torch.stack((layer.keys[:, :, :len(ids)].to(layer.values.dtype),
+                                          layer.values[:, :, :len(ids)])) for layer in kv])
+        kv = past = run.past_key_values = None  # the per-layer tensors go now that the block holds them
+        layers = [(block[i, 0], block[i, 1]) for i in range(block.shape[0])]
+        self.cache.store(ids, layers)
+        return layers, run.last_hidden_state[0], start
+
+    @staticmethod
+    def _candidate_passes(runner: Runner, batch: Batch, b: int, layers: KV) -> None:
+        """Rows of the batch's prompt b's candidates in token order (those beginning alike share a
+        row's prefix tree), each on the prompt's cache."""
+        from transformers import DynamicCache
+
+        dev = runner.device
+        it = batch.items[b]
+        n = len(it.prompt)
+        later = sorted(((j, suf) for j, suf in enumerate(it.suffixes) if len(suf) > 1), key=lambda c: c[1])
+        row_cap = max(16, runner.max_batch_tokens // 4)
+        while later:
+            tree = PrefixTree()
+            while later and (not tree.part or tree.width + tree.added_width(later[0][1]) <= row_cap):
+                tree.add(*later.pop(0))
+            # Columns past the tree's (bucket padding) see only the prompt; no candidate sees them.
+            padded = bucket_length(tree.width) if runner.bucket else tree.width
+            s_ids = torch.full((1, padded), runner.pad_id, dtype=torch.long)
+            s_pos = torch.full((1, padded), n, dtype=torch.long)
+            allowed = torch.zeros((1, 1, padded, n + padded), dtype=torch.bool)
+            allowed[..., :n] = True
+            targets = [Target(b, col, token, j) for col, token, j in tree.pack(n, s_ids[0], s_pos[0],
+                                                                                 allowed[0, 0, :, n:])]
+            past = DynamicCache(ddp_cache_data=layers)
+            h = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev),
+                                        position_ids=s_pos.to(dev), past_key_values=past,
+                                        use_cache=True).last_hidden_state[0]
+            batch.add(runner.lm, h, targets)
+
+
+class Auto(Layout):
+    """Packed where a batch's prompts have at most `packed_max_candidates` candidates, else Cached."""
+
+    name = "auto"
+
+    def __init__(self, packed_max_candidates: int, group_size: int):
+        self.packed_max_candidates = packed_max_candidates
+        self.packed, self.cached = Packed(), Cached(group_size)
+
+    def run(self, runner: Runner, batch: Batch) -> None:
+        few = max(len(it.suffixes) for it in batch.items) <= self.packed_max_candidates
+        (self.packed if few else self.cached).run(runner, batch)
+
+
+def make_layout(method: str, real_model_on_cpu: bool, packed_max_candidates: int, group_size: int,
+                cache: PrefixCache) -> Layout:
+    """The layout `method` names. "auto" is Reuse for real models on CPU, where arithmetic is dear;
+    elsewhere (the tiny model, GPUs: passes are cheap, calls are not) batched across prompts: Auto."""
+    makers = {"auto": lambda: Reuse(cache) if real_model_on_cpu else Auto(packed_max_candidates, group_size),
+              "packed": Packed, "cached": lambda: Cached(group_size), "reuse": lambda: Reuse(cache)}
+    if method not in makers:
+        raise ValueError(f"method must be 'auto', 'packed', 'cached' or 'reuse', got {method!r}")
+    return makers[method]()
