@@ -158,7 +158,7 @@ def test_the_client_stops_before_joining_with_exit_status_2_and_one_line(tmp_pat
 
 # ---- training on what was written --------------------------------------------------------------------------
 def test_training_covers_the_whole_gpt_text_where_the_agent_writes_and_the_action_where_it_picks():
-    from services.client_agent.agent import training_examples
+    from services.client_agent.trainer import training_examples
 
     tok = build_tiny_tokenizer()
     tok.chat_template = CHATML

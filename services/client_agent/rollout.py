@@ -5,7 +5,7 @@ then each session takes its action. Finished sessions are closed and replaced by
 
 A session the env server lost (envclient.SessionLost: the server restarted mid-episode) ends the
 call: its partial trajectory is dropped, never returned, and the other live sessions are closed
-(best effort). The caller plays the episodes again from the start (ClientAgent.episodes), since
+(best effort). The caller plays the episodes again from the start (playing.Player.episodes), since
 the policy's draws for one episode depend on the others played beside it.
 """
 

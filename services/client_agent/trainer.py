@@ -34,7 +34,9 @@ from transformers import get_cosine_schedule_with_warmup
 from fedse.machine import release_free_memory
 
 from .model import autocast, bucket_length, pads_to_buckets
-from .prompts import Encoded, TokenCache, default_max_prompt_tokens, encode_example, format_target
+from .buffer import Trajectory
+from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_example,
+                      encode_trajectory, format_target)
 
 TINY_LR = 3e-3
 PAPER_LR = 5e-5
@@ -42,6 +44,26 @@ PAPER_LR = 5e-5
 # bf16 autocast: about 330 kB per token of budget at the peak (1,024: 1.6 GB for the whole process,
 # 2,048: 1.9 GB, 4,096: 2.6 GB; without checkpointing 2,048 takes 3.9 GB), and no slower at 1,024.
 DEFAULT_TRAIN_BATCH_TOKENS = 1024
+
+
+def training_examples(trajectories: list[Trajectory], fmt: PromptFormat, tokenize: TokenCache,
+                      max_prompt_tokens: int, react_fmt: PromptFormat | None = None,
+                      writes: frozenset[str] | set[str] = frozenset()) -> list[Encoded]:
+    """The training sequences of every turn of every trajectory, each turn's prompt as the agent
+    saw it (prompts.encode_trajectory); the loss covers only the agent's text.
+
+    In the environments of `writes` (they list no actions) the agent writes its text: their
+    trajectories train in `react_fmt` on each turn's whole written text (thought and action). In the
+    others it picks among listed actions, by scoring "Action: <action>" (or generating just that
+    line), so they train on exactly that, even where a demonstration file gave the turn a thought:
+    learning to write thoughts first would teach nothing scoring uses."""
+    out: list[Encoded] = []
+    for t in trajectories:
+        if t.env in writes and react_fmt is not None:
+            out += encode_trajectory(react_fmt, tokenize, t.instruction, t.turns, max_prompt_tokens, t.texts)
+        else:
+            out += encode_trajectory(fmt, tokenize, t.instruction, t.turns, max_prompt_tokens)
+    return out
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
