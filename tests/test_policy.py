@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
-from services.client_agent.model import add_lora
+from observe import PrefixReuse, returns
 from services.client_agent.actions import Written, cut_after_action, parse_action
 from services.client_agent.generation import ActionLineDone, ActionWriter
+from services.client_agent.model import add_lora
 from services.client_agent.policy import ActionScorer
 from services.client_agent.prefixes import PrefixTree
 from services.client_agent.prompts import (EMPTY_TEXT_ACTION, MAX_WRITTEN_ACTION_CHARS, PlainFormat, fallback_action,
@@ -197,11 +198,13 @@ def test_generate_actions_returns_admissible_actions_with_a_fallback():
     prompts = _maze_prompts(3)
     cands = [MAZE_ACTIONS, ["move left", "move right"], MAZE_ACTIONS]
     writer = ActionWriter(scorer)
+    texts = returns(writer, "generate_texts")
     actions = writer.generate_actions(prompts, cands, max_new_tokens=6)
     assert all(a in c for a, c in zip(actions, cands))
     # An untrained byte model does not write "Action: ..."; those rows fall back to greedy scoring.
     greedy = scorer.choose(prompts, cands, greedy=True)
-    for i, text in enumerate(writer.last_generated):
+    (generated,) = texts
+    for i, text in enumerate(generated):
         if parse_action(text, cands[i]) is None:
             assert actions[i] == cands[i][greedy[i]]
 
@@ -211,6 +214,7 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     cached prompt it begins with; scores are those of a plain forward pass."""
     model, tok = _model()
     scorer = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", max_batch_tokens=64)
+    reuse = PrefixReuse(scorer.cache)
     env = MazeEnv()
     ep = env.reset(3)
     turns, prompts = [], []
@@ -224,9 +228,9 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
         s = scorer.score([prompt], [cs])[0]
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
-    assert scorer.cache.hits == 3  # every prompt after the first started from the previous one's cache
+    assert reuse.hits == 3  # every prompt after the first started from the previous one's cache
     assert len(scorer.cache) == 1  # ... and its cache replaced the one it extends
-    assert scorer.cache.reused >= sum(len(p) for p in prompts[:-1]) - 3
+    assert reuse.reused >= sum(len(p) for p in prompts[:-1]) - 3
     scorer.forget()
     assert scorer.cache.bytes == 0
     # Padded to bucket lengths (as bf16 on a CPU is), every pass has a bucket's width, the scores
@@ -236,6 +240,7 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     hook = model.get_base_model().get_input_embeddings().register_forward_hook(
         lambda module, args, out: widths.append(args[0].shape[-1]))
     bucketed = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", max_batch_tokens=64, bucket=True)
+    reuse = PrefixReuse(bucketed.cache)
     try:
         scores = [bucketed.score([prompt], [cs])[0] for prompt, cs in zip(prompts, cands)]
     finally:
@@ -244,7 +249,7 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
     assert widths and all(w == bucket_length(w) for w in widths), widths
-    assert bucketed.cache.hits == 3
+    assert reuse.hits == 3
     (ids, kv, _), = bucketed.cache._entries
     assert kv[0][0].shape[-2] == len(ids)  # no padding kept
     # The cache never holds more than its budget (six prompts that do not extend each other).

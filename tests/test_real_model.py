@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fedse.machine import cpu_has_native_bf16
+from observe import PrefixReuse
 from services.client_agent.layouts import Reuse
 from services.client_agent.model import (add_lora, get_adapter_state, load_base, pick_precision,
                                          store_frozen_linears_in_bf16)
@@ -64,6 +65,7 @@ def test_scoring_with_the_chat_template_matches_a_direct_pass_and_reuses_the_pre
     fmt = make_format(model, tok)
     scorer = ActionScorer(model, tok, fmt=fmt)
     assert isinstance(scorer.layout, Reuse)
+    reuse = PrefixReuse(scorer.cache)
     instruction, turns, obs = _episode(2)
     actions = ["move up", "move down", "move left", "move right"]
     for i in range(len(turns) + 1):
@@ -72,8 +74,8 @@ def test_scoring_with_the_chat_template_matches_a_direct_pass_and_reuses_the_pre
         got = scorer.score([prompt], [actions])[0]
         want = torch.tensor([_direct(model, tok, prompt, fmt.target(a)) for a in actions])
         assert torch.allclose(got, want, atol=2e-3), (i, got, want)
-    assert scorer.cache.hits == len(turns)
-    assert scorer.cache.computed < scorer.cache.reused  # most prompt tokens came from earlier turns
+    assert reuse.hits == len(turns)
+    assert reuse.computed < reuse.reused  # most prompt tokens came from earlier turns
 
 
 def test_one_training_step_on_a_chat_trajectory_moves_only_the_lora_and_fits_it(smollm2):

@@ -120,8 +120,6 @@ class ActionWriter:
             picks = sc.choose([prompts[i] for i in missing], [candidates[i] for i in missing], greedy=True)
             for i, k in zip(missing, picks):
                 actions[i] = candidates[i][k]
-        self.last_generated = texts
-        self.last_fallbacks = len(missing)
         self.generated += len(texts)
         self.fallbacks += len(missing)
         return actions  # type: ignore[return-value]

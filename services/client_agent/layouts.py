@@ -303,9 +303,6 @@ class Reuse(Layout):
         start, kv = self.cache.lookup(ids, it.n_prompt - 1)
         past = DynamicCache(ddp_cache_data=[(k[:, :, :start], v[:, :, :start]) for k, v in kv]) \
             if kv is not None and start > 0 else DynamicCache()
-        self.cache.hits += start > 0
-        self.cache.reused += start
-        self.cache.computed += len(ids) - start
         # With buckets the pass runs pad tokens after the prompt's: no prompt token sees them
         # (causal), and their keys and values are cut off below.
         n_new = len(ids) - start

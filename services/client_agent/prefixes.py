@@ -84,7 +84,6 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._entries: list[tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]], int]] = []  # oldest first
         self.bytes = 0
-        self.hits = self.reused = self.computed = 0  # lookups that reused something; tokens reused, computed
 
     def __len__(self) -> int:
         return len(self._entries)
