@@ -107,7 +107,7 @@ def test_calibrated_scoring_lets_the_untrained_tiny_model_act_on_babyais_goal():
 
 
 def test_micro_batches_stay_within_the_token_budget():
-    from services.client_agent.trainer import micro_batches
+    from services.client_agent.model import micro_batches
 
     lengths = [50, 120, 30, 400, 90, 90, 10, 700]
     runs = micro_batches(lengths, 256)

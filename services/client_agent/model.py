@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -60,6 +60,24 @@ def bucket_length(n: int) -> int:
 def pads_to_buckets(precision: str, device: torch.device) -> bool:
     """Whether model passes should be padded to bucket_length: bf16 on a CPU (oneDNN)."""
     return precision == "bf16" and torch.device(device).type == "cpu"
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Splits the indices 0..n-1, in order, into runs whose padded size (rows x longest) is at most
+    max_tokens; a sequence longer than max_tokens makes a run of its own."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        wider = max(longest, n)
+        if run and wider * (len(run) + 1) > max_tokens:
+            out.append(run)
+            run, wider = [], n
+        run.append(i)
+        longest = wider
+    if run:
+        out.append(run)
+    return out
 
 
 def pick_precision(precision: str, model, device: torch.device) -> str:

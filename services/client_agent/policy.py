@@ -40,7 +40,7 @@ import torch
 from fedse.config import SCORINGS
 
 from .layouts import Batch, Prepared, Runner, make_layout
-from .model import autocast, pads_to_buckets
+from .model import autocast, micro_batches, pads_to_buckets
 from .prefixes import PrefixCache
 from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, is_tiny
 
@@ -129,24 +129,13 @@ class ActionScorer:
                              [self.tokenize(self.fmt.target(c)) for c in cands])
                  for p, cands in zip(prompts, candidates)]
         out: list[torch.Tensor | None] = [None] * len(items)
-        # Group prompts into forward passes of bounded size (rows are padded to the longest).
+        # Group prompts, shortest first, into forward passes of bounded size (rows are padded to the longest).
         order = sorted(range(len(items)), key=lambda i: items[i].length)
-        batch: list[int] = []
-        longest = 0
-        for i in order:
-            longest_if = max(longest, items[i].length)
-            if batch and longest_if * (len(batch) + 1) > self.runner.max_batch_tokens:
-                self._run(Batch([items[j] for j in batch], batch, out))
-                batch, longest_if = [], items[i].length
-            batch.append(i)
-            longest = longest_if
-        if batch:
-            self._run(Batch([items[j] for j in batch], batch, out))
+        for run in micro_batches([items[i].length for i in order], self.runner.max_batch_tokens):
+            where = [order[k] for k in run]
+            with autocast(self.precision, self.device):
+                self.layout.run(self.runner, Batch([items[i] for i in where], where, out))
         return out  # type: ignore[return-value]
-
-    def _run(self, batch: Batch) -> None:
-        with autocast(self.precision, self.device):
-            self.layout.run(self.runner, batch)
 
     # ---- choosing ------------------------------------------------------------------------------
 

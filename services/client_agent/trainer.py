@@ -33,7 +33,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from fedse.machine import release_free_memory
 
-from .model import autocast, bucket_length, pads_to_buckets
+from .model import autocast, bucket_length, micro_batches, pads_to_buckets
 from .buffer import Trajectory
 from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_example,
                       encode_trajectory, format_target)
@@ -63,24 +63,6 @@ def training_examples(trajectories: list[Trajectory], fmt: PromptFormat, tokeniz
             out += encode_trajectory(react_fmt, tokenize, t.instruction, t.turns, max_prompt_tokens, t.texts)
         else:
             out += encode_trajectory(fmt, tokenize, t.instruction, t.turns, max_prompt_tokens)
-    return out
-
-
-def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Splits the indices 0..n-1, in order, into runs whose padded size (rows x longest) is at most
-    max_tokens; a sequence longer than max_tokens makes a run of its own."""
-    out: list[list[int]] = []
-    run: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        wider = max(longest, n)
-        if run and wider * (len(run) + 1) > max_tokens:
-            out.append(run)
-            run, wider = [], n
-        run.append(i)
-        longest = wider
-    if run:
-        out.append(run)
     return out
 
 
