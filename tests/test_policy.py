@@ -13,8 +13,9 @@ from services.client_agent.generation import ActionLineDone, ActionWriter
 from services.client_agent.model import add_lora
 from services.client_agent.policy import ActionScorer
 from services.client_agent.prefixes import PrefixTree
-from services.client_agent.prompts import (EMPTY_TEXT_ACTION, MAX_WRITTEN_ACTION_CHARS, PlainFormat, fallback_action,
-                                           format_prompt, format_target, parse_react)
+from services.client_agent.prompts import (ACTION_CUE, EMPTY_TEXT_ACTION, MAX_CUED_THOUGHT_CHARS, MAX_WRITTEN_ACTION_CHARS,
+                                           PlainFormat, fallback_action, format_prompt, format_target, parse_react,
+                                           thought_before_cue)
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)
@@ -327,6 +328,9 @@ def test_a_text_without_an_action_sends_its_last_line_bounded():
     assert fallback_action("Thought:\nI am lost.\n\ngo north\n\n") == "go north"
     assert fallback_action("x" * 5000) == "x" * MAX_WRITTEN_ACTION_CHARS
     assert fallback_action(" \n\t") == EMPTY_TEXT_ACTION  # an env server refuses an empty action
+    assert fallback_action("Thought: lost." + ACTION_CUE) == "Thought: lost."  # the cue, then nothing written
+    assert thought_before_cue("\n I go.\nNorth.\n\nAction (no)\n") == " I go.\nNorth."
+    assert thought_before_cue("y" * 900) == "y" * MAX_CUED_THOUGHT_CHARS
     assert parse_react("Action: " + "y" * 5000) == "y" * MAX_WRITTEN_ACTION_CHARS
 
 
@@ -349,8 +353,13 @@ def test_written_actions_are_parsed_or_fall_back_counted_and_sampled_reproducibl
     writer = ActionWriter(scorer)
     out = writer.write_actions(prompts, max_new_tokens=12)
     assert len(out) == 3 and all(isinstance(w, Written) for w in out)
+    assert not all(w.parsed for w in out)  # the tiny model's bytes rarely name an action by themselves
     for w in out:
-        assert w.action == (parse_react(w.text) if w.parsed else fallback_action(w.text)) and w.action.strip()
+        assert w.action == (parse_react(w.text) or fallback_action(w.text)) and w.action.strip()
+        if not w.parsed:  # its thought's first paragraph, the cue, and the line the model wrote after it
+            thought, line = w.text.split(ACTION_CUE)
+            assert "\n\n" not in thought.strip("\n") and len(thought) <= MAX_CUED_THOUGHT_CHARS
+            assert (parse_react(w.text) or "") in line and (parse_react(w.text) is not None) == bool(line.strip())
     assert (writer.written, writer.unparsed) == (3, sum(not w.parsed for w in out))
     assert [w.text for w in writer.write_actions(prompts, max_new_tokens=12)] == [w.text for w in out]  # greedy
     # The text kept is the whole answer: the opening the prompts end with, then what the model wrote.

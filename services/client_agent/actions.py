@@ -10,13 +10,16 @@ from typing import Sequence
 
 _ACTION_RE = re.compile(r"Action\s*:\s*(.+)", re.IGNORECASE)
 # A complete action line: "Action: <action>\n" or AgentGym's "Action:\n<action>\n".
-_ACTION_LINE = re.compile(r"(?<![A-Za-z])Action\s*:[ \t]*\n?[ \t]*\S[^\n]*\n", re.IGNORECASE)
+ACTION_LINE = re.compile(r"(?<![A-Za-z])Action\s*:[ \t]*\n?[ \t]*\S[^\n]*\n", re.IGNORECASE)
+# The action line after prompts.ACTION_CUE, which already said "Action:": any complete non-empty line.
+CUED_ACTION_LINE = re.compile(r"[ \t]*\S[^\n]*\n")
 
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """One turn the agent wrote: the action sent, the whole text it came from, and whether the
-    action was parsed from the text (else fallback_action's guess)."""
+    """One turn the agent wrote: the action sent, the whole text it came from, and whether the model
+    named the action by itself (`parsed`; else it wrote its action line after prompts.ACTION_CUE, or,
+    where that line is empty, fallback_action's guess was sent)."""
 
     action: str
     text: str
@@ -53,14 +56,15 @@ def parse_action(text: str, candidates: Sequence[str]) -> str | None:
     return by_norm[close[0]] if close else None
 
 
-def has_action_line(text: str) -> bool:
+def has_action_line(text: str, line: re.Pattern = ACTION_LINE) -> bool:
     """Whether the text holds a complete action line ending in a newline: "Action: <action>\\n", or
-    AgentGym's "Action:\\n<action>\\n"."""
-    return bool(_ACTION_LINE.search(text))
+    AgentGym's "Action:\\n<action>\\n" (`line` CUED_ACTION_LINE: any non-empty line)."""
+    return bool(line.search(text))
 
 
-def cut_after_action(text: str) -> str:
+def cut_after_action(text: str, line: re.Pattern = ACTION_LINE) -> str:
     """The text up to and with the end of its first complete action line ("Action: x\\n" or
-    "Action:\\nx\\n"); all of it where it has none."""
-    m = _ACTION_LINE.search(text)
+    "Action:\\nx\\n"; `line` as in has_action_line); all of it where it has none."""
+    m = line.search(text)
     return text[:m.end()] if m else text
+

@@ -6,34 +6,44 @@
 - writing (environments that list no actions, whatever the policy): generate the agent's ReAct text,
   "Thought:\\n...\\n\\nAction:\\n<action>", greedily (evaluation) or sampled at the temperature
   (exploration), and send the action parsed from it (prompts.parse_react); the whole text is kept
-  for training. Where no action can be parsed, the text's last non-empty line is sent
-  (`Written.parsed` False, counted), so the episode goes on and the environment answers what it
-  makes of it.
+  for training. Where the text names no action, its thought's first paragraph is kept,
+  prompts.ACTION_CUE follows it and the model writes the action line after the cue
+  (`Written.parsed` False, counted): every turn sends an action the model wrote, and the text kept
+  has the format the model is asked for. Only where that line is empty is the thought's last line
+  sent (prompts.fallback_action), so the episode goes on.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import torch
 
-from .actions import Written, cut_after_action, has_action_line, parse_action
+from .actions import ACTION_LINE, CUED_ACTION_LINE, Written, cut_after_action, has_action_line, parse_action
 from .model import autocast
 from .policy import ActionScorer
-from .prompts import fallback_action, inner_model, parse_react
+from .prompts import ACTION_CUE, fallback_action, inner_model, parse_react, thought_before_cue
+
+# The most tokens of an action line written after ACTION_CUE (an action is at most
+# prompts.MAX_WRITTEN_ACTION_CHARS characters).
+CUED_ACTION_TOKENS = 64
 
 
 class ActionLineDone:
     """Stopping criterion: every row has produced a complete action line ending in a newline:
-    "Action: <action>\\n", or AgentGym's "Action:\\n<action>\\n"."""
+    "Action: <action>\\n", or AgentGym's "Action:\\n<action>\\n" (`line`: as in
+    actions.has_action_line)."""
 
-    def __init__(self, tokenizer, prompt_len: int):
+    def __init__(self, tokenizer, prompt_len: int, line: re.Pattern = ACTION_LINE):
         self.tokenizer = tokenizer
         self.prompt_len = prompt_len
+        self.line = line
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
-        return torch.tensor([has_action_line(t) for t in texts], dtype=torch.bool, device=input_ids.device)
+        return torch.tensor([has_action_line(t, self.line) for t in texts], dtype=torch.bool,
+                            device=input_ids.device)
 
 
 class ActionWriter:
@@ -50,12 +60,13 @@ class ActionWriter:
 
     @torch.no_grad()
     def generate_texts(self, prompts: Sequence[str], max_new_tokens: int = 128, greedy: bool = True,
-                       temperature: float = 1.0, generator: torch.Generator | None = None) -> list[str]:
+                       temperature: float = 1.0, generator: torch.Generator | None = None,
+                       line: re.Pattern = ACTION_LINE) -> list[str]:
         """Continuations of the prompts, cut after the first complete action line ("Action: ..." or
-        "Action:\\n..."); a row stops at the end of that line, at the format's end of turn (a chat
-        model's end-of-message token) or after max_new_tokens. Greedy, or sampled from the whole
-        softmax at `temperature` with torch's generator seeded from `generator` (so a seeded
-        generator gives the same texts again)."""
+        "Action:\\n..."; `line`: as in actions.has_action_line); a row stops at the end of that line,
+        at the format's end of turn (a chat model's end-of-message token) or after max_new_tokens.
+        Greedy, or sampled from the whole softmax at `temperature` with torch's generator seeded from
+        `generator` (so a seeded generator gives the same texts again)."""
         if not greedy and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         sc = self.scorer
@@ -82,26 +93,37 @@ class ActionWriter:
             gen = sc.model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
                                     max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                                     pad_token_id=pad_id, eos_token_id=eos or None,
-                                    stopping_criteria=[ActionLineDone(sc.tokenizer, L)])
+                                    stopping_criteria=[ActionLineDone(sc.tokenizer, L, line)])
         texts = sc.tokenizer.batch_decode(gen[:, L:], skip_special_tokens=True)
-        return [cut_after_action(t) for t in texts]
+        return [cut_after_action(t, line) for t in texts]
 
     def write_actions(self, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
                       temperature: float = 1.0, generator: torch.Generator | None = None,
                       opening: str = "") -> list[Written]:
         """Writing mode (an environment that lists no actions): the agent's ReAct text for each
         prompt (`opening`, the start of it the prompts end with, then what the model wrote) and the
-        action parsed from it (parse_react), or fallback_action's where it names none; counted in
-        `written` and `unparsed`."""
-        texts = [opening + t for t in self.generate_texts(prompts, max_new_tokens, greedy=greedy,
-                                                           temperature=temperature, generator=generator)]
-        out = []
+        action parsed from it (parse_react). Where it names none, the text is its thought's first
+        paragraph and ACTION_CUE, then the line the model writes after them (at most
+        CUED_ACTION_TOKENS tokens, sampled as the first pass was), and the action that line holds
+        (fallback_action's where it is empty). Counted in `written`, and in `unparsed` where the
+        model needed the cue."""
+        sampling = {"greedy": greedy, "temperature": temperature, "generator": generator}
+        texts = self.generate_texts(prompts, max_new_tokens, **sampling)
+        out: list[Written | None] = []
         for text in texts:
-            action = parse_react(text)
-            out.append(Written(action, text, True) if action else Written(fallback_action(text), text, False))
+            action = parse_react(opening + text)
+            out.append(Written(action, opening + text, True) if action else None)
+        cued = [i for i, w in enumerate(out) if w is None]
+        if cued:
+            thoughts = [thought_before_cue(texts[i]) for i in cued]
+            lines = self.generate_texts([prompts[i] + thought + ACTION_CUE for i, thought in zip(cued, thoughts)],
+                                        min(CUED_ACTION_TOKENS, max_new_tokens), line=CUED_ACTION_LINE, **sampling)
+            for i, thought, line in zip(cued, thoughts, lines):
+                text = opening + thought + ACTION_CUE + line
+                out[i] = Written(parse_react(text) or fallback_action(text), text, False)
         self.written += len(out)
-        self.unparsed += sum(not w.parsed for w in out)
-        return out
+        self.unparsed += len(cued)
+        return out  # type: ignore[return-value]
 
     def generate_actions(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]],
                          max_new_tokens: int | None = None) -> list[str]:
