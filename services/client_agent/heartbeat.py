@@ -10,9 +10,9 @@ import threading
 import grpc
 
 from fedse.serving import log_fields
-from fedse.v1 import federation_pb2 as fpb
 
 from .federation import FederationClient
+from .metrics import HEARTBEATS
 
 log = logging.getLogger("client_agent.federation")
 
@@ -49,10 +49,7 @@ class Heartbeat:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_sent: tuple[int, str] | None = None
-        self.sent = 0
-        self.failed = 0
         self._failing = 0
-        self.last_status: fpb.RoundStatus | None = None
 
     @staticmethod
     def _checked(phase: RoundPhase | str) -> str:
@@ -93,9 +90,9 @@ class Heartbeat:
         round_, phase = self.phase
         self._last_sent = (round_, phase)
         try:
-            ack = self.fed.heartbeat(round_, phase, timeout_s=max(1.0, min(10.0, self.interval_s)))
+            self.fed.heartbeat(round_, phase, timeout_s=max(1.0, min(10.0, self.interval_s)))
         except Exception as exc:  # noqa: BLE001 - a heartbeat never takes the agent down
-            self.failed += 1
+            HEARTBEATS.labels("failed").inc()
             self._failing += 1
             code = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
             # The first failure of a streak is a warning, the rest debug: an aggregator that is down
@@ -106,8 +103,7 @@ class Heartbeat:
         if self._failing:
             log.info("heartbeat back", extra=log_fields(after_failures=self._failing))
         self._failing = 0
-        self.sent += 1
-        self.last_status = ack.status
+        HEARTBEATS.labels("sent").inc()
         return True
 
     def _loop(self) -> None:

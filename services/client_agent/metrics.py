@@ -25,8 +25,12 @@ DEMOS = prometheus_client.Gauge(
 WRITTEN = prometheus_client.Counter(
     "fedse_client_written_actions",
     "Actions the agent wrote itself (environments that list no actions), by phase (eval, explore) and "
-    "outcome: parsed (the text named an action) or unparsed (it did not; its last line was sent).",
+    "outcome: parsed (the text named an action) or unparsed (it did not, and the model wrote the action "
+    "line after the cue \"Action:\").",
     ["phase", "outcome"])
+HEARTBEATS = prometheus_client.Counter(
+    "fedse_client_heartbeats", "Heartbeats to the aggregator, by outcome: sent (acknowledged) or failed.",
+    ["outcome"])
 BUFFER = prometheus_client.Gauge("fedse_client_buffer_trajectories", "Trajectories in the buffer.")
 LOSS = prometheus_client.Gauge("fedse_client_train_loss", "Mean training loss of the last round.")
 TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds spent training the LoRA.")
