@@ -50,7 +50,7 @@ def test_the_pins_agree_and_stay_out_of_the_service_images():
     assert pretrained.GGUF_REQUIREMENT in (ROOT / "requirements-test.txt").read_text().splitlines()
     service_requirements = (ROOT / "requirements.txt").read_text()
     assert "gguf" not in service_requirements and SMOLLM2.wheel not in service_requirements
-    assert "/models/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert "/models" in (ROOT / ".gitignore").read_text().splitlines()  # a folder, or a link to one
     from fedse.tinymodel import TINY_MODEL_NAME
 
     assert pretrained.TINY_MODEL_NAME == TINY_MODEL_NAME
