@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -162,10 +162,6 @@ def store_frozen_linears_in_bf16(model) -> int:
         if not p.requires_grad and p.dtype == torch.float32:
             p.data = p.data.clone()
     return converted
-
-
-def lora_parameters(peft_model: PeftModel) -> Iterable[torch.nn.Parameter]:
-    return (p for n, p in peft_model.named_parameters() if "lora_" in n)
 
 
 def get_adapter_state(peft_model: PeftModel) -> dict[str, torch.Tensor]:
