@@ -23,7 +23,6 @@ import time
 from typing import Callable, Iterator, TypeVar
 
 import grpc
-import torch
 
 from fedse import adapter as ad
 from fedse import serde
