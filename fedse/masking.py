@@ -13,7 +13,6 @@ libraries it calls are theirs to free).
 from __future__ import annotations
 
 import os
-import struct
 
 import numpy as np
 from Crypto.Protocol.SecretSharing import Shamir
@@ -46,8 +45,7 @@ class Secret:
         return bytes(self._seed)
 
     def wipe(self) -> None:
-        for i in range(len(self._seed)):
-            self._seed[i] = 0
+        self._seed[:] = bytes(len(self._seed))
 
     def __repr__(self) -> str:
         return "Secret(<hidden>)"
@@ -113,13 +111,3 @@ def combine(shares: list[tuple[int, bytes]]) -> Secret:
         raise ValueError("shares to combine must have distinct indices")
     return Secret(Shamir.combine(shares))
 
-
-def share_bytes(index: int, share: bytes) -> bytes:
-    """A share as the bytes that travel, encrypted: its index (4 bytes, big-endian) and its 16 bytes."""
-    return struct.pack(">I", index) + share
-
-
-def share_from_bytes(data: bytes) -> tuple[int, bytes]:
-    if len(data) != 4 + SEED_BYTES:
-        raise ValueError(f"a share is {4 + SEED_BYTES} bytes, got {len(data)}")
-    return struct.unpack(">I", data[:4])[0], data[4:]

@@ -18,7 +18,8 @@ def test_two_clients_agree_on_a_key_bound_to_its_context():
     a, b, c = (m.KeyPair(m.Secret()) for _ in range(3))
     ab = a.agree(b.public, b"run r round 3 mask")
     assert ab == b.agree(a.public, b"run r round 3 mask") and len(ab) == m.KEY_BYTES
-    assert ab != a.agree(b.public, b"run r round 4 mask") != a.agree(c.public, b"run r round 3 mask")
+    assert ab != a.agree(b.public, b"run r round 4 mask")  # another context
+    assert ab != a.agree(c.public, b"run r round 3 mask")  # another peer
     with pytest.raises(ValueError, match="32 bytes"):
         a.agree(b.public[:31], b"x")
     with pytest.raises(ValueError):
@@ -33,7 +34,6 @@ def test_a_key_pair_is_rebuilt_from_shares_of_its_seed():
     for chosen in itertools.combinations(shares, 3):
         assert m.KeyPair(m.combine(list(chosen))).public == pair.public
     assert m.KeyPair(m.combine(shares[:2])).public != pair.public  # below the threshold: something else
-    assert [m.share_from_bytes(m.share_bytes(i, s)) for i, s in shares] == shares
     with pytest.raises(ValueError, match="distinct"):
         m.combine([shares[0], shares[0], shares[1]])
     with pytest.raises(ValueError, match="threshold"):
