@@ -88,13 +88,30 @@ def decrypt(key: bytes, sealed: bytes, associated: bytes) -> bytes:
     return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)
 
 
+class MaskStream:
+    """The ChaCha20 stream of `key` (32 bytes, zero nonce: each key is derived for one mask only) read
+    as uint64 ring elements, a block at a time (`next`), so a mask as long as an adapter is never held."""
+
+    def __init__(self, key: bytes):
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a mask key is {KEY_BYTES} bytes, got {len(key)}")
+        self._cipher = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+        self._zeros = bytearray()
+        self._out = bytearray()
+
+    def next(self, count: int) -> np.ndarray:
+        """The next `count` elements (a view valid until the next call)."""
+        size = 8 * count
+        if len(self._zeros) < size:
+            self._zeros = bytearray(size)
+            self._out = bytearray(size + 15)  # update_into wants room for a block more
+        n = self._cipher.update_into(memoryview(self._zeros)[:size], self._out)
+        return np.frombuffer(self._out, dtype="<u8", count=n // 8)
+
+
 def expand_mask(key: bytes, count: int) -> np.ndarray:
-    """`count` uint64 ring elements from the ChaCha20 stream of `key` (32 bytes, zero nonce: each key
-    is derived for one mask only)."""
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"a mask key is {KEY_BYTES} bytes, got {len(key)}")
-    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(8 * count))
-    return np.frombuffer(stream, dtype="<u8").astype(np.uint64)
+    """`count` uint64 ring elements from the ChaCha20 stream of `key` (MaskStream), as a new array."""
+    return MaskStream(key).next(count).astype(np.uint64)
 
 
 def split(secret: Secret, threshold: int, holders: int) -> list[tuple[int, bytes]]:

@@ -14,11 +14,33 @@ class RoundState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROUND_STATE_OPEN: _ClassVar[RoundState]
     ROUND_STATE_FINISHED: _ClassVar[RoundState]
     ROUND_STATE_AGGREGATING: _ClassVar[RoundState]
+
+class SecureStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SECURE_STAGE_UNSPECIFIED: _ClassVar[SecureStage]
+    SECURE_STAGE_ADVERTISING: _ClassVar[SecureStage]
+    SECURE_STAGE_SHARING: _ClassVar[SecureStage]
+    SECURE_STAGE_UPLOADING: _ClassVar[SecureStage]
+    SECURE_STAGE_UNMASKING: _ClassVar[SecureStage]
+
+class ShareKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARE_KIND_UNSPECIFIED: _ClassVar[ShareKind]
+    SHARE_KIND_SELF_MASK: _ClassVar[ShareKind]
+    SHARE_KIND_MASKING: _ClassVar[ShareKind]
 ROUND_STATE_UNSPECIFIED: RoundState
 ROUND_STATE_WAITING_FOR_CLIENTS: RoundState
 ROUND_STATE_OPEN: RoundState
 ROUND_STATE_FINISHED: RoundState
 ROUND_STATE_AGGREGATING: RoundState
+SECURE_STAGE_UNSPECIFIED: SecureStage
+SECURE_STAGE_ADVERTISING: SecureStage
+SECURE_STAGE_SHARING: SecureStage
+SECURE_STAGE_UPLOADING: SecureStage
+SECURE_STAGE_UNMASKING: SecureStage
+SHARE_KIND_UNSPECIFIED: ShareKind
+SHARE_KIND_SELF_MASK: ShareKind
+SHARE_KIND_MASKING: ShareKind
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -51,7 +73,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s")
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +83,11 @@ class RunConfig(_message.Message):
     WAIT_AFTER_MIN_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    SECURE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SECURE_STAGE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_rounds: int
     min_clients: int
@@ -70,7 +97,12 @@ class RunConfig(_message.Message):
     wait_after_min_s: float
     heartbeat_timeout_s: float
     heartbeat_interval_s: float
-    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    secure_aggregation: bool
+    secure_threshold: int
+    secure_stage_timeout_s: float
+    clip_norm: float
+    noise_multiplier: float
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "current_round")
@@ -87,7 +119,7 @@ class RoundStatusRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256", "round_nonce")
+    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256", "round_nonce", "secure_stage")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +129,7 @@ class RoundStatus(_message.Message):
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SHA256_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SECURE_STAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     state: RoundState
@@ -106,7 +139,8 @@ class RoundStatus(_message.Message):
     deadline_unix: float
     global_sha256: str
     round_nonce: str
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ..., round_nonce: _Optional[str] = ...) -> None: ...
+    secure_stage: SecureStage
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ..., round_nonce: _Optional[str] = ..., secure_stage: _Optional[_Union[SecureStage, str]] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("round", "offset", "sha256", "transport_dtype")
@@ -224,7 +258,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClientStatus(_message.Message):
-    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics")
+    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics", "secure_step")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +276,7 @@ class ClientStatus(_message.Message):
     PARTIAL_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     METRICS_ROUND_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_STEP_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     env: str
     uploaded: bool
@@ -252,7 +287,8 @@ class ClientStatus(_message.Message):
     partial_upload_bytes: int
     metrics_round: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    secure_step: str
+    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secure_step: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
     __slots__ = ("config", "round", "clients", "round_seconds", "base_model")
@@ -267,3 +303,113 @@ class RunStatus(_message.Message):
     round_seconds: _containers.RepeatedScalarFieldContainer[float]
     base_model: str
     def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class StageAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdvertiseKeysRequest(_message.Message):
+    __slots__ = ("client_id", "round", "round_nonce", "encryption_key", "masking_key", "self_mask_commitment")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTION_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASKING_KEY_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    round_nonce: str
+    encryption_key: bytes
+    masking_key: bytes
+    self_mask_commitment: bytes
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ...) -> None: ...
+
+class RosterMember(_message.Message):
+    __slots__ = ("client_id", "encryption_key", "masking_key", "self_mask_commitment", "index")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTION_KEY_FIELD_NUMBER: _ClassVar[int]
+    MASKING_KEY_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    encryption_key: bytes
+    masking_key: bytes
+    self_mask_commitment: bytes
+    index: int
+    def __init__(self, client_id: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., index: _Optional[int] = ...) -> None: ...
+
+class SealedShare(_message.Message):
+    __slots__ = ("client_id", "sealed", "self_mask_commitment", "masking_commitment")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    MASKING_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    sealed: bytes
+    self_mask_commitment: bytes
+    masking_commitment: bytes
+    def __init__(self, client_id: _Optional[str] = ..., sealed: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., masking_commitment: _Optional[bytes] = ...) -> None: ...
+
+class ShareKeysRequest(_message.Message):
+    __slots__ = ("client_id", "round", "round_nonce", "shares")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    round_nonce: str
+    shares: _containers.RepeatedCompositeFieldContainer[SealedShare]
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[SealedShare, _Mapping]]] = ...) -> None: ...
+
+class SecureRoundRequest(_message.Message):
+    __slots__ = ("client_id", "round", "round_nonce")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    round_nonce: str
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ...) -> None: ...
+
+class SecureRound(_message.Message):
+    __slots__ = ("round", "round_nonce", "stage", "threshold", "roster", "shared", "inbound", "uploaded")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    round_nonce: str
+    stage: SecureStage
+    threshold: int
+    roster: _containers.RepeatedCompositeFieldContainer[RosterMember]
+    shared: _containers.RepeatedScalarFieldContainer[str]
+    inbound: _containers.RepeatedCompositeFieldContainer[SealedShare]
+    uploaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., stage: _Optional[_Union[SecureStage, str]] = ..., threshold: _Optional[int] = ..., roster: _Optional[_Iterable[_Union[RosterMember, _Mapping]]] = ..., shared: _Optional[_Iterable[str]] = ..., inbound: _Optional[_Iterable[_Union[SealedShare, _Mapping]]] = ..., uploaded: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RevealedShare(_message.Message):
+    __slots__ = ("client_id", "kind", "share")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    kind: ShareKind
+    share: bytes
+    def __init__(self, client_id: _Optional[str] = ..., kind: _Optional[_Union[ShareKind, str]] = ..., share: _Optional[bytes] = ...) -> None: ...
+
+class UnmaskRequest(_message.Message):
+    __slots__ = ("client_id", "round", "round_nonce", "shares")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    round_nonce: str
+    shares: _containers.RepeatedCompositeFieldContainer[RevealedShare]
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[RevealedShare, _Mapping]]] = ...) -> None: ...

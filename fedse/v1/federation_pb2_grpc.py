@@ -82,6 +82,26 @@ class FederationServiceStub:
                 request_serializer=fedse_dot_v1_dot_federation__pb2.RunStatusRequest.SerializeToString,
                 response_deserializer=fedse_dot_v1_dot_federation__pb2.RunStatus.FromString,
                 _registered_method=True)
+        self.AdvertiseKeys = channel.unary_unary(
+                '/fedse.v1.FederationService/AdvertiseKeys',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.AdvertiseKeysRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
+                _registered_method=True)
+        self.ShareKeys = channel.unary_unary(
+                '/fedse.v1.FederationService/ShareKeys',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.ShareKeysRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
+                _registered_method=True)
+        self.GetSecureRound = channel.unary_unary(
+                '/fedse.v1.FederationService/GetSecureRound',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.SecureRoundRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.SecureRound.FromString,
+                _registered_method=True)
+        self.Unmask = channel.unary_unary(
+                '/fedse.v1.FederationService/Unmask',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.UnmaskRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
+                _registered_method=True)
 
 
 class FederationServiceServicer:
@@ -180,6 +200,64 @@ class FederationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdvertiseKeys(self, request, context):
+        """---- Secure aggregation (RunConfig.secure_aggregation) -------------------------------------
+        With secure aggregation the aggregator learns only the sum of the adapters, never one of them
+        (pairwise masking with dropout recovery, Bonawitz et al. 2017). A round runs as attempts, each
+        with its own round_nonce (RoundStatus) and its own keys, in four stages (RoundStatus.secure_stage):
+        1. ADVERTISING: each client sends two fresh X25519 public keys (AdvertiseKeys). The stage
+        closes as a plain round closes on uploads (every joined client advertised, or min_clients
+        did and the rest are not alive, or waited long enough); who advertised is the roster U1.
+        2. SHARING: each member of U1 sends, for every member of U1 (itself included), Shamir shares
+        of its two mask seeds sealed for that member (ShareKeys); the aggregator relays them
+        (GetSecureRound.inbound). Who shared is U2.
+        3. UPLOADING: each member of U2 uploads its masked vector over UploadAdapter (the header
+        carries the attempt's round_nonce and transport_dtype "masked-uint64"). Who uploaded is U3.
+        4. UNMASKING: each member of U3 reveals the shares it holds of the self-mask seed of every
+        member of U3, and of the pairwise-mask seed of every member of U2 not in U3, never both
+        of one client (Unmask). With `threshold` answers the aggregator removes the masks and
+        publishes the mean as the next global adapter.
+        Stages 2 to 4 close when every member of the stage's set that is alive has answered, or
+        RunConfig.secure_stage_timeout_s after the stage opened. A stage that closes with fewer than
+        `threshold` members aborts the attempt: nothing of it is published, and the round starts a new
+        attempt at ADVERTISING with a new round_nonce (a restarted aggregator does the same). Clients
+        make fresh keys for every attempt and re-mask the same adapter.
+
+        Failure answers, the same for every stage call: FAILED_PRECONDITION for a call whose round or
+        round_nonce is not the current attempt's (a replay, or a client that missed a restart: read
+        RoundStatus), for a stage that is not open (too early, or closed: wait for the next attempt or
+        round), and for a client that is not in the stage's set (not in the roster: it sits out this
+        attempt); INVALID_ARGUMENT for a malformed message (a key that is not 32 bytes, a share
+        addressed to a client not in the roster or missing one, a revealed share that does not match
+        what its owner committed to); ALREADY_EXISTS for a second, different message of one client in
+        one stage (the same message again is acknowledged: retries are safe); PERMISSION_DENIED where
+        mTLS says the caller is another client.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShareKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSecureRound(self, request, context):
+        """What a client needs from the aggregator for the attempt, as far as it has got: the roster
+        (after ADVERTISING), the shares sealed for the caller and who sent them (after SHARING), and
+        who uploaded (after UPLOADING).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unmask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +305,26 @@ def add_FederationServiceServicer_to_server(servicer, server):
                     servicer.GetRunStatus,
                     request_deserializer=fedse_dot_v1_dot_federation__pb2.RunStatusRequest.FromString,
                     response_serializer=fedse_dot_v1_dot_federation__pb2.RunStatus.SerializeToString,
+            ),
+            'AdvertiseKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdvertiseKeys,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.AdvertiseKeysRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.StageAck.SerializeToString,
+            ),
+            'ShareKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareKeys,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.ShareKeysRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.StageAck.SerializeToString,
+            ),
+            'GetSecureRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSecureRound,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.SecureRoundRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.SecureRound.SerializeToString,
+            ),
+            'Unmask': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unmask,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.UnmaskRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.StageAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +573,114 @@ class FederationService:
             '/fedse.v1.FederationService/GetRunStatus',
             fedse_dot_v1_dot_federation__pb2.RunStatusRequest.SerializeToString,
             fedse_dot_v1_dot_federation__pb2.RunStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdvertiseKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/AdvertiseKeys',
+            fedse_dot_v1_dot_federation__pb2.AdvertiseKeysRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/ShareKeys',
+            fedse_dot_v1_dot_federation__pb2.ShareKeysRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSecureRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/GetSecureRound',
+            fedse_dot_v1_dot_federation__pb2.SecureRoundRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.SecureRound.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unmask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/Unmask',
+            fedse_dot_v1_dot_federation__pb2.UnmaskRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ import pathlib
 import threading
 
 from fedse.config import ConfigError, field, parse_or_exit
+from fedse.secagg import STRATEGIES as SECURE_STRATEGIES
 from fedse.security import Security, peer_identity, server_credentials, server_interceptors
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
@@ -45,6 +46,14 @@ class AggregatorConfig(Security):
                                   "L2 norm before aggregating; 0 = off")
     noise_multiplier: float = field(0.0, "central differential privacy: add Gaussian noise of std "
                                          "noise-multiplier * clip-norm / clients to the aggregate; needs clip-norm")
+    secure_aggregation: bool = field(False, "secure aggregation: clients upload masked adapters and the aggregator "
+                                            "learns only their mean (strategies fedavg and weighted; needs "
+                                            "min-clients >= 2; run it over mTLS, which says who takes part)")
+    secure_threshold: int = field(0, "secure aggregation: clients whose shares rebuild a dropped client's masks, "
+                                     "the fewest that may finish a round (0 = a majority of those who advertised "
+                                     "keys, at least 2)")
+    secure_stage_timeout_s: float = field(120.0, "secure aggregation: how long the sharing, upload and unmasking "
+                                                 "stages wait for clients that are alive")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -73,6 +82,27 @@ class AggregatorConfig(Security):
             raise ConfigError(str(exc)) from None
         if self.max_adapter_mb <= 0:
             raise ConfigError(f"--max-adapter-mb must be positive, got {self.max_adapter_mb}")
+        if self.secure_aggregation:
+            self._check_secure()
+
+    def _check_secure(self) -> None:
+        """Secure aggregation's preconditions: what a masked sum can give, and enough clients to hide one."""
+        if self.strategy not in SECURE_STRATEGIES:
+            raise ConfigError(
+                f"--strategy {self.strategy} cannot work with --secure-aggregation: the aggregator sees only the "
+                f"sum of the masked adapters, and {self.strategy} needs each client's values (a median, a trimmed "
+                "mean or the products B_k A_k are not functions of a sum); use --strategy fedavg or weighted, or "
+                "turn secure aggregation off")
+        if self.noise_multiplier > 0 and self.strategy != "fedavg":
+            raise ConfigError("--noise-multiplier with --secure-aggregation calibrates the clients' noise for the "
+                              "unweighted mean: use --strategy fedavg, or set --noise-multiplier 0")
+        if self.min_clients < 2:
+            raise ConfigError("--secure-aggregation needs --min-clients 2 or more: the mean of one client's "
+                              "adapter is that adapter")
+        if self.secure_threshold != 0 and self.secure_threshold < 2:
+            raise ConfigError(f"--secure-threshold must be 0 (a majority) or at least 2, got {self.secure_threshold}")
+        if self.secure_stage_timeout_s <= 0:
+            raise ConfigError(f"--secure-stage-timeout-s must be positive, got {self.secure_stage_timeout_s}")
 
     def settings(self) -> RunSettings:
         return RunSettings(
@@ -82,6 +112,8 @@ class AggregatorConfig(Security):
             max_adapter_bytes=int(self.max_adapter_mb * 1024 * 1024), seed=self.seed,
             wait_after_min_s=self.wait_after_min_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_interval_s=self.heartbeat_interval_s, params=self.strategy_params(),
+            secure=self.secure_aggregation, secure_threshold=self.secure_threshold,
+            secure_stage_timeout_s=self.secure_stage_timeout_s,
         )
 
     def strategy_params(self) -> StrategyParams:

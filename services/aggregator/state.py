@@ -49,11 +49,17 @@ class RunSettings:
     heartbeat_interval_s: float = 5.0
     params: StrategyParams = StrategyParams()
     start_clients: int = 0  # clients that open round 0 (0 = min_clients)
+    secure: bool = False  # secure aggregation: uploads are masked vectors
+    secure_threshold: int = 0  # shares that rebuild a seed (0 = a majority of the roster)
+    secure_stage_timeout_s: float = 120.0
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that decide a run's result: a restart must not change them."""
-        return {"num_rounds": self.num_rounds, "strategy": self.strategy, "seed": self.seed,
-                "params": dataclasses.asdict(self.params)}
+        out = {"num_rounds": self.num_rounds, "strategy": self.strategy, "seed": self.seed,
+               "params": dataclasses.asdict(self.params)}
+        if self.secure:
+            out["secure"] = True
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,278 @@
+"""Secure aggregation, the protocol's arithmetic shared by clients and aggregator (proto/fedse/v1/
+federation.proto says the stages; fedse.masking holds the cryptographic primitives; fedse.fixedpoint
+the ring Z_2^64).
+
+A client's masked vector is its encoded values plus a self mask and pairwise masks:
+    y_u = enc(x_u) + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)   (mod 2^64)
+over the members v of U2 (those that shared), clients ordered by client id. Summed over the
+uploaders U3 the pairwise masks of two uploaders cancel; the aggregator removes the rest with the
+seeds it rebuilds in the unmasking stage: b_u of every uploader, and s_v of every member of U2 that
+did not upload (whose pairwise key it then agrees with each uploader's public key).
+
+Every key is bound to the run, the attempt (its round_nonce), the pair and the purpose through
+HKDF's info, so no mask or seal is ever used twice. Vectors are masked block by block: a mask is
+never held whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from typing import BinaryIO, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedse import fixedpoint as fx
+from fedse import masking
+from fedse.adapter import Schema
+
+MASKED_DTYPE = "masked-uint64"  # AdapterHeader.transport_dtype of a masked upload
+BLOCK = 1 << 20  # ring elements masked at a time (8 MiB)
+SHARE_PLAINTEXT = 2 * masking.SEED_BYTES
+STRATEGIES = ("fedavg", "weighted")  # the strategies a masked sum can give
+
+
+class SecureError(ValueError):
+    """A secure-aggregation message or value that cannot be used; the text says what is wrong."""
+
+
+# ---- the masked vector's layout ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each tensor's values sit in the vector: the schema's tensors in order, then the weight;
+    for `weighted`, [x, 1, w*x, w] (the unweighted half stands when no client succeeded)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    weighted: bool
+
+    @staticmethod
+    def of(schema: Schema, strategy: str) -> "Layout":
+        if strategy not in STRATEGIES:
+            raise SecureError(f"strategy {strategy!r} cannot work on a masked sum: use {' or '.join(STRATEGIES)}")
+        floating = {"float32", "float16", "bfloat16", "float64"}
+        other = next((t for t in schema.tensors if t.dtype not in floating), None)
+        if other is not None:
+            raise SecureError(f"tensor {other.name} has dtype {other.dtype}: secure aggregation sums floating "
+                              "tensors only")
+        return Layout(tuple(t.name for t in schema.tensors), tuple(tuple(t.shape) for t in schema.tensors),
+                      strategy == "weighted")
+
+    @property
+    def values(self) -> int:
+        """The adapter's values (one half of the vector, without its weight)."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def length(self) -> int:
+        """Ring elements in the vector."""
+        return (self.values + 1) * (2 if self.weighted else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self.length
+
+    def encode(self, adapter: Mapping[str, torch.Tensor], weight: int) -> np.ndarray:
+        """The vector enc([x, 1]) (or enc([x, 1, w*x, w]) for weighted), uint64; SecureError for a
+        value outside the fixed-point range."""
+        x = np.concatenate([adapter[n].detach().to(torch.float64).reshape(-1).numpy() for n in self.names]
+                           + [np.ones(1)])
+        if self.weighted:
+            x = np.concatenate([x, x * float(weight)])
+        try:
+            return fx.encode(x)
+        except ValueError as exc:
+            raise SecureError(f"this adapter cannot be masked: {exc}") from None
+
+    def decode_mean(self, total: np.ndarray, count: int) -> dict[str, torch.Tensor]:
+        """The mean adapter (float64 tensors) of the `count` vectors whose wrapped sum is `total`. The
+        summed weights must come out whole and as expected, else the masks were not all removed."""
+        s = fx.decode_sum(total, count)
+        n = self.values
+        half = s[:n + 1]
+        if half[n] != count:
+            raise SecureError(f"the unmasked sum counts {half[n]:.6g} clients, not {count}: a mask was not removed "
+                              "(a wrong share, or a client that masked for another set of peers)")
+        if self.weighted and s[-1] > 0:
+            if s[-1] != round(s[-1]):
+                raise SecureError(f"the unmasked weights sum to {s[-1]:.6g}, not a whole number: a mask was not removed")
+            mean = s[n + 1:-1] / s[-1]
+        else:
+            mean = half[:n] / count
+        out, at = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = math.prod(shape)
+            out[name] = torch.from_numpy(mean[at:at + size].reshape(shape).copy())
+            at += size
+        return out
+
+
+def clip_and_noise(adapter: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], clip_norm: float,
+                   noise_std: float, rng: np.random.Generator | None = None) -> dict[str, torch.Tensor]:
+    """The client's side of distributed differential privacy: its update (adapter - previous) clipped to
+    `clip_norm` over all its tensors (0: not clipped), plus Gaussian noise of `noise_std` on every value."""
+    out = {n: t.detach().to(torch.float64) for n, t in adapter.items()}
+    if clip_norm > 0:
+        norm = math.sqrt(sum(float(((out[n] - previous[n].to(torch.float64)) ** 2).sum()) for n in out))
+        scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+        out = {n: previous[n].to(torch.float64) + scale * (t - previous[n].to(torch.float64)) for n, t in out.items()}
+    if noise_std > 0:
+        rng = rng or np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
+        out = {n: t + torch.from_numpy(rng.normal(0.0, noise_std, tuple(t.shape))) for n, t in out.items()}
+    return out
+
+
+def noise_std(clip_norm: float, noise_multiplier: float, threshold: int) -> float:
+    """Each client's noise: a sum of at least `threshold` uploads then carries noise of std
+    noise_multiplier * clip_norm, what central DP adds to the sum."""
+    return noise_multiplier * clip_norm / math.sqrt(threshold) if noise_multiplier > 0 else 0.0
+
+
+# ---- keys, contexts and commitments ----------------------------------------------------------
+def context(run_id: str, round_nonce: str) -> bytes:
+    """What binds an attempt's keys and seals: the run and the attempt's round nonce."""
+    return f"{run_id}|{round_nonce}".encode()
+
+
+def commitment(ctx: bytes, purpose: str, owner: str, holder: str, value: bytes) -> bytes:
+    """SHA-256 commitment to a 16-byte secret (a seed or a share; 128 bits of entropy, so the hash
+    reveals nothing a search could find)."""
+    return hashlib.sha256(masking.DOMAIN + b"|commit|" + ctx + f"|{purpose}|{owner}|{holder}|".encode()
+                          + value).digest()
+
+
+def seal_associated(ctx: bytes, sender: str, recipient: str) -> bytes:
+    return ctx + f"|share|{sender}|{recipient}".encode()
+
+
+def threshold(configured: int, members: int) -> int:
+    """Shares that rebuild a seed: the configured number, or a majority of the roster; at least 2."""
+    return max(2, configured or members // 2 + 1)
+
+
+class Participant:
+    """One client's secrets for one attempt: a key pair to seal shares, a seed for its pairwise-mask
+    key pair and a self-mask seed. Never persisted; `wipe()` when the attempt is over."""
+
+    def __init__(self, client_id: str, ctx: bytes):
+        self.client_id = client_id
+        self.ctx = ctx
+        self._seal_seed = masking.Secret()
+        self._mask_seed = masking.Secret()
+        self._self_seed = masking.Secret()
+        self.sealing = masking.KeyPair(self._seal_seed)
+        self.masking = masking.KeyPair(self._mask_seed)
+        self.self_commitment = commitment(ctx, "self", client_id, "", self._self_seed.reveal())
+
+    def shares(self, roster: Sequence["Member"], t: int) -> list[tuple[str, bytes, bytes, bytes]]:
+        """For every roster member: (recipient, sealed shares, self-share commitment, masking-share
+        commitment). Member i (1-based index) gets share i of each seed."""
+        n = len(roster)
+        self_shares = dict(masking.split(self._self_seed, t, n))
+        mask_shares = dict(masking.split(self._mask_seed, t, n))
+        out = []
+        for m in roster:
+            b, s = self_shares[m.index], mask_shares[m.index]
+            key = self.sealing.agree(m.encryption_key, self.ctx + b"|seal")
+            sealed = masking.encrypt(key, b + s, seal_associated(self.ctx, self.client_id, m.client_id))
+            out.append((m.client_id, sealed, commitment(self.ctx, "self", self.client_id, m.client_id, b),
+                        commitment(self.ctx, "masking", self.client_id, m.client_id, s)))
+        return out
+
+    def open(self, sender: Member, sealed: bytes) -> tuple[bytes, bytes]:
+        """(self-mask share, masking share) that `sender` sealed for this client; SecureError if the seal
+        does not open (a tampered or misdirected share)."""
+        key = self.sealing.agree(sender.encryption_key, self.ctx + b"|seal")
+        try:
+            plain = masking.decrypt(key, sealed, seal_associated(self.ctx, sender.client_id, self.client_id))
+        except Exception:  # cryptography's InvalidTag, or a sealed text too short
+            raise SecureError(f"the share from {sender.client_id} does not open: it was not sealed for "
+                              f"{self.client_id} in this attempt") from None
+        if len(plain) != SHARE_PLAINTEXT:
+            raise SecureError(f"the share from {sender.client_id} holds {len(plain)} bytes, not {SHARE_PLAINTEXT}")
+        return plain[:masking.SEED_BYTES], plain[masking.SEED_BYTES:]
+
+    def mask(self, vector: np.ndarray, peers: Iterable["Member"]) -> np.ndarray:
+        """y = vector + PRG(b) +- PRG(s_uv) for every peer v (members of U2 but this client), in place."""
+        add_stream(vector, self_mask_key(self.ctx, self._self_seed.reveal()), +1)
+        for peer in peers:
+            if peer.client_id == self.client_id:
+                continue
+            sign = +1 if peer.client_id > self.client_id else -1
+            add_stream(vector, pair_key(self.masking, peer.masking_key, self.ctx), sign)
+        return vector
+
+    def wipe(self) -> None:
+        for s in (self._seal_seed, self._mask_seed, self._self_seed):
+            s.wipe()
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A roster member as every party sees it (RosterMember)."""
+
+    client_id: str
+    index: int
+    encryption_key: bytes
+    masking_key: bytes
+    self_commitment: bytes
+
+
+def self_mask_key(ctx: bytes, seed: bytes) -> bytes:
+    return masking.derive(seed, ctx + b"|self mask")
+
+
+def pair_key(pair: masking.KeyPair, peer_public: bytes, ctx: bytes) -> bytes:
+    return pair.agree(peer_public, ctx + b"|pair mask")
+
+
+def add_stream(vector: np.ndarray, key: bytes, sign: int) -> None:
+    """vector += sign * PRG(key) in Z_2^64, in place, a block at a time."""
+    stream = masking.MaskStream(key)
+    for at in range(0, len(vector), BLOCK):
+        part = vector[at:at + BLOCK]
+        mask = stream.next(len(part))
+        if sign > 0:
+            np.add(part, mask, out=part)
+        else:
+            np.subtract(part, mask, out=part)
+
+
+# ---- the aggregator's side -------------------------------------------------------------------
+def rebuild(shares: Sequence[tuple[int, bytes]], t: int) -> masking.Secret:
+    """The seed that the first `t` shares rebuild."""
+    if len(shares) < t:
+        raise SecureError(f"{len(shares)} shares cannot rebuild a seed shared with threshold {t}")
+    return masking.combine(list(shares[:t]))
+
+
+def unmasked_sum(uploads: Sequence[BinaryIO], length: int, self_keys: Sequence[bytes],
+                 pair_terms: Sequence[tuple[bytes, int]]) -> np.ndarray:
+    """sum(uploads) - sum(PRG(self key)) - sum(sign * PRG(pair key)) in Z_2^64, a block at a time.
+    `uploads`: the masked files, read from their start; `pair_terms`: (key, sign) of each pairwise
+    mask left in the sum (an uploader's with a client that dropped, with the sign it was added with)."""
+    total = np.zeros(length, dtype=np.uint64)
+    streams = [(masking.MaskStream(k), -1) for k in self_keys] + \
+              [(masking.MaskStream(k), -sign) for k, sign in pair_terms]
+    for at in range(0, length, BLOCK):
+        part = total[at:at + BLOCK]
+        for fh in uploads:
+            raw = fh.read(8 * len(part))
+            if len(raw) != 8 * len(part):
+                raise SecureError(f"a masked upload ended at element {at + len(raw) // 8} of {length}")
+            np.add(part, np.frombuffer(raw, dtype="<u8"), out=part)
+        for stream, sign in streams:
+            mask = stream.next(len(part))
+            if sign > 0:
+                np.add(part, mask, out=part)
+            else:
+                np.subtract(part, mask, out=part)
+    return total
+
+
+def pack_u64(values: np.ndarray) -> bytes:
+    return values.astype("<u8", copy=False).tobytes()
+
