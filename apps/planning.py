@@ -62,6 +62,7 @@ class RunConfig:
     results: str = field("results", "folder for results.json, success.png, logs and state")
     base_model: str = setting(ClientConfig, "base_model")
     strategy: str = setting(AggregatorConfig, "strategy")
+    secure_aggregation: bool = setting(AggregatorConfig, "secure_aggregation")
     expert_demos: int = setting(ClientConfig, "expert_demos")
     explore_tasks: int = setting(ClientConfig, "explore_tasks")
     topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "
@@ -91,6 +92,9 @@ class RunConfig:
             raise ConfigError(f"--rounds must be at least 1, got {self.rounds}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.secure_aggregation and (self.topology != "federated" or len(self.env_list()) < 2):
+            raise ConfigError("--secure-aggregation needs --topology federated and two environments or more: "
+                              "a secure round averages two clients' adapters or more")
         for service in (ClientConfig, AggregatorConfig):  # the settings passed on, checked by their owners
             service(**self.passed_on(service))
         specs = self.env_specs()

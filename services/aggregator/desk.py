@@ -16,9 +16,10 @@ from fedse import adapter as ad
 from fedse.serving import log_fields
 
 from .errors import DuplicateUpload, ResumeMismatch, RunFinished, StaleRound, Superseded
+from .secure import SecureDesk
 from .state import Member, RunSettings, RunState, State
 from .store import Store
-from .upload_check import UploadCheck
+from .upload_check import MaskedCheck, UploadCheck
 from .uploads import Accepted, Stream, UploadHeader
 
 log = logging.getLogger("aggregator.rounds")
@@ -30,8 +31,13 @@ class UploadDesk:
     chunks are written under its own lock, never while holding the keeper's."""
 
     def __init__(self, settings: RunSettings, store: Store, run: RunState, lock: threading.Condition,
-                 clock: Callable[[], float], changed: Callable[[], None]):
+                 clock: Callable[[], float], changed: Callable[[], None], secure: SecureDesk | None = None,
+                 masked_bytes: Callable[[], int] | None = None):
+        """`secure`, `masked_bytes`: with secure aggregation, the stages' desk (who may upload now) and
+        the size of the run's masked vectors."""
         self.settings = settings
+        self.secure = secure
+        self.masked_bytes = masked_bytes
         self.store = store
         self.run = run
         self._lock = lock
@@ -58,7 +64,8 @@ class UploadDesk:
 
         An accepted upload with the same sha256 is acknowledged again (idempotent); a partial one
         continues from any offset up to the bytes held; offset 0 always starts over."""
-        h.check(self.settings.max_adapter_bytes)
+        masked = self.masked_bytes() if self.masked_bytes is not None and self.run.schema is not None else None
+        h.check(self.settings.max_adapter_bytes, masked)
         self._settle(h.client_id)
         with self._lock:
             if self._accepted_earlier(h.client_id, h.round, h.sha256) is not None:
@@ -83,7 +90,8 @@ class UploadDesk:
             else:
                 held = h.offset  # resuming before the end of what is held is safe: writes go to their offsets
             assert self.run.schema is not None
-            check = UploadCheck(self.run.schema, h.size, self.settings.max_adapter_bytes, h.transport)
+            check = MaskedCheck(h.size) if masked is not None else \
+                UploadCheck(self.run.schema, h.size, self.settings.max_adapter_bytes, h.transport)
             if held:  # a resumed upload: the check reads what is held, then goes on with the stream
                 try:
                     check.update(self.store.read_partial(h.round, h.client_id, held))
@@ -220,3 +228,5 @@ class UploadDesk:
         if nonce != run.nonce:
             raise StaleRound(f"the upload's round nonce does not match round {round_}'s: an upload is bound "
                              "to the run and round it was made for; take the nonce from the current RoundStatus")
+        if self.secure is not None:
+            self.secure.check_upload(client_id)

@@ -18,3 +18,16 @@ ROUND_SECONDS = prometheus_client.Histogram(
 AGGREGATE_SECONDS = prometheus_client.Histogram(
     "fedse_aggregator_aggregation_seconds", "Time to aggregate a round's uploads and store the global adapter.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+SECURE_STAGE_SECONDS = prometheus_client.Histogram(
+    "fedse_aggregator_secure_stage_seconds", "How long each secure-aggregation stage of an attempt stayed open.",
+    ["stage"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+SECURE_DROPOUTS_RECOVERED = prometheus_client.Counter(
+    "fedse_aggregator_secure_dropouts_recovered",
+    "Clients that shared keys but did not upload, whose pairwise masks were rebuilt and removed.")
+SECURE_ATTEMPTS_ABORTED = prometheus_client.Counter(
+    "fedse_aggregator_secure_attempts_aborted",
+    "Secure attempts of a round abandoned because fewer than the threshold took part in a stage (the round "
+    "starts again at key advertisement).", ["stage"])
+for _stage in ("advertising", "sharing", "uploading", "unmasking"):
+    SECURE_STAGE_SECONDS.labels(_stage)
+    SECURE_ATTEMPTS_ABORTED.labels(_stage)

@@ -15,6 +15,7 @@ resumes the same run at the same round with every acknowledged upload.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -22,9 +23,10 @@ import re
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from fedse import adapter as ad
+from fedse import secagg
 from fedse.inputs import bounded, shown
 from fedse.serving import log_fields
 
@@ -34,15 +36,17 @@ from .closing import OpenRound, Rule, close_reason
 from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
+from .secure import SecureDesk, Stage, Unmasking, unmask_sum
 from .state import Client, Member, RunSettings, State, restore
 from .store import Store
 from .strategies import Update, aggregate, validate_params
-from .uploads import UploadHeader
+from .uploads import Accepted, UploadHeader
 
 log = logging.getLogger("aggregator.rounds")
 
 CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_METRICS = 256  # named values in one metrics report
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Status:
     global_sha256: str
     version: int
     round_nonce: str
+    secure_stage: Stage | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ClientView:
     partial_upload_bytes: int
     metrics_round: int
     metrics: dict[str, float]
+    secure_step: str = ""
 
 
 class RoundKeeper:
@@ -85,9 +91,18 @@ class RoundKeeper:
         self._cond = threading.Condition()
         self._version = 0
         self._rule = Rule(settings.min_clients, settings.wait_after_min_s, settings.heartbeat_timeout_s)
+        self._layout: secagg.Layout | None = None
         self.run = restore(settings, store, clock())
         self.globals = GlobalAdapters(store)
-        self.uploads = UploadDesk(settings, store, self.run, self._cond, clock, self._changed_locked)
+        # A secure round needs two uploads or more: the mean of one is that client's adapter.
+        self.secure = SecureDesk(settings.run_id, settings.secure_threshold, settings.secure_stage_timeout_s,
+                                 dataclasses.replace(self._rule, min_clients=max(2, settings.min_clients)),
+                                 self._changed_locked) if settings.secure else None
+        self.uploads = UploadDesk(settings, store, self.run, self._cond, clock, self._changed_locked, self.secure,
+                                  lambda: self.layout().nbytes)
+        if self.secure is not None and self.run.state is State.OPEN:
+            with self._cond:  # keys and shares were only in memory: the round's secure stages start again
+                self._new_attempt_locked("the aggregator restarted")
         # Every (client, round) reported: a round's metrics are recorded once, so a client that
         # repeats a report after a crash does not count twice.
         self._reported: set[tuple[str, int]] = set()
@@ -108,6 +123,7 @@ class RoundKeeper:
             run_id=self.settings.run_id, round=run.round, state=run.state, num_rounds=self.settings.num_rounds,
             joined=tuple(sorted(run.members)), uploaded=tuple(run.uploaded()), deadline_unix=run.deadline,
             global_sha256=sha, version=self._version, round_nonce=run.nonce,
+            secure_stage=self.secure.stage() if self.secure is not None and run.state is State.OPEN else None,
         )
 
     def wait_for_change(self, version: int, timeout: float) -> Status:
@@ -136,7 +152,7 @@ class RoundKeeper:
             now = self.clock()
             views = [ClientView(cid, m.client.env, m.accepted is not None, self._rule.alive(m.last_seen, now),
                                 m.last_seen, m.phase_round, m.phase, self.uploads.partial_bytes(m), m.metrics_round,
-                                dict(m.metrics))
+                                dict(m.metrics), self.secure.step_of(cid) if self.secure is not None else "")
                      for cid, m in sorted(self.run.members.items())]
             return self._status_locked(), views, list(self.run.round_seconds), self.run.base_model or ""
 
@@ -162,6 +178,8 @@ class RoundKeeper:
             raise ValueError(f"client_id {shown(client_id)} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
                              "starting with a letter or digit")
         schema.check(self.settings.max_adapter_bytes)
+        if self.settings.secure:
+            secagg.Layout.of(schema, self.settings.strategy)  # a schema a masked vector can carry
         with self._cond:
             run = self.run
             if run.schema is None:
@@ -253,22 +271,75 @@ class RoundKeeper:
         """Closes the open round when due (called periodically; deadlines and liveness change with time)."""
         self.close_if_due()
 
+    # ---- secure aggregation's stages (secure.SecureDesk holds them) ---------------------------------
+    def layout(self) -> secagg.Layout:
+        """The masked vector's layout (the run's schema must be fixed)."""
+        assert self.run.schema is not None
+        if self._layout is None:
+            self._layout = secagg.Layout.of(self.run.schema, self.settings.strategy)
+        return self._layout
+
+    def secure_call(self, client_id: str, round_: int, nonce: str, call: Callable[[SecureDesk], T]) -> T:
+        """Runs a stage call of the client on the current attempt (its round and nonce must be the
+        attempt's); a call that makes a stage due closes it beside the answer."""
+        with self._cond:
+            if self.secure is None:
+                raise StaleRound("this run does not use secure aggregation: upload the adapter itself")
+            m = self.run.member(client_id)
+            if self.run.state is not State.OPEN or round_ != self.run.round or nonce != self.run.nonce:
+                raise StaleRound(f"a call for round {round_} with another round nonce: round {self.run.round} is "
+                                 f"{self.run.state.value} with a new attempt; read RoundStatus and follow it")
+            m.last_seen = self.clock()
+            out = call(self.secure)
+            due = self._due_locked() is not None
+        if due:
+            threading.Thread(target=self.close_if_due, name="secure-stage", daemon=True).start()
+        return out
+
+    def _new_attempt_locked(self, reason: str) -> None:
+        """Abandons the attempt of the open round (nothing of it is published; its masked uploads are
+        deleted) and starts a new one, at key advertisement with a new round nonce."""
+        assert self.secure is not None
+        run = self.run
+        log.warning("secure attempt abandoned: the round starts again at key advertisement",
+                    extra=log_fields(round=run.round, reason=reason))
+        for m in run.members.values():
+            m.new_round()
+        self.store.drop_uploads(run.round)
+        run.state, run.nonce = State.OPEN, secrets.token_hex(16)
+        self._persist_locked()
+        self.secure.begin(run.nonce, self.clock())
+
     # ---- closing a round ---------------------------------------------------------------------
     def _due_locked(self) -> str | None:
         run = self.run
         if run.state is not State.OPEN:
             return None
-        return close_reason(self._rule, OpenRound(
-            last_seen={cid: m.last_seen for cid, m in run.members.items()},
-            accepted={cid: m.accepted.accepted_unix for cid, m in run.uploaded().items()},
-            receiving=self.uploads.receiving(), progress_at=self.uploads.progress_at, deadline=run.deadline),
-            self.clock())
+        now = self.clock()
+        accepted = {cid: m.accepted.accepted_unix for cid, m in run.uploaded().items()}
+        last_seen = {cid: m.last_seen for cid, m in run.members.items()}
+        if self.secure is not None:
+            busy = self.uploads.receiving() and now - self.uploads.progress_at <= self._rule.heartbeat_timeout_s
+            return self.secure.due(last_seen, accepted, busy, run.deadline, now)
+        return close_reason(self._rule, OpenRound(last_seen=last_seen, accepted=accepted,
+                                                  receiving=self.uploads.receiving(),
+                                                  progress_at=self.uploads.progress_at, deadline=run.deadline), now)
 
     def close_if_due(self) -> None:
         with self._cond:
             reason = self._due_locked()
             if reason is None:
                 return
+            unmasking = None
+            if self.secure is not None:
+                stage = self.secure.stage()
+                failed = self.secure.advance(list(self.run.uploaded()), self.clock())
+                if failed is not None:
+                    self._new_attempt_locked(failed)
+                    return
+                if stage is not Stage.UNMASKING:
+                    return
+                unmasking = self.secure.unmasking()
             self.run.state = State.AGGREGATING
             self._changed_locked()
             round_ = self.run.round
@@ -276,18 +347,17 @@ class RoundKeeper:
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
         try:
-            updates = [Update(cid, AdapterFile(self.store.upload_path(round_, cid)), a.num_examples,
-                              a.num_successes) for cid, a in records]
-            assert self.run.schema is not None
-            image, views = allocate(self.run.schema)  # phi_{t+1} is aggregated into its file image
-            aggregate(self.settings.strategy, updates, AdapterFile(self.store.global_path(round_)),
-                      self.settings.params, round_, out=views)
-            del views
+            image = self._unmask(round_, unmasking) if unmasking is not None else self._aggregate(round_, records)
             self.globals.save(round_ + 1, image, self.run.adapter_config())
-        except Exception:  # noqa: BLE001 - a failed aggregation must not end the run; the round stays open
-            log.exception("aggregation failed; the round stays open", extra=log_fields(round=round_))
+            if unmasking is not None:
+                self.store.drop_uploads(round_)  # masked under keys that are gone: of no use to anyone
+        except Exception as exc:  # noqa: BLE001 - a failed aggregation must not end the run
             with self._cond:
-                self.run.state = State.OPEN
+                if unmasking is not None:
+                    self._new_attempt_locked(f"unmasking failed: {exc}")
+                else:
+                    log.exception("aggregation failed; the round stays open", extra=log_fields(round=round_))
+                    self.run.state = State.OPEN
                 self._changed_locked()
             return
         took = time.perf_counter() - started
@@ -296,10 +366,37 @@ class RoundKeeper:
             duration = self.clock() - self.run.opened_at
             self.run.round_seconds.append(round(duration, 3))
             metrics.ROUND_SECONDS.observe(duration)
-            log.info("round closed", extra=log_fields(round=round_, uploads=len(updates), reason=reason,
+            log.info("round closed", extra=log_fields(round=round_, uploads=len(records), reason=reason,
                                                       aggregate_s=round(took, 4), round_s=round(duration, 2)))
             self._open_locked(round_ + 1)
             self._changed_locked()
+
+    def _aggregate(self, round_: int, records: list[tuple[str, Accepted]]) -> bytearray:
+        """phi_{t+1}'s file image: the strategy over the round's accepted uploads."""
+        updates = [Update(cid, AdapterFile(self.store.upload_path(round_, cid)), a.num_examples, a.num_successes)
+                   for cid, a in records]
+        assert self.run.schema is not None
+        image, views = allocate(self.run.schema)  # phi_{t+1} is aggregated into its file image
+        aggregate(self.settings.strategy, updates, AdapterFile(self.store.global_path(round_)),
+                  self.settings.params, round_, out=views)
+        return image
+
+    def _unmask(self, round_: int, u: Unmasking) -> bytearray:
+        """phi_{t+1}'s file image: the mean of the masked uploads, their masks removed."""
+        layout = self.layout()
+        with contextlib.ExitStack() as files:
+            uploads = {cid: files.enter_context(open(self.store.upload_path(round_, cid), "rb")) for cid in u.uploaded}
+            total = unmask_sum(u, uploads, layout.length)
+        mean = layout.decode_mean(total, len(u.uploaded))
+        assert self.run.schema is not None
+        image, views = allocate(self.run.schema)
+        for name, view in views.items():
+            view.copy_(mean[name].to(view.dtype))
+        dropped = len(u.shared) - len(u.uploaded)
+        metrics.SECURE_DROPOUTS_RECOVERED.inc(dropped)
+        log.info("secure round unmasked", extra=log_fields(round=round_, uploads=len(u.uploaded), dropped=dropped,
+                                                           unmasked_by=len(u.revealed), threshold=u.threshold))
+        return image
 
     # ---- internals -----------------------------------------------------------------------
     def _changed_locked(self) -> None:
@@ -322,5 +419,10 @@ class RoundKeeper:
             run.state, run.deadline = State.OPEN, run.opened_at + self.settings.round_deadline_s
             run.nonce = secrets.token_hex(16)
             log.info("round opened", extra=log_fields(round=round_, clients=len(run.members)))
+        if self.secure is not None:
+            if run.state is State.OPEN:
+                self.secure.begin(run.nonce, run.opened_at)
+            else:
+                self.secure.end()
         self._persist_locked()
         self._changed_locked()

@@ -47,8 +47,8 @@ class AggregatorConfig(Security):
     noise_multiplier: float = field(0.0, "central differential privacy: add Gaussian noise of std "
                                          "noise-multiplier * clip-norm / clients to the aggregate; needs clip-norm")
     secure_aggregation: bool = field(False, "secure aggregation: clients upload masked adapters and the aggregator "
-                                            "learns only their mean (strategies fedavg and weighted; needs "
-                                            "min-clients >= 2; run it over mTLS, which says who takes part)")
+                                            "learns only their mean (strategies fedavg and weighted; a round "
+                                            "needs 2 clients or more; run it over mTLS, which says who takes part)")
     secure_threshold: int = field(0, "secure aggregation: clients whose shares rebuild a dropped client's masks, "
                                      "the fewest that may finish a round (0 = a majority of those who advertised "
                                      "keys, at least 2)")
@@ -96,9 +96,6 @@ class AggregatorConfig(Security):
         if self.noise_multiplier > 0 and self.strategy != "fedavg":
             raise ConfigError("--noise-multiplier with --secure-aggregation calibrates the clients' noise for the "
                               "unweighted mean: use --strategy fedavg, or set --noise-multiplier 0")
-        if self.min_clients < 2:
-            raise ConfigError("--secure-aggregation needs --min-clients 2 or more: the mean of one client's "
-                              "adapter is that adapter")
         if self.secure_threshold != 0 and self.secure_threshold < 2:
             raise ConfigError(f"--secure-threshold must be 0 (a majority) or at least 2, got {self.secure_threshold}")
         if self.secure_stage_timeout_s <= 0:
@@ -130,7 +127,8 @@ class Aggregator:
             import torch
 
             torch.set_num_threads(config.torch_threads)
-        self.federation = RoundKeeper(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id))
+        self.federation = RoundKeeper(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id,
+                                                                  masked=config.secure_aggregation))
         self.service = Service("aggregator", config.address, credentials=server_credentials(config),
                                interceptors=server_interceptors(config), health_address=config.health_address)
         fpb_grpc.add_FederationServiceServicer_to_server(
@@ -170,6 +168,10 @@ def serve(config: AggregatorConfig) -> int:
     log = logging.getLogger("aggregator")
     metrics_port = start_metrics(config.metrics_port)
     agg, port = create_server(config)
+    if config.secure_aggregation and not (config.tls_ca and config.allowed_clients):
+        log.warning("secure aggregation without mTLS and --allowed-clients: anyone who reaches this port can "
+                    "take part under any client id, and a threshold of its own ids could unmask one client's "
+                    "adapter; set --tls-ca, --tls-cert, --tls-key and --allowed-clients")
     agg.start()
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, run_id=config.run_id,
                                          num_rounds=config.num_rounds, min_clients=config.min_clients,

@@ -8,13 +8,14 @@ from typing import Callable, Iterator
 import grpc
 
 from fedse import adapter as ad
-from fedse import serde
+from fedse import secagg, serde
 from fedse.inputs import MAX_NAME_CHARS, bounded, shown
 from fedse.serving import StatusMap
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from . import errors, rounds
+from .secure import Kind, Stage
 from .state import State
 from .uploads import UploadHeader
 from .metrics import BYTES_RECEIVED, BYTES_SENT, CLIENTS, CLIENTS_ALIVE, ROUND, UPLOADS
@@ -60,12 +61,27 @@ for _reason in _UPLOAD_REASON.values():
 UPLOADS.labels("accepted")
 
 
+_STAGE = {
+    None: fpb.SECURE_STAGE_UNSPECIFIED,
+    Stage.ADVERTISING: fpb.SECURE_STAGE_ADVERTISING,
+    Stage.SHARING: fpb.SECURE_STAGE_SHARING,
+    Stage.UPLOADING: fpb.SECURE_STAGE_UPLOADING,
+    Stage.UNMASKING: fpb.SECURE_STAGE_UNMASKING,
+}
+_KIND = {fpb.SHARE_KIND_SELF_MASK: Kind.SELF_MASK, fpb.SHARE_KIND_MASKING: Kind.MASKING}
+
+
 def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
     return fpb.RoundStatus(
         run_id=st.run_id, round=st.round, state=_STATE[st.state], num_rounds=st.num_rounds,
         joined=list(st.joined), uploaded=list(st.uploaded), deadline_unix=st.deadline_unix,
-        global_sha256=st.global_sha256, round_nonce=st.round_nonce,
+        global_sha256=st.global_sha256, round_nonce=st.round_nonce, secure_stage=_STAGE[st.secure_stage],
     )
+
+
+def _member(m: secagg.Member) -> fpb.RosterMember:
+    return fpb.RosterMember(client_id=m.client_id, encryption_key=m.encryption_key, masking_key=m.masking_key,
+                            self_mask_commitment=m.self_commitment, index=m.index)
 
 
 def _no_identity(context: grpc.ServicerContext) -> str | None:
@@ -104,7 +120,11 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         return fpb.RunConfig(run_id=s.run_id, num_rounds=s.num_rounds, min_clients=s.min_clients,
                              round_deadline_s=s.round_deadline_s, strategy=s.strategy,
                              max_chunk_bytes=self.chunk_bytes, wait_after_min_s=s.wait_after_min_s,
-                             heartbeat_timeout_s=s.heartbeat_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s)
+                             heartbeat_timeout_s=s.heartbeat_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
+                             secure_aggregation=s.secure, secure_threshold=s.secure_threshold,
+                             secure_stage_timeout_s=s.secure_stage_timeout_s,
+                             clip_norm=s.params.clip_norm if s.secure else 0.0,
+                             noise_multiplier=s.params.noise_multiplier if s.secure else 0.0)
 
     @ERRORS.wrap
     def Join(self, request, context):
@@ -226,5 +246,46 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             clients=[fpb.ClientStatus(
                 client_id=v.client_id, env=v.env, uploaded=v.uploaded, alive=v.alive,
                 last_seen_unix=v.last_seen_unix, phase_round=v.phase_round, phase=v.phase,
-                partial_upload_bytes=v.partial_upload_bytes, metrics_round=v.metrics_round, metrics=v.metrics)
+                partial_upload_bytes=v.partial_upload_bytes, metrics_round=v.metrics_round, metrics=v.metrics,
+                secure_step=v.secure_step)
                 for v in views])
+
+    # ---- secure aggregation's stages ---------------------------------------------------------------
+    def _stage(self, context: grpc.ServicerContext, request, call):
+        """Runs a stage call for the client the request names, on the attempt its round_nonce names."""
+        client = self._client(context, request.client_id)
+        return self.fed.secure_call(client, request.round, bounded("round_nonce", request.round_nonce), call)
+
+    @ERRORS.wrap
+    def AdvertiseKeys(self, request, context):
+        self._stage(context, request, lambda desk: desk.advertise(
+            request.client_id, request.encryption_key, request.masking_key, request.self_mask_commitment,
+            self.fed.clock()))
+        return fpb.StageAck()
+
+    @ERRORS.wrap
+    def ShareKeys(self, request, context):
+        shares = [(bounded("client_id", s.client_id), s.sealed, s.self_mask_commitment, s.masking_commitment)
+                  for s in request.shares]
+        self._stage(context, request, lambda desk: desk.share(request.client_id, shares))
+        return fpb.StageAck()
+
+    @ERRORS.wrap
+    def GetSecureRound(self, request, context):
+        v = self._stage(context, request, lambda desk: desk.view(request.client_id))
+        return fpb.SecureRound(
+            round=request.round, round_nonce=request.round_nonce, stage=_STAGE[v.stage], threshold=v.threshold,
+            roster=[_member(m) for m in v.roster], shared=list(v.shared), uploaded=list(v.uploaded),
+            inbound=[fpb.SealedShare(client_id=sender, sealed=d.sealed, self_mask_commitment=d.self_commitment,
+                                     masking_commitment=d.masking_commitment) for sender, d in v.inbound])
+
+    @ERRORS.wrap
+    def Unmask(self, request, context):
+        revealed = []
+        for r in request.shares:
+            if r.kind not in _KIND:
+                raise ValueError(f"a revealed share of {shown(r.client_id)} has no kind: say SHARE_KIND_SELF_MASK or "
+                                 "SHARE_KIND_MASKING")
+            revealed.append((bounded("client_id", r.client_id), _KIND[r.kind], r.share))
+        self._stage(context, request, lambda desk: desk.unmask(request.client_id, revealed))
+        return fpb.StageAck()

@@ -6,6 +6,8 @@ Layout under <state_dir>/<run_id>/ (a Kubernetes volume can hold it):
   global/round_0003/adapter_model.safetensors + adapter_config.json   (phi_3, loadable by PEFT)
   uploads/round_0002/<client_id>.part + .part.json      bytes received so far of an unfinished upload
   uploads/round_0002/<client_id>.safetensors + .json    an accepted upload; the .json is its commit record
+                                                        (.masked with secure aggregation, deleted once
+                                                        its round is unmasked)
   metrics.jsonl
 
 Every write that an acknowledgement depends on is fsynced and atomic (temp file, then rename), so
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 import threading
 import time
@@ -29,8 +32,10 @@ STATE_NAME = "run.json"
 
 
 class Store:
-    def __init__(self, state_dir: pathlib.Path, run_id: str):
+    def __init__(self, state_dir: pathlib.Path, run_id: str, masked: bool = False):
+        """`masked`: uploads are masked vectors (secure aggregation), kept as <client_id>.masked."""
         self.root = pathlib.Path(state_dir) / run_id
+        self.upload_suffix = ".masked" if masked else ".safetensors"
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
@@ -130,7 +135,7 @@ class Store:
         """Stores an accepted upload: the partial file (fsynced by the caller) becomes the upload as
         it is, then the record that commits it is written."""
         folder = self.upload_dir(round_)
-        path = folder / f"{client_id}.safetensors"
+        path = folder / f"{client_id}{self.upload_suffix}"
         os.replace(folder / f"{client_id}.part", path)
         fsync_dir(folder)
         atomic_write(folder / f"{client_id}.json", json.dumps(record, sort_keys=True).encode())
@@ -147,12 +152,16 @@ class Store:
             if meta.name.endswith(".part.json"):
                 continue
             client_id = meta.name.removesuffix(".json")
-            if (folder / f"{client_id}.safetensors").exists():
+            if (folder / f"{client_id}{self.upload_suffix}").exists():
                 out[client_id] = json.loads(meta.read_text())
         return out
 
+    def drop_uploads(self, round_: int) -> None:
+        """Deletes every upload of the round, partial or accepted (a secure attempt abandoned)."""
+        shutil.rmtree(self.upload_dir(round_), ignore_errors=True)
+
     def upload_path(self, round_: int, client_id: str) -> pathlib.Path:
-        return self.upload_dir(round_) / f"{client_id}.safetensors"
+        return self.upload_dir(round_) / f"{client_id}{self.upload_suffix}"
 
     # ---- metrics -----------------------------------------------------------------------------
     def append_metrics(self, client_id: str, round_: int, metrics: dict[str, float]) -> None:

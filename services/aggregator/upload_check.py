@@ -148,6 +148,33 @@ class UploadCheck:
 _NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
 
 
+class MaskedCheck:
+    """The check of a masked upload (secure aggregation): its bytes are uniformly random to the
+    aggregator, so all it can check is their count and their sha256."""
+
+    def __init__(self, declared_size: int):
+        self.size = declared_size
+        self._digest = hashlib.sha256()
+        self._pos = 0
+
+    @property
+    def received(self) -> int:
+        return self._pos
+
+    def update(self, data: bytes) -> None:
+        if self._pos + len(data) > self.size:
+            raise AdapterError(f"received more than the {self.size} bytes of a masked vector")
+        self._digest.update(data)
+        self._pos += len(data)
+
+    def finish(self, sha256: str) -> None:
+        if self._pos != self.size:
+            raise AdapterError(f"received {self._pos} bytes of the {self.size} of a masked vector: upload again")
+        actual = self._digest.hexdigest()
+        if actual != sha256.lower():
+            raise AdapterError(f"sha256 mismatch: header says {sha256}, the bytes hash to {actual}")
+
+
 def _check_finite(name: str, raw: bytes | memoryview, dtype: str) -> None:
     """Raises AdapterError if the little-endian values in `raw` hold a NaN or an infinity."""
     if not len(raw) or dtype not in (*_NUMPY_FLOATS, "BF16"):

@@ -14,8 +14,9 @@ from typing import Any
 
 from fedse import adapter as ad
 from fedse.inputs import shown
+from fedse.secagg import MASKED_DTYPE
 
-from .upload_check import UploadCheck
+from .upload_check import MaskedCheck, UploadCheck
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -32,8 +33,9 @@ class UploadHeader:
     num_examples: int = 0
     num_successes: int = 0
 
-    def check(self, max_bytes: int) -> None:
-        """Raises ValueError (AdapterError for the size) naming what is wrong with the header."""
+    def check(self, max_bytes: int, masked_bytes: int | None = None) -> None:
+        """Raises ValueError (AdapterError for the size) naming what is wrong with the header.
+        `masked_bytes`: with secure aggregation, the size every masked upload has."""
         if not SHA256.match(self.sha256):
             raise ValueError(f"sha256 {shown(self.sha256)} is not 64 lowercase hex digits")
         if self.size <= 0:
@@ -41,9 +43,19 @@ class UploadHeader:
         if self.num_examples < 0 or self.num_successes < 0:
             raise ValueError(f"the header counts {self.num_examples} examples and {self.num_successes} successes: "
                              "counts cannot be negative (send 0 when there are none)")
-        if self.size > max_bytes:
-            raise ad.AdapterError(f"adapter of {self.size} bytes exceeds the limit of {max_bytes} bytes")
-        ad.transport_dtype(self.transport)
+        if masked_bytes is not None:
+            if self.transport != MASKED_DTYPE:
+                raise ValueError(f"this run uses secure aggregation: upload the masked vector (transport_dtype "
+                                 f"{MASKED_DTYPE!r}), never the adapter itself")
+            if self.size != masked_bytes:
+                raise ValueError(f"a masked upload of {self.size} bytes: this run's masked vectors are "
+                                 f"{masked_bytes // 8} uint64 values ({masked_bytes} bytes)")
+        elif self.transport == MASKED_DTYPE:
+            raise ValueError("this run does not use secure aggregation: upload the adapter's safetensors bytes")
+        else:
+            if self.size > max_bytes:
+                raise ad.AdapterError(f"adapter of {self.size} bytes exceeds the limit of {max_bytes} bytes")
+            ad.transport_dtype(self.transport)
         if self.offset < 0 or self.offset > self.size:
             raise ValueError(f"offset {self.offset} is outside the adapter's {self.size} bytes")
 
@@ -85,4 +97,4 @@ class Stream:
 
     generation: int
     lock: threading.Lock
-    check: UploadCheck
+    check: UploadCheck | MaskedCheck

@@ -46,6 +46,7 @@ import grpc
 import torch
 
 from fedse import adapter as ad
+from fedse import secagg
 from fedse.machine import available_cores, release_free_memory
 from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
@@ -63,6 +64,7 @@ from .playing import Player
 from .prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
 from .resume import Phase, Progress, Resume, decide_resume
 from .rollout import expert_policy
+from .secure import Contribution, SecureRound
 from .seeding import count_demos, seed_buffer
 from .state import StateDir
 from .tasks import EnvTasks, capabilities, env_tasks, writing
@@ -124,6 +126,8 @@ class ClientAgent:
         self.buffer = Buffer(self.state.buffer_path)
         self.history: list[dict[str, float]] = []
         self.run_id = ""
+        self.run_config = fpb.RunConfig()  # the run's settings, from Join
+        self.schema: ad.Schema | None = None
         self.progress: Progress | None = None
         self.loaded_round: int | None = None  # the global adapter the model holds unchanged, if any
 
@@ -191,6 +195,7 @@ class ClientAgent:
         state = mdl.get_adapter_state(self.model)
         schema = ad.Schema.of(state, mdl.adapter_config_json(self.model))
         joined = self.fed.join(cfg.env, cfg.base_model, schema)
+        self.run_config, self.schema = joined.config, schema
         num_rounds = joined.config.num_rounds
         self.heartbeat.interval_s = (cfg.heartbeat_interval_s or joined.config.heartbeat_interval_s
                                      or DEFAULT_HEARTBEAT_INTERVAL_S)
@@ -366,6 +371,11 @@ class ClientAgent:
         open round) or when the aggregator holds a different adapter of ours for the round."""
         try:
             with PHASE_SECONDS.labels("upload").time():
+                if self.run_config.secure_aggregation:
+                    if not self.secure_upload(p, data):
+                        metrics["upload_stale"] = 1.0
+                        return False
+                    return True
                 self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
                                 adapter_config_json=mdl.adapter_config_json(self.model),
                                 transport_dtype=p.transport_dtype, sha256=p.sha256)  # checked by saved_upload
@@ -384,6 +394,19 @@ class ClientAgent:
             metrics["upload_duplicate"] = 1.0
             return False
         return True
+
+    def secure_upload(self, p: Progress, data: bytes) -> bool:
+        """Takes part in the round's secure stages with the saved adapter (secure.SecureRound); True once
+        the round closed with it in the sum."""
+        cfg = self.run_config
+        previous = self.fed.download(p.round).adapter() if cfg.clip_norm > 0 else None
+        contribution = Contribution(ad.decode_transport(data, torch.float64), previous,
+                                    p.num_successes if cfg.strategy == "weighted" else 1, p.num_examples,
+                                    p.num_successes)
+        layout = secagg.Layout.of(self.schema, cfg.strategy)
+        secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s)
+        return secure.take_part(p.round, contribution, lambda step: log.info(
+            "secure aggregation", extra=log_fields(round=p.round, step=step)))
 
     def finish_round(self, round_: int, metrics: dict[str, Any]) -> None:
         # The most memory this process has held so far (Linux reports kB), for sizing its pod.

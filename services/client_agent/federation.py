@@ -26,6 +26,7 @@ import grpc
 
 from fedse import adapter as ad
 from fedse import serde
+from fedse.secagg import MASKED_DTYPE
 from fedse.security import Security, channel
 from fedse.serving import insecure_channel, log_fields
 from fedse.v1 import federation_pb2 as fpb
@@ -218,6 +219,26 @@ class FederationClient:
         self._retry("ReportMetrics", lambda: self.stub.ReportMetrics(
             fpb.MetricsReport(client_id=self.client_id, round=round_, metrics=metrics), timeout=self.timeout_s))
 
+    # ---- secure aggregation's stages (secure.py takes part in them) -------------------------------
+    def advertise_keys(self, round_: int, nonce: str, encryption_key: bytes, masking_key: bytes,
+                       self_commitment: bytes) -> None:
+        req = fpb.AdvertiseKeysRequest(client_id=self.client_id, round=round_, round_nonce=nonce,
+                                       encryption_key=encryption_key, masking_key=masking_key,
+                                       self_mask_commitment=self_commitment)
+        self._retry("AdvertiseKeys", lambda: self.stub.AdvertiseKeys(req, timeout=self.timeout_s))
+
+    def share_keys(self, round_: int, nonce: str, shares: list[fpb.SealedShare]) -> None:
+        req = fpb.ShareKeysRequest(client_id=self.client_id, round=round_, round_nonce=nonce, shares=shares)
+        self._retry("ShareKeys", lambda: self.stub.ShareKeys(req, timeout=self.timeout_s))
+
+    def secure_round(self, round_: int, nonce: str) -> fpb.SecureRound:
+        req = fpb.SecureRoundRequest(client_id=self.client_id, round=round_, round_nonce=nonce)
+        return self._retry("GetSecureRound", lambda: self.stub.GetSecureRound(req, timeout=self.timeout_s))
+
+    def unmask(self, round_: int, nonce: str, shares: list[fpb.RevealedShare]) -> None:
+        req = fpb.UnmaskRequest(client_id=self.client_id, round=round_, round_nonce=nonce, shares=shares)
+        self._retry("Unmask", lambda: self.stub.Unmask(req, timeout=self.timeout_s))
+
     # ---- download -----------------------------------------------------------------------------
     def download(self, round_: int, transport_dtype: str | None = None) -> GlobalAdapter:
         """The global adapter of `round_` (-1: the latest), resumed from the bytes held after a break
@@ -303,15 +324,18 @@ class FederationClient:
 
     def upload(self, round_: int, data: bytes, num_examples: int, num_successes: int,
                adapter_config_json: str = "", transport_dtype: str | None = None,
-               round_nonce: str = "", sha256: str = "") -> fpb.UploadAck:
+               round_nonce: str = "", sha256: str = "", follow_nonce: bool = True) -> fpb.UploadAck:
         """Uploads `data` (safetensors bytes whose floating tensors are in `transport_dtype`) for
         `round_`, resuming after breaks from what the aggregator kept. `sha256`: the bytes' hash when
         the caller holds it already (else computed here).
 
         Raises StaleRound if the round is over, grpc.RpcError for any other refusal, and the last
-        transient error once `retries` attempts in a row made no progress.
+        transient error once `retries` attempts in a row made no progress. `follow_nonce`: an upload
+        refused for a round nonce that has changed is sent again with the new one (not for a masked
+        upload, which is made for one attempt: the refusal is raised).
         """
-        dtype = ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
+        dtype = MASKED_DTYPE if transport_dtype == MASKED_DTYPE else \
+            ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
         sha = sha256 or ad.sha256_hex(data)  # a wrong one costs only a refused upload
         if not round_nonce:
             round_nonce = self._check_round(round_, "the round is over").round_nonce
@@ -343,7 +367,7 @@ class FederationClient:
                     raise
                 if st.round_nonce != round_nonce:
                     # The nonce we carried is not this round's (e.g. taken before a restart): take the new one.
-                    if budget.spent():
+                    if not follow_nonce or budget.spent():
                         raise
                     round_nonce = st.round_nonce
                     continue

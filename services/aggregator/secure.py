@@ -1,0 +1,368 @@
+"""The secure-aggregation desk: the stages of an attempt of the open round (proto: FederationService's
+secure stages), what each client sent in them, and when each stage closes.
+
+An attempt lives only in memory: keys, sealed shares and revealed shares are never written to disk,
+so an aggregator that restarts starts a new attempt of the open round (the round keeper does that,
+and drops the masked uploads of the attempt it lost). The desk works under the round keeper's lock
+and calls `changed()`, with that lock held, when what a round status shows has changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import BinaryIO, Callable, Mapping, Sequence
+
+from fedse import masking
+from fedse import secagg
+from fedse.inputs import shown
+from fedse.secagg import Member, SecureError
+from fedse.serving import log_fields
+
+from . import metrics
+from .closing import OpenRound, Rule, close_reason
+from .errors import DuplicateUpload, NotJoined, StaleRound
+
+log = logging.getLogger("aggregator.secure")
+
+SEALED_BYTES = masking.NONCE_BYTES + secagg.SHARE_PLAINTEXT + 16  # nonce, both shares, Poly1305 tag
+DIGEST_BYTES = 32
+
+
+class Stage(enum.Enum):
+    ADVERTISING = "advertising"
+    SHARING = "sharing"
+    UPLOADING = "uploading"
+    UNMASKING = "unmasking"
+
+
+class Kind(enum.Enum):
+    SELF_MASK = "self"
+    MASKING = "masking"
+
+
+class NotInRoster(StaleRound):
+    """A stage call from a client that is not in the stage's set: it sits out this attempt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dealt:
+    """One share message a member dealt to another: the seal (relayed) and the commitments (kept)."""
+
+    sealed: bytes
+    self_commitment: bytes
+    masking_commitment: bytes
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One attempt of the open round, as far as it has got. Sets grow stage by stage: advertised
+    (U1 = the roster), dealt (U2 = who shared), uploaded (U3), revealed (who unmasked)."""
+
+    nonce: str
+    context: bytes
+    stage: Stage = Stage.ADVERTISING
+    stage_opened: float = 0.0
+    threshold: int = 0
+    adverts: dict[str, tuple[Member, float]] = dataclasses.field(default_factory=dict)
+    roster: dict[str, Member] = dataclasses.field(default_factory=dict)
+    dealt: dict[str, dict[str, Dealt]] = dataclasses.field(default_factory=dict)
+    shared: tuple[str, ...] = ()
+    uploaded: tuple[str, ...] = ()
+    revealed: dict[str, dict[tuple[str, Kind], bytes]] = dataclasses.field(default_factory=dict)
+
+    def dropped(self) -> list[str]:
+        """Members that shared but did not upload: their pairwise masks are rebuilt."""
+        return [c for c in self.shared if c not in self.uploaded]
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """What GetSecureRound answers a client."""
+
+    stage: Stage
+    threshold: int
+    roster: tuple[Member, ...]
+    shared: tuple[str, ...]
+    inbound: tuple[tuple[str, Dealt], ...]
+    uploaded: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unmasking:
+    """What the unmasking needs, taken under the lock: the attempt's members, who did what and the
+    revealed shares (holder -> (owner, kind) -> share)."""
+
+    context: bytes
+    threshold: int
+    roster: Mapping[str, Member]
+    shared: tuple[str, ...]
+    uploaded: tuple[str, ...]
+    revealed: Mapping[str, Mapping[tuple[str, Kind], bytes]]
+
+
+class SecureDesk:
+    def __init__(self, run_id: str, configured_threshold: int, stage_timeout_s: float, rule: Rule,
+                 changed: Callable[[], None]):
+        self.run_id = run_id
+        self.configured_threshold = configured_threshold
+        self.stage_timeout_s = stage_timeout_s
+        self.rule = rule
+        self._changed = changed
+        self.attempt: Attempt | None = None
+
+    # ---- the attempt -------------------------------------------------------------------------
+    def begin(self, nonce: str, now: float) -> None:
+        """A new attempt of the open round (its round nonce new), at key advertisement."""
+        if self.attempt is not None:
+            self._forget(self.attempt)
+        self.attempt = Attempt(nonce, secagg.context(self.run_id, nonce), stage_opened=now)
+        self._changed()
+
+    def end(self) -> None:
+        """The round closed or the run finished: nothing of the attempt is kept."""
+        if self.attempt is not None:
+            self._forget(self.attempt)
+        self.attempt = None
+
+    def stage(self) -> Stage | None:
+        return self.attempt.stage if self.attempt is not None else None
+
+    def step_of(self, client_id: str) -> str:
+        """How far the client has got in the attempt (ClientStatus.secure_step)."""
+        a = self.attempt
+        if a is None:
+            return ""
+        for step, done in (("unmasked", client_id in a.revealed), ("uploaded", client_id in a.uploaded),
+                           ("shared", client_id in a.dealt), ("advertised", client_id in a.adverts)):
+            if done:
+                return step
+        return ""
+
+    # ---- the stage calls ---------------------------------------------------------------------
+    def advertise(self, client_id: str, encryption_key: bytes, masking_key: bytes, self_commitment: bytes,
+                  now: float) -> None:
+        a = self._at(Stage.ADVERTISING)
+        for name, value, size in (("encryption_key", encryption_key, masking.KEY_BYTES),
+                                  ("masking_key", masking_key, masking.KEY_BYTES),
+                                  ("self_mask_commitment", self_commitment, DIGEST_BYTES)):
+            if len(value) != size:
+                raise ValueError(f"{name} is {len(value)} bytes: send {size} (a fresh X25519 public key, or the "
+                                 "SHA-256 commitment)")
+        if encryption_key == masking_key:
+            raise ValueError("encryption_key and masking_key are the same key: make two key pairs")
+        member = Member(client_id, 0, encryption_key, masking_key, self_commitment)
+        held = a.adverts.get(client_id)
+        if held is not None:
+            if held[0] != member:
+                raise DuplicateUpload(f"client {client_id} advertised other keys in this attempt already: an "
+                                      "attempt's keys are fixed once advertised")
+            return
+        for other, (m, _) in a.adverts.items():
+            if {m.encryption_key, m.masking_key} & {encryption_key, masking_key}:
+                raise ValueError(f"these keys are {other}'s: every client advertises its own fresh keys")
+        a.adverts[client_id] = (member, now)
+        self._changed()
+
+    def share(self, client_id: str, shares: Sequence[tuple[str, bytes, bytes, bytes]]) -> None:
+        """A roster member's shares: (recipient, sealed, self commitment, masking commitment) for every
+        member of the roster, itself included."""
+        a = self._at(Stage.SHARING)
+        self._in(a.roster, client_id, "the roster (it did not advertise keys in time)")
+        dealt: dict[str, Dealt] = {}
+        for recipient, sealed, b_commit, s_commit in shares:
+            if recipient not in a.roster:
+                raise ValueError(f"a share is addressed to {shown(recipient)}, who is not in this attempt's roster: "
+                                 "send one share to each roster member (GetSecureRound.roster)")
+            if recipient in dealt:
+                raise ValueError(f"two shares are addressed to {recipient}: send one to each roster member")
+            if len(sealed) != SEALED_BYTES or len(b_commit) != DIGEST_BYTES or len(s_commit) != DIGEST_BYTES:
+                raise ValueError(f"the share for {recipient} is malformed: a sealed share is {SEALED_BYTES} bytes "
+                                 f"and each commitment {DIGEST_BYTES}")
+            dealt[recipient] = Dealt(sealed, b_commit, s_commit)
+        missing = sorted(set(a.roster) - set(dealt))
+        if missing:
+            raise ValueError(f"no share for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: send one "
+                             "share to each roster member, this client included")
+        held = a.dealt.get(client_id)
+        if held is not None:
+            if held != dealt:
+                raise DuplicateUpload(f"client {client_id} shared other shares in this attempt already")
+            return
+        a.dealt[client_id] = dealt
+        self._changed()
+
+    def view(self, client_id: str) -> View:
+        """What the client may read of the attempt so far."""
+        a = self._current()
+        later = list(Stage)
+        at = later.index(a.stage)
+        roster = tuple(sorted(a.roster.values(), key=lambda m: m.index)) if at > 0 else ()
+        shared = a.shared if at > 1 else ()
+        inbound = tuple((sender, a.dealt[sender][client_id]) for sender in shared if client_id in a.dealt[sender])
+        return View(a.stage, a.threshold, roster, shared, inbound, a.uploaded if at > 2 else ())
+
+    def check_upload(self, client_id: str) -> None:
+        """Raises unless the client may upload its masked vector now."""
+        a = self._at(Stage.UPLOADING)
+        self._in(a.shared, client_id, "those who shared keys")
+
+    def unmask(self, client_id: str, revealed: Sequence[tuple[str, Kind, bytes]]) -> None:
+        """An uploader's revealed shares: of the self mask of every uploader and of the pairwise masks of
+        every member that shared and did not upload, never both of one client."""
+        a = self._at(Stage.UNMASKING)
+        self._in(a.uploaded, client_id, "the uploaders")
+        want = {(c, Kind.SELF_MASK) for c in a.uploaded} | {(c, Kind.MASKING) for c in a.dropped()}
+        got: dict[tuple[str, Kind], bytes] = {}
+        for owner, kind, share in revealed:
+            key = (owner, kind)
+            if key not in want:
+                other = Kind.MASKING if kind is Kind.SELF_MASK else Kind.SELF_MASK
+                why = (f"{shown(owner)} is not in this attempt" if owner not in a.roster else
+                       f"{owner}'s {kind.value} share is not asked for (its {other.value} share is)"
+                       if (owner, other) in want else f"{owner} did not share keys")
+                raise ValueError(f"a revealed share cannot be used: {why}; reveal the self-mask shares of the "
+                                 "uploaders and the masking shares of those who shared and did not upload")
+            if key in got:
+                raise ValueError(f"{owner}'s {kind.value} share is revealed twice")
+            dealt = a.dealt[owner][client_id]
+            committed = dealt.self_commitment if kind is Kind.SELF_MASK else dealt.masking_commitment
+            if len(share) != masking.SEED_BYTES or \
+                    secagg.commitment(a.context, kind.value, owner, client_id, share) != committed:
+                raise ValueError(f"the {kind.value} share of {owner} that {client_id} reveals is not the one {owner} "
+                                 f"dealt to {client_id}: reveal the shares GetSecureRound.inbound sealed for you")
+            got[key] = share
+        if set(got) != want:
+            missing = sorted(f"{o} ({k.value})" for o, k in want - set(got))
+            raise ValueError(f"shares missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        held = a.revealed.get(client_id)
+        if held is not None:
+            if held != got:
+                raise DuplicateUpload(f"client {client_id} revealed other shares in this attempt already")
+            return
+        a.revealed[client_id] = got
+        self._changed()
+
+    # ---- closing stages ----------------------------------------------------------------------
+    def due(self, last_seen: Mapping[str, float], accepted: Mapping[str, float], busy: bool, deadline: float,
+            now: float) -> str | None:
+        """Why the attempt's stage closes now, or None while it stays open. `last_seen`: every joined
+        client; `accepted`: the masked uploads accepted (UPLOADING); `busy`: an upload is making progress."""
+        a = self.attempt
+        if a is None:
+            return None
+        if a.stage is Stage.ADVERTISING:
+            return close_reason(self.rule, OpenRound(last_seen, {c: t for c, (_, t) in a.adverts.items()}, False,
+                                                     0.0, deadline), now)
+        members, acted = {
+            Stage.SHARING: (set(a.roster), set(a.dealt)),
+            Stage.UPLOADING: (set(a.shared), set(accepted)),
+            Stage.UNMASKING: (set(a.uploaded), set(a.revealed)),
+        }[a.stage]
+        if a.stage is Stage.UNMASKING and len(acted) >= a.threshold:
+            return "threshold unmasked"
+        if acted >= members:
+            return "all answered"
+        if busy:
+            return None
+        if not any(self.rule.alive(last_seen.get(c, 0.0), now) for c in members - acted):
+            return "the others are not alive"
+        if now >= a.stage_opened + self.stage_timeout_s:
+            return "stage timeout"
+        return None
+
+    def advance(self, accepted: Sequence[str], now: float) -> str | None:
+        """Closes the stage that is due. Returns why the attempt must be abandoned (fewer than the
+        threshold took part), else None; after UNMASKING closes the caller unmasks (`unmasking`)."""
+        a = self.attempt
+        assert a is not None
+        metrics.SECURE_STAGE_SECONDS.labels(a.stage.value).observe(max(0.0, now - a.stage_opened))
+        if a.stage is Stage.ADVERTISING:
+            ids = sorted(a.adverts)
+            a.roster = {cid: dataclasses.replace(a.adverts[cid][0], index=i + 1) for i, cid in enumerate(ids)}
+            a.threshold = secagg.threshold(self.configured_threshold, len(ids))
+            took = ids
+        elif a.stage is Stage.SHARING:
+            a.shared = tuple(sorted(a.dealt))
+            took = list(a.shared)
+        elif a.stage is Stage.UPLOADING:
+            a.uploaded = tuple(sorted(c for c in accepted if c in a.shared))
+            took = list(a.uploaded)
+        else:
+            took = sorted(a.revealed)
+        if len(took) < max(a.threshold, 2):
+            metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
+            return (f"{len(took)} clients took part in {a.stage.value}, fewer than the threshold of "
+                    f"{max(a.threshold, 2)}")
+        if a.stage is not Stage.UNMASKING:
+            a.stage = list(Stage)[list(Stage).index(a.stage) + 1]
+            a.stage_opened = now
+            log.info("secure stage opened", extra=log_fields(stage=a.stage.value, members=len(took),
+                                                             threshold=a.threshold))
+            self._changed()
+        return None
+
+    def unmasking(self) -> Unmasking:
+        a = self.attempt
+        assert a is not None and a.stage is Stage.UNMASKING
+        return Unmasking(a.context, a.threshold, dict(a.roster), a.shared, a.uploaded,
+                         {h: dict(s) for h, s in a.revealed.items()})
+
+    # ---- internals -----------------------------------------------------------------------
+    def _current(self) -> Attempt:
+        if self.attempt is None:
+            raise StaleRound("no secure round is open: wait for the round status to show an open round")
+        return self.attempt
+
+    def _at(self, stage: Stage) -> Attempt:
+        a = self._current()
+        if a.stage is not stage:
+            later = list(Stage).index(a.stage) > list(Stage).index(stage)
+            raise StaleRound(f"the {stage.value} stage of this attempt is {'over' if later else 'not open yet'} (the "
+                             f"attempt is {a.stage.value}): follow RoundStatus.secure_stage")
+        return a
+
+    @staticmethod
+    def _in(members: Mapping[str, object] | Sequence[str], client_id: str, what: str) -> None:
+        if client_id not in members:
+            raise NotInRoster(f"client {shown(client_id)} is not among {what} in this attempt: it sits this attempt "
+                              "out and takes part in the next attempt or round")
+
+    @staticmethod
+    def _forget(a: Attempt) -> None:
+        a.dealt.clear()
+        a.revealed.clear()
+
+
+# ---- unmasking (outside the lock) ---------------------------------------------------------------
+def unmask_sum(u: Unmasking, uploads: Mapping[str, BinaryIO], length: int):
+    """The wrapped sum of the uploaders' values: their masked uploads less every mask, rebuilt from the
+    revealed shares. SecureError where a rebuilt seed is not the one its owner committed to."""
+    holders = sorted(u.revealed, key=lambda h: u.roster[h].index)
+
+    def seed_of(owner: str, kind: Kind) -> masking.Secret:
+        shares = [(u.roster[h].index, u.revealed[h][(owner, kind)]) for h in holders]
+        return secagg.rebuild(shares, u.threshold)
+
+    self_keys, pair_terms = [], []
+    for owner in u.uploaded:
+        seed = seed_of(owner, Kind.SELF_MASK)
+        try:
+            if secagg.commitment(u.context, "self", owner, "", seed.reveal()) != u.roster[owner].self_commitment:
+                raise SecureError(f"the self-mask seed rebuilt for {owner} is not the one it committed to")
+            self_keys.append(secagg.self_mask_key(u.context, seed.reveal()))
+        finally:
+            seed.wipe()
+    for gone in (c for c in u.shared if c not in u.uploaded):
+        seed = seed_of(gone, Kind.MASKING)
+        try:
+            pair = masking.KeyPair(seed)
+        finally:
+            seed.wipe()
+        if pair.public != u.roster[gone].masking_key:
+            raise SecureError(f"the masking key rebuilt for {gone} is not the one it advertised")
+        for owner in u.uploaded:  # the owner added +PRG(s) for a peer above it, -PRG(s) for one below
+            pair_terms.append((secagg.pair_key(pair, u.roster[owner].masking_key, u.context),
+                               +1 if gone > owner else -1))
+    return secagg.unmasked_sum([uploads[c] for c in u.uploaded], length, self_keys, pair_terms)
