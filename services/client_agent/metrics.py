@@ -31,6 +31,8 @@ WRITTEN = prometheus_client.Counter(
 HEARTBEATS = prometheus_client.Counter(
     "fedse_client_heartbeats", "Heartbeats to the aggregator, by outcome: sent (acknowledged) or failed.",
     ["outcome"])
+for _outcome in ("sent", "failed"):  # served from the start, 0 until the first beat
+    HEARTBEATS.labels(_outcome)
 BUFFER = prometheus_client.Gauge("fedse_client_buffer_trajectories", "Trajectories in the buffer.")
 LOSS = prometheus_client.Gauge("fedse_client_train_loss", "Mean training loss of the last round.")
 TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds spent training the LoRA.")

@@ -66,6 +66,9 @@ class SecureRound:
         the round is over before this client could take part."""
         while True:
             st = self.fed.status()
+            if st.state == fpb.ROUND_STATE_WAITING_FOR_CLIENTS:  # round 0 opens once enough clients joined
+                self._wait(lambda s: s.state != fpb.ROUND_STATE_WAITING_FOR_CLIENTS)
+                continue
             if st.round != round_ or st.state not in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_AGGREGATING):
                 raise StaleRound(round_, st, "the round is over")
             if st.state == fpb.ROUND_STATE_OPEN and st.secure_stage == fpb.SECURE_STAGE_ADVERTISING:
