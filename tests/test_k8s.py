@@ -1,11 +1,12 @@
 """The Kubernetes manifests (k8s/), without a cluster.
 
 Every scenario is built with `kubectl kustomize`: the default federation (k8s/), each component on
-top of it, all components together, and the on-prem overlay for each environment. The components'
-scenarios are written to a temporary directory from k8s/kustomization.yaml itself (its namespace,
-labels, images and resources, plus the component), so they are exactly what uncommenting the
-component there gives; the on-prem overlay's other environments are a copy of k8s/ with the one line
-that picks the pair changed, as docs/join-a-federation.md tells an organisation to do.
+top of it, components that belong together (secure aggregation over mTLS), all components together,
+and the on-prem overlay for each environment. The components' scenarios are written to a temporary
+directory from k8s/kustomization.yaml itself (its namespace, labels, images and resources, plus the
+components), so they are exactly what uncommenting the components there gives; the on-prem
+overlay's other environments are a copy of k8s/ with the one line that picks the pair changed, as
+docs/join-a-federation.md tells an organisation to do.
 
 Every rendered object of a core Kubernetes kind is validated, offline, against the Kubernetes
 OpenAPI schemas that `kubernetes-validate` ships (strict: unknown fields fail). Custom resources
@@ -36,7 +37,9 @@ import yaml
 
 from support import K8S, KUBECTL, REPO, kustomize, service_module, write_scenario
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
-COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos")
+COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos", "secure-aggregation")
+# Scenarios of several components that belong together, besides all of them at once.
+COMBINATIONS = {"secure-aggregation-over-mtls": ["mtls", "secure-aggregation"]}
 NAMESPACE = "fedse"
 # Schemas checked: the oldest Kubernetes release the manifests are meant for (native gRPC probes
 # are GA since 1.27) and the newest kubernetes-validate knows.
@@ -60,6 +63,7 @@ def scenario_dirs() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"default": []}
     for c in COMPONENTS:
         out[c] = [c]
+    out.update(COMBINATIONS)
     out["all-components"] = list(COMPONENTS)
     return out
 
@@ -585,6 +589,34 @@ def test_monitoring_component(scenario_tmp):
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     source = K8S / "components" / "monitoring" / "fedse-dashboard.json"
     assert json.loads(dash["data"]["fedse-dashboard.json"]) == json.loads(source.read_text())
+
+
+def test_secure_aggregation_component_switches_on_the_aggregator_alone(scenario_tmp, tmp_path):
+    from fedse.secagg import STRATEGIES
+
+    def aggregator(name):
+        (agg,) = [(w, c) for w, c in containers(list(_render(name, scenario_tmp)))
+                  if module_of(c) == "services.aggregator"]
+        return program_config(*agg, tmp_path)
+
+    assert not aggregator("default").secure_aggregation and not aggregator("mtls").secure_aggregation
+    for name in ("secure-aggregation", "secure-aggregation-over-mtls", "all-components"):
+        cfg = aggregator(name)
+        # What the aggregator's own configuration accepts with it: fedavg or weighted, two clients or more.
+        assert cfg.secure_aggregation and cfg.strategy in STRATEGIES and cfg.min_clients >= 2, name
+    # Over mTLS: the aggregator serves TLS and admits only the five client ids.
+    cfg = aggregator("secure-aggregation-over-mtls")
+    assert cfg.tls_cert and cfg.tls_ca and set(cfg.allowed_clients.split(",")) == {f"org-{e}" for e in ENVS}
+    # Nothing else changes: the client agents follow the run's settings.
+    def without_aggregator(name):
+        return [d for d in _render(name, scenario_tmp)
+                if (d["kind"], d["metadata"]["name"]) != ("Deployment", "aggregator")]
+
+    assert without_aggregator("secure-aggregation-over-mtls") == without_aggregator("mtls")
+    assert without_aggregator("secure-aggregation") == without_aggregator("default")
+    # Its header says mTLS is its precondition.
+    header = (K8S / "components" / "secure-aggregation" / "kustomization.yaml").read_text().split("apiVersion")[0]
+    assert "components/mtls" in header and "Precondition" in header
 
 
 # ---- network policies -------------------------------------------------------------------------------
