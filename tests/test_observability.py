@@ -176,6 +176,9 @@ def test_dashboard_covers_the_federation_and_uses_the_datasource_variable():
         "clients alive": "fedse_aggregator_clients_alive",
         "clients joined": "fedse_aggregator_clients_joined",
         "round number": "fedse_aggregator_round",
+        "secure aggregation's stage durations": "fedse_aggregator_secure_stage_seconds_bucket",
+        "secure aggregation's dropouts recovered": "fedse_aggregator_secure_dropouts_recovered_total",
+        "secure aggregation's attempts aborted": "fedse_aggregator_secure_attempts_aborted_total",
     }
     assert {k: v for k, v in wanted.items() if v not in used} == {}
     exprs = [q for _, q in dashboard_queries(dashboard)]
@@ -183,6 +186,7 @@ def test_dashboard_covers_the_federation_and_uses_the_datasource_variable():
     assert any("histogram_quantile(0.5" in e and "grpc_method" in e for e in exprs)
     assert any("avg by (env)" in e and "fedse_client_test_success_ratio" in e for e in exprs)
     assert any('outcome!="accepted"' in e and "by (outcome)" in e for e in exprs)
+    assert any("histogram_quantile(0.95" in e and "by (le, stage)" in e for e in exprs)
 
 
 EXPOSITION_SCRIPT = """
@@ -226,7 +230,8 @@ def test_promtool_check_can_fail():
 
 def test_no_label_can_hold_trajectory_text():
     # Labels are fixed words or operator-chosen names; none is free text from an episode.
-    allowed = {"env", "outcome", "phase", "source", "client_id", "grpc_service", "grpc_method", "grpc_code"}
+    allowed = {"env", "outcome", "phase", "source", "stage", "client_id", "grpc_service", "grpc_method",
+               "grpc_code"}
     metrics = [(name, obj) for module in (fedse.serving, services.aggregator.metrics, services.client_agent.metrics,
                                           services.env_server.metrics)
                for name, obj in vars(module).items() if isinstance(obj, prometheus_client.metrics.MetricWrapperBase)]
