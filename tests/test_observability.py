@@ -203,6 +203,9 @@ elif sys.argv[1] == "aggregator":
     from services.aggregator import metrics as m
     m.ROUND_SECONDS.observe(3.0)
     m.AGGREGATE_SECONDS.observe(0.2)
+    m.SECURE_STAGE_SECONDS.labels("sharing").observe(0.5)
+    m.SECURE_DROPOUTS_RECOVERED.inc()
+    m.SECURE_ATTEMPTS_ABORTED.labels("uploading").inc()
 else:
     from services.client_agent import metrics as m
     m.init_client("org-a", "maze")

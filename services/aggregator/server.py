@@ -44,8 +44,9 @@ class AggregatorConfig(Security):
     trim_fraction: float = field(0.2, "trimmed_mean: fraction of clients cut from each end, per coordinate")
     clip_norm: float = field(0.0, "clip each client's update (its adapter minus the round's global one) to this "
                                   "L2 norm before aggregating; 0 = off")
-    noise_multiplier: float = field(0.0, "central differential privacy: add Gaussian noise of std "
-                                         "noise-multiplier * clip-norm / clients to the aggregate; needs clip-norm")
+    noise_multiplier: float = field(0.0, "differential privacy: Gaussian noise of std noise-multiplier * clip-norm "
+                                         "on the sum of the updates (central: added to the aggregate; with "
+                                         "secure-aggregation each client adds its part); needs clip-norm")
     secure_aggregation: bool = field(False, "secure aggregation: clients upload masked adapters and the aggregator "
                                             "learns only their mean (strategies fedavg and weighted; a round "
                                             "needs 2 clients or more; run it over mTLS, which says who takes part)")
