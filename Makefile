@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-kernels images clean
+.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-kernels images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,7 +39,7 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: bench-env bench-aggregation bench-transfer bench-kernels
+bench: bench-env bench-aggregation bench-transfer bench-secure bench-kernels
 
 bench-env: $(STAMP)
 	$(PY) bench/env_throughput.py
@@ -49,6 +49,9 @@ bench-aggregation: $(STAMP)
 
 bench-transfer: $(STAMP)
 	$(PY) bench/transfer.py
+
+bench-secure: $(STAMP)
+	$(PY) bench/secure_round.py
 
 bench-kernels: $(STAMP)
 	$(PY) bench/kernel_lengths.py

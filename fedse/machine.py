@@ -26,14 +26,21 @@ def available_cores() -> int:
     return max(1, cores)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bfloat16 natively (AMX or AVX512-BF16), where bf16 matmuls run
-    several times faster than fp32."""
+def cpu() -> tuple[str, set[str]]:
+    """The CPU's model name and flags, from /proc/cpuinfo ("", {} where it cannot be read)."""
     try:
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return "", set()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("model name", ""), set(fields.get("flags", "").split())
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bfloat16 natively (AMX or AVX512-BF16), where bf16 matmuls run
+    several times faster than fp32."""
+    flags = cpu()[1]
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

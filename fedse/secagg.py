@@ -76,16 +76,24 @@ class Layout:
         return 8 * self.length
 
     def encode(self, adapter: Mapping[str, torch.Tensor], weight: int) -> np.ndarray:
-        """The vector enc([x, 1]) (or enc([x, 1, w*x, w]) for weighted), uint64; SecureError for a
-        value outside the fixed-point range."""
-        x = np.concatenate([adapter[n].detach().to(torch.float64).reshape(-1).numpy() for n in self.names]
-                           + [np.ones(1)])
-        if self.weighted:
-            x = np.concatenate([x, x * float(weight)])
+        """The vector enc([x, 1]) (or enc([x, 1, w*x, w]) for weighted), uint64, made tensor by tensor (no
+        float64 copy of the whole adapter); SecureError for a value outside the fixed-point range."""
+        out = np.empty(self.length, dtype=np.uint64)
+        half = self.values + 1
+        at = 0
         try:
-            return fx.encode(x)
+            for name in self.names:
+                x = adapter[name].detach().to(torch.float64).reshape(-1).numpy()
+                out[at:at + x.size] = fx.encode(x)
+                if self.weighted:
+                    out[half + at:half + at + x.size] = fx.encode(x * float(weight))
+                at += x.size
+            out[self.values] = fx.encode(np.ones(1))[0]
+            if self.weighted:
+                out[-1] = fx.encode(np.array([float(weight)]))[0]
         except ValueError as exc:
             raise SecureError(f"this adapter cannot be masked: {exc}") from None
+        return out
 
     def decode_mean(self, total: np.ndarray, count: int) -> dict[str, torch.Tensor]:
         """The mean adapter (float64 tensors) of the `count` vectors whose wrapped sum is `total`. The
@@ -273,6 +281,8 @@ def unmasked_sum(uploads: Sequence[BinaryIO], length: int, self_keys: Sequence[b
     return total
 
 
-def pack_u64(values: np.ndarray) -> bytes:
-    return values.astype("<u8", copy=False).tobytes()
+def pack_u64(values: np.ndarray) -> np.ndarray:
+    """The vector's little-endian bytes, as a view where the machine is little-endian (no copy): what
+    a masked upload carries."""
+    return values.astype("<u8", copy=False).view(np.uint8)
 

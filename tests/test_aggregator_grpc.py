@@ -379,3 +379,25 @@ def test_join_takes_tensor_dtypes_in_torch_or_safetensors_spelling(aggregator, p
                                           schema=spelled(dtype)))
             assert err.value.code() == code and says in err.value.details(), err.value.details()
         c2.close()
+
+
+def test_clients_waiting_on_watch_round_do_not_starve_the_next_join(tmp_path, peft_model):
+    """40 clients wait on WatchRound (a server thread each); a 41st still joins, and the round opens."""
+    _, state, config_json = peft_model
+    schema = ad.Schema.of(state, config_json)
+    with aggregator_in_process(tmp_path, start_clients=41) as (_agg, port, _):
+        target = f"127.0.0.1:{port}"
+        clients = [FederationClient(target, f"org-{i:02d}", retries=0, timeout_s=10) for i in range(41)]
+        watchers = []
+        try:
+            for c in clients[:40]:
+                c.join("maze", TINY_MODEL_NAME, schema)
+                watchers.append(c.stub.WatchRound(fpb.RoundStatusRequest(client_id=c.client_id), timeout=60))
+                next(watchers[-1])  # the stream is open and holds its server thread
+            clients[40].join("maze", TINY_MODEL_NAME, schema)  # waited forever with a 16-thread pool
+            assert clients[40].status().state == fpb.ROUND_STATE_OPEN
+        finally:
+            for w in watchers:
+                w.cancel()
+            for c in clients:
+                c.close()

@@ -99,7 +99,7 @@ class RoundKeeper:
                                  dataclasses.replace(self._rule, min_clients=max(2, settings.min_clients)),
                                  self._changed_locked) if settings.secure else None
         self.uploads = UploadDesk(settings, store, self.run, self._cond, clock, self._changed_locked, self.secure,
-                                  lambda: self.layout().nbytes)
+                                  (lambda: self.layout().nbytes) if settings.secure else None)
         if self.secure is not None and self.run.state is State.OPEN:
             with self._cond:  # keys and shares were only in memory: the round's secure stages start again
                 self._new_attempt_locked("the aggregator restarted")

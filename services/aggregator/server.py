@@ -8,6 +8,7 @@ import pathlib
 import threading
 
 from fedse.config import ConfigError, field, parse_or_exit
+from fedse.fixedpoint import MAX_CLIENTS
 from fedse.secagg import STRATEGIES as SECURE_STRATEGIES
 from fedse.security import Security, peer_identity, server_credentials, server_interceptors
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
@@ -18,6 +19,12 @@ from .servicer import FederationServicer
 from .state import RunSettings
 from .store import Store
 from .strategies import STRATEGIES, StrategyParams, validate_params
+
+
+# Worker threads: every client holds a WatchRound stream (one thread each) while it waits for a round,
+# so a pool smaller than the federation leaves joins, uploads and heartbeats queued behind the watchers
+# for good. Room for as many clients as a fixed-point sum holds, and their calls; made as needed.
+WORKERS = MAX_CLIENTS + 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +137,7 @@ class Aggregator:
             torch.set_num_threads(config.torch_threads)
         self.federation = RoundKeeper(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id,
                                                                   masked=config.secure_aggregation))
-        self.service = Service("aggregator", config.address, credentials=server_credentials(config),
+        self.service = Service("aggregator", config.address, max_workers=WORKERS, credentials=server_credentials(config),
                                interceptors=server_interceptors(config), health_address=config.health_address)
         fpb_grpc.add_FederationServiceServicer_to_server(
             FederationServicer(self.federation, identity=peer_identity), self.service.server)

@@ -400,7 +400,7 @@ class ClientAgent:
         the round closed with it in the sum."""
         cfg = self.run_config
         previous = self.fed.download(p.round).adapter() if cfg.clip_norm > 0 else None
-        contribution = Contribution(ad.decode_transport(data, torch.float64), previous,
+        contribution = Contribution(ad.decode_transport(data), previous,
                                     p.num_successes if cfg.strategy == "weighted" else 1, p.num_examples,
                                     p.num_successes)
         layout = secagg.Layout.of(self.schema, cfg.strategy)

@@ -80,8 +80,7 @@ class SecureRound:
             else:
                 log.info("key advertisement of this attempt is over; waiting for the next attempt or round",
                          extra=log_fields(round=round_, stage=fpb.SecureStage.Name(st.secure_stage)))
-            self._wait(lambda s, n=st.round_nonce: s.round != round_ or s.state != fpb.ROUND_STATE_OPEN
-                       or (s.round_nonce != n and s.secure_stage == fpb.SECURE_STAGE_ADVERTISING))
+            self._wait(lambda s, n=st.round_nonce: s.round != round_ or s.round_nonce != n)
 
     # ---- one attempt ---------------------------------------------------------------------------
     def _attempt(self, round_: int, nonce: str, c: Contribution, on_step: Callable[[str], None]) -> bool:
@@ -107,13 +106,13 @@ class SecureRound:
                                   f"shared ({shared}): this client will not take part in this attempt")
             self._upload(round_, nonce, me, c, [roster[v] for v in shared], t)
             on_step("uploaded")
-            sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UNMASKING, closed_ok=True)
-            if sr is not None:
-                try:
+            try:
+                sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UNMASKING, closed_ok=True)
+                if sr is not None:
                     self._call(lambda: self.fed.unmask(round_, nonce, self._reveal(me.client_id, sr, shared, held, t)))
                     on_step("unmasked")
-                except AttemptOver:
-                    pass  # the unmasking closed without our shares: the status below says how it ended
+            except AttemptOver:
+                pass  # the unmasking closed without our shares: the status below says how it ended
             st = self._wait(lambda s: s.round != round_ or s.round_nonce != nonce)
             if st.round == round_:
                 raise AttemptOver("the aggregator abandoned the attempt after our upload")
