@@ -11,8 +11,11 @@ the round to open, says ready; when all are ready they are told to go at once, a
           the round closed.
 The round's time is from the first client going to the last one seeing the round closed, so it holds
 the aggregation (the mean, or the unmasking) and phi_1 written. The clients share this machine's
-cores, as they would not in a federation: the per-client work (masking, K mask streams) is timed in
-the clients and printed apart, with the aggregator's stage times from its log.
+cores, as they would not in a federation. Printed apart: each client's masking (its K mask streams
+added to its vector), the mean time from a client's shares sent to its masked upload acknowledged
+(getting and opening the shares, encoding, masking, hashing and uploading 8 bytes per value), and
+the aggregator's stages from its log (each stage from its opening to the next one's; "aggregate"
+is the unmasking: the masked uploads summed, the masks rebuilt and removed, phi_1 written).
 
     .venv/bin/python bench/secure_round.py [--ks 5,20] [--sizes smollm2,80mb] [--workdir /tmp]
 """
@@ -82,7 +85,7 @@ def client(target: str, client_id: str, size: str, seed: int, secure: bool) -> N
         layout = secagg.Layout.of(schema, "fedavg")
         timing = _timed_masking()
         SecureRound(fed, config.run_id, config, layout, START_S).take_part(
-            st.round, Contribution(adapter, None, 1, 1, 1))
+            st.round, Contribution(adapter, None, 1, 1, 1), lambda step: t.__setitem__(step, time.monotonic()))
         t["mask_s"] = timing.seconds
     else:
         fed.upload(st.round, data, num_examples=1, num_successes=1, adapter_config_json=CONFIG_JSON,
@@ -134,6 +137,7 @@ def run_case(work: pathlib.Path, k: int, size: str, secure: bool) -> dict:
         out = {"round_s": max(s["closed"] for s in stamps) - min(s["go"] for s in stamps)}
         if secure:
             out["mask_s"] = sum(s["mask_s"] for s in stamps) / k
+            out["client_upload_s"] = sum(s["uploaded"] - s["shared"] for s in stamps) / k
         out.update(stages(agg.log_path))
         return out
     finally:
@@ -176,7 +180,8 @@ def main() -> None:
     model, flags = cpu()
     print(f"# {model or platform.machine()}, {os.cpu_count()} cores, "
           f"{'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}", flush=True)
-    print(f"{'adapter':>8} {'K':>3} {'plain s':>8} {'secure s':>9} {'x plain':>8} {'mask/client s':>14}  secure stages (s)")
+    print(f"{'adapter':>8} {'K':>3} {'plain s':>8} {'secure s':>9} {'x plain':>8} {'mask/client s':>14} "
+          f"{'shared->uploaded s':>19}  aggregator: secure stages (s)")
     try:
         for size in a.sizes.split(","):
             mb = sum(r * c for r, c in shapes(size).values()) * 4 / 1e6
@@ -184,9 +189,10 @@ def main() -> None:
                 plain = run_case(work, k, size, secure=False)
                 secure = run_case(work, k, size, secure=True)
                 detail = ", ".join(f"{n.removesuffix('_s')} {v:.2f}" for n, v in secure.items()
-                                   if n not in ("round_s", "mask_s"))
+                                   if n not in ("round_s", "mask_s", "client_upload_s"))
                 print(f"{mb:6.1f}MB {k:>3} {plain['round_s']:>8.2f} {secure['round_s']:>9.2f} "
-                      f"{secure['round_s'] / plain['round_s']:>7.2f}x {secure['mask_s']:>14.2f}  {detail}", flush=True)
+                      f"{secure['round_s'] / plain['round_s']:>7.2f}x {secure['mask_s']:>14.2f} "
+                      f"{secure['client_upload_s']:>19.2f}  {detail}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

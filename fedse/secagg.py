@@ -30,7 +30,7 @@ from fedse import masking
 from fedse.adapter import Schema
 
 MASKED_DTYPE = "masked-uint64"  # AdapterHeader.transport_dtype of a masked upload
-BLOCK = 1 << 20  # ring elements masked at a time (8 MiB)
+BLOCK = 1 << 15  # ring elements masked at a time (256 KiB: the block stays in cache while every mask is added)
 SHARE_PLAINTEXT = 2 * masking.SEED_BYTES
 STRATEGIES = ("fedavg", "weighted")  # the strategies a masked sum can give
 
@@ -205,12 +205,10 @@ class Participant:
 
     def mask(self, vector: np.ndarray, peers: Iterable["Member"]) -> np.ndarray:
         """y = vector + PRG(b) +- PRG(s_uv) for every peer v (members of U2 but this client), in place."""
-        add_stream(vector, self_mask_key(self.ctx, self._self_seed.reveal()), +1)
-        for peer in peers:
-            if peer.client_id == self.client_id:
-                continue
-            sign = +1 if peer.client_id > self.client_id else -1
-            add_stream(vector, pair_key(self.masking, peer.masking_key, self.ctx), sign)
+        terms = [(self_mask_key(self.ctx, self._self_seed.reveal()), +1)]
+        terms += [(pair_key(self.masking, peer.masking_key, self.ctx), +1 if peer.client_id > self.client_id else -1)
+                  for peer in peers if peer.client_id != self.client_id]
+        add_streams(vector, terms)
         return vector
 
     def wipe(self) -> None:
@@ -237,11 +235,16 @@ def pair_key(pair: masking.KeyPair, peer_public: bytes, ctx: bytes) -> bytes:
     return pair.agree(peer_public, ctx + b"|pair mask")
 
 
-def add_stream(vector: np.ndarray, key: bytes, sign: int) -> None:
-    """vector += sign * PRG(key) in Z_2^64, in place, a block at a time."""
-    stream = masking.MaskStream(key)
+def add_streams(vector: np.ndarray, terms: Sequence[tuple[bytes, int]]) -> None:
+    """vector += sum(sign * PRG(key)) over `terms` in Z_2^64, in place: block by block, each block
+    taking every mask while it sits in the CPU's cache."""
+    streams = [(masking.MaskStream(key), sign) for key, sign in terms]
     for at in range(0, len(vector), BLOCK):
-        part = vector[at:at + BLOCK]
+        _add_masks(vector[at:at + BLOCK], streams)
+
+
+def _add_masks(part: np.ndarray, streams: Sequence[tuple[masking.MaskStream, int]]) -> None:
+    for stream, sign in streams:
         mask = stream.next(len(part))
         if sign > 0:
             np.add(part, mask, out=part)
@@ -272,12 +275,7 @@ def unmasked_sum(uploads: Sequence[BinaryIO], length: int, self_keys: Sequence[b
             if len(raw) != 8 * len(part):
                 raise SecureError(f"a masked upload ended at element {at + len(raw) // 8} of {length}")
             np.add(part, np.frombuffer(raw, dtype="<u8"), out=part)
-        for stream, sign in streams:
-            mask = stream.next(len(part))
-            if sign > 0:
-                np.add(part, mask, out=part)
-            else:
-                np.subtract(part, mask, out=part)
+        _add_masks(part, streams)
     return total
 
 
