@@ -156,8 +156,23 @@ def seal_associated(ctx: bytes, sender: str, recipient: str) -> bytes:
     return ctx + f"|share|{sender}|{recipient}".encode()
 
 
+def neighbours(ids: Sequence[str], ctx: bytes, degree: int) -> dict[str, frozenset[str]]:
+    """Each roster member's neighbourhood, itself included: those it shares its seeds with and masks
+    against. Everyone where `degree` is 0 or reaches the others; else a random Harary graph (Bell et
+    al. 2020): the members in an order drawn from the attempt's context, each joined to the
+    ceil(degree/2) members on either side of it, so every neighbourhood has the same size."""
+    n = len(ids)
+    if degree <= 0 or degree >= n - 1:
+        everyone = frozenset(ids)
+        return {cid: everyone for cid in ids}
+    order = sorted(ids, key=lambda cid: hashlib.sha256(ctx + b"|order|" + cid.encode()).digest())
+    half = (degree + 1) // 2
+    return {cid: frozenset(order[(i + j) % n] for j in range(-half, half + 1)) for i, cid in enumerate(order)}
+
+
 def threshold(configured: int, members: int) -> int:
-    """Shares that rebuild a seed: the configured number, or a majority of the roster; at least 2."""
+    """Shares that rebuild a seed: the configured number, or a majority of a neighbourhood of
+    `members` (the roster, where everyone is everyone's neighbour); at least 2."""
     return max(2, configured or members // 2 + 1)
 
 
@@ -176,9 +191,9 @@ class Participant:
         self.self_commitment = commitment(ctx, "self", client_id, "", self._self_seed.reveal())
 
     def shares(self, roster: Sequence["Member"], t: int) -> list[tuple[str, bytes, bytes, bytes]]:
-        """For every roster member: (recipient, sealed shares, self-share commitment, masking-share
-        commitment). Member i (1-based index) gets share i of each seed."""
-        n = len(roster)
+        """For every member given (the client's neighbourhood): (recipient, sealed shares, self-share
+        commitment, masking-share commitment). The member of roster index i gets share i of each seed."""
+        n = max(m.index for m in roster)
         self_shares = dict(masking.split(self._self_seed, t, n))
         mask_shares = dict(masking.split(self._mask_seed, t, n))
         out = []

@@ -205,3 +205,25 @@ def test_a_plain_upload_to_a_secure_run_is_refused(tmp_path):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "masked vector" in err.value.details()
         assert SCHEMA.tensors
+
+
+def test_neighbourhoods_are_a_random_harary_graph():
+    ids = [f"org-{i:02d}" for i in range(11)]
+    graph = secagg.neighbours(ids, b"run|nonce-1", 4)
+    assert all(cid in near and len(near) == 5 for cid, near in graph.items())
+    assert all(a in graph[b] for a in ids for b in graph[a])  # symmetric
+    assert graph == secagg.neighbours(list(reversed(ids)), b"run|nonce-1", 4)  # every party draws the same
+    assert graph != secagg.neighbours(ids, b"run|nonce-2", 4)  # each attempt its own
+    assert set(secagg.neighbours(ids, b"c", 0)["org-00"]) == set(ids)
+    assert set(secagg.neighbours(ids[:4], b"c", 4)["org-00"]) == set(ids[:4])
+
+
+def test_a_sparse_neighbourhood_recovers_dropouts_before_and_after_the_upload(tmp_path):
+    """Nine clients, four neighbours each (threshold 3 of 5): org-7 dies after its masked upload, org-8
+    after sharing; the mean is over the eight uploads."""
+    with federation(tmp_path, 9, secure_neighbours=4) as (_, _, _, parties):
+        assert parties[0].config.secure_neighbours == 4
+        parties[7].hold_at, parties[8].hold_at = "uploaded", "shared"
+        threads = [p.start() for p in parties]
+        assert finish(parties[:7], threads[:7]) == [True] * 7
+        assert_equals_mean(published(parties[0]), mean_of(parties[:8]))

@@ -208,18 +208,20 @@ class FederationServiceServicer:
         1. ADVERTISING: each client sends two fresh X25519 public keys (AdvertiseKeys). The stage
         closes as a plain round closes on uploads (every joined client advertised, or min_clients
         did and the rest are not alive, or waited long enough); who advertised is the roster U1.
-        2. SHARING: each member of U1 sends, for every member of U1 (itself included), Shamir shares
-        of its two mask seeds sealed for that member (ShareKeys); the aggregator relays them
+        2. SHARING: each member of U1 sends, for every member of its neighbourhood (itself included;
+        everyone, unless RunConfig.secure_neighbours makes the graph sparse), Shamir shares of its
+        two mask seeds sealed for that member (ShareKeys); the aggregator relays them
         (GetSecureRound.inbound). Who shared is U2.
         3. UPLOADING: each member of U2 uploads its masked vector over UploadAdapter (the header
         carries the attempt's round_nonce and transport_dtype "masked-uint64"). Who uploaded is U3.
         4. UNMASKING: each member of U3 reveals the shares it holds of the self-mask seed of every
-        member of U3, and of the pairwise-mask seed of every member of U2 not in U3, never both
-        of one client (Unmask). With `threshold` answers the aggregator removes the masks and
-        publishes the mean as the next global adapter.
+        neighbour in U3, and of the pairwise-mask seed of every neighbour in U2 not in U3, never
+        both of one client (Unmask). Once every seed it needs has `threshold` shares revealed, the
+        aggregator removes the masks and publishes the mean as the next global adapter.
         Stages 2 to 4 close when every member of the stage's set that is alive has answered, or
         RunConfig.secure_stage_timeout_s after the stage opened. A stage that closes with fewer than
-        `threshold` members aborts the attempt: nothing of it is published, and the round starts a new
+        `threshold` members (at UPLOADING and UNMASKING also: with a client whose seed fewer than
+        `threshold` of its neighbours could reveal) aborts the attempt: nothing of it is published, and the round starts a new
         attempt at ADVERTISING with a new round_nonce (a restarted aggregator does the same). Clients
         make fresh keys for every attempt and re-mask the same adapter.
 

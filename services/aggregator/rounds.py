@@ -97,7 +97,7 @@ class RoundKeeper:
         # A secure round needs two uploads or more: the mean of one is that client's adapter.
         self.secure = SecureDesk(settings.run_id, settings.secure_threshold, settings.secure_stage_timeout_s,
                                  dataclasses.replace(self._rule, min_clients=max(2, settings.min_clients)),
-                                 self._changed_locked) if settings.secure else None
+                                 self._changed_locked, settings.secure_neighbours) if settings.secure else None
         self.uploads = UploadDesk(settings, store, self.run, self._cond, clock, self._changed_locked, self.secure,
                                   (lambda: self.layout().nbytes) if settings.secure else None)
         if self.secure is not None and self.run.state is State.OPEN:

@@ -67,6 +67,7 @@ class Attempt:
     threshold: int = 0
     adverts: dict[str, tuple[Member, float]] = dataclasses.field(default_factory=dict)
     roster: dict[str, Member] = dataclasses.field(default_factory=dict)
+    neighbours: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
     dealt: dict[str, dict[str, Dealt]] = dataclasses.field(default_factory=dict)
     shared: tuple[str, ...] = ()
     uploaded: tuple[str, ...] = ()
@@ -75,6 +76,18 @@ class Attempt:
     def dropped(self) -> list[str]:
         """Members that shared but did not upload: their pairwise masks are rebuilt."""
         return [c for c in self.shared if c not in self.uploaded]
+
+    def wanted(self, holder: str) -> set[tuple[str, Kind]]:
+        """The shares `holder` reveals: of its neighbours, the self-mask seeds of those that uploaded
+        and the masking seeds of those that shared and did not."""
+        near = self.neighbours[holder]
+        return {(c, Kind.SELF_MASK) for c in self.uploaded if c in near} | \
+            {(c, Kind.MASKING) for c in self.dropped() if c in near}
+
+    def short(self, holders: Sequence[str] | Mapping[str, object]) -> list[str]:
+        """The members whose seed the unmasking needs and fewer than the threshold of `holders` (their
+        neighbours among them) could reveal."""
+        return [c for c in self.shared if sum(h in self.neighbours[c] for h in holders) < self.threshold]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +110,7 @@ class Unmasking:
     context: bytes
     threshold: int
     roster: Mapping[str, Member]
+    neighbours: Mapping[str, frozenset[str]]
     shared: tuple[str, ...]
     uploaded: tuple[str, ...]
     revealed: Mapping[str, Mapping[tuple[str, Kind], bytes]]
@@ -104,8 +118,10 @@ class Unmasking:
 
 class SecureDesk:
     def __init__(self, run_id: str, configured_threshold: int, stage_timeout_s: float, rule: Rule,
-                 changed: Callable[[], None]):
+                 changed: Callable[[], None], degree: int = 0):
+        """`degree`: each member's neighbours besides itself (0: everyone; secagg.neighbours)."""
         self.run_id = run_id
+        self.degree = degree
         self.configured_threshold = configured_threshold
         self.stage_timeout_s = stage_timeout_s
         self.rule = rule
@@ -167,24 +183,26 @@ class SecureDesk:
 
     def share(self, client_id: str, shares: Sequence[tuple[str, bytes, bytes, bytes]]) -> None:
         """A roster member's shares: (recipient, sealed, self commitment, masking commitment) for every
-        member of the roster, itself included."""
+        member of its neighbourhood (secagg.neighbours), itself included."""
         a = self._at(Stage.SHARING)
         self._in(a.roster, client_id, "the roster (it did not advertise keys in time)")
+        near = a.neighbours[client_id]
         dealt: dict[str, Dealt] = {}
         for recipient, sealed, b_commit, s_commit in shares:
-            if recipient not in a.roster:
-                raise ValueError(f"a share is addressed to {shown(recipient)}, who is not in this attempt's roster: "
-                                 "send one share to each roster member (GetSecureRound.roster)")
+            if recipient not in near:
+                where = "not among its neighbours" if recipient in a.roster else "not in this attempt's roster"
+                raise ValueError(f"a share is addressed to {shown(recipient)}, who is {where}: send one share to "
+                                 "each member of your neighbourhood (secagg.neighbours of GetSecureRound.roster)")
             if recipient in dealt:
-                raise ValueError(f"two shares are addressed to {recipient}: send one to each roster member")
+                raise ValueError(f"two shares are addressed to {recipient}: send one to each neighbour")
             if len(sealed) != SEALED_BYTES or len(b_commit) != DIGEST_BYTES or len(s_commit) != DIGEST_BYTES:
                 raise ValueError(f"the share for {recipient} is malformed: a sealed share is {SEALED_BYTES} bytes "
                                  f"and each commitment {DIGEST_BYTES}")
             dealt[recipient] = Dealt(sealed, b_commit, s_commit)
-        missing = sorted(set(a.roster) - set(dealt))
+        missing = sorted(near - set(dealt))
         if missing:
             raise ValueError(f"no share for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: send one "
-                             "share to each roster member, this client included")
+                             "share to each member of your neighbourhood, this client included")
         held = a.dealt.get(client_id)
         if held is not None:
             if held != dealt:
@@ -213,7 +231,7 @@ class SecureDesk:
         every member that shared and did not upload, never both of one client."""
         a = self._at(Stage.UNMASKING)
         self._in(a.uploaded, client_id, "the uploaders")
-        want = {(c, Kind.SELF_MASK) for c in a.uploaded} | {(c, Kind.MASKING) for c in a.dropped()}
+        want = a.wanted(client_id)
         got: dict[tuple[str, Kind], bytes] = {}
         for owner, kind, share in revealed:
             key = (owner, kind)
@@ -221,7 +239,9 @@ class SecureDesk:
                 other = Kind.MASKING if kind is Kind.SELF_MASK else Kind.SELF_MASK
                 why = (f"{shown(owner)} is not in this attempt" if owner not in a.roster else
                        f"{owner}'s {kind.value} share is not asked for (its {other.value} share is)"
-                       if (owner, other) in want else f"{owner} did not share keys")
+                       if (owner, other) in want else
+                       f"{owner} is not {client_id}'s neighbour" if owner not in a.neighbours[client_id] else
+                       f"{owner} did not share keys")
                 raise ValueError(f"a revealed share cannot be used: {why}; reveal the self-mask shares of the "
                                  "uploaders and the masking shares of those who shared and did not upload")
             if key in got:
@@ -260,7 +280,7 @@ class SecureDesk:
             Stage.UPLOADING: (set(a.shared), set(accepted)),
             Stage.UNMASKING: (set(a.uploaded), set(a.revealed)),
         }[a.stage]
-        if a.stage is Stage.UNMASKING and len(acted) >= a.threshold:
+        if a.stage is Stage.UNMASKING and not a.short(a.revealed):
             return "threshold unmasked"
         if acted >= members:
             return "all answered"
@@ -281,7 +301,8 @@ class SecureDesk:
         if a.stage is Stage.ADVERTISING:
             ids = sorted(a.adverts)
             a.roster = {cid: dataclasses.replace(a.adverts[cid][0], index=i + 1) for i, cid in enumerate(ids)}
-            a.threshold = secagg.threshold(self.configured_threshold, len(ids))
+            a.neighbours = secagg.neighbours(ids, a.context, self.degree)
+            a.threshold = secagg.threshold(self.configured_threshold, len(a.neighbours[ids[0]]) if ids else 0)
             took = ids
         elif a.stage is Stage.SHARING:
             a.shared = tuple(sorted(a.dealt))
@@ -291,8 +312,12 @@ class SecureDesk:
             took = list(a.uploaded)
         else:
             took = sorted(a.revealed)
-        if len(took) < max(a.threshold, 2):
+        short = a.short(took) if a.stage in (Stage.UPLOADING, Stage.UNMASKING) else []
+        if len(took) < max(a.threshold, 2) or short:
             metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
+            if short:
+                return (f"fewer than the threshold of {a.threshold} of the neighbours of {', '.join(short[:5])} took "
+                        f"part in {a.stage.value}: their masks cannot be rebuilt")
             return (f"{len(took)} clients took part in {a.stage.value}, fewer than the threshold of "
                     f"{max(a.threshold, 2)}")
         if a.stage is not Stage.UNMASKING:
@@ -306,7 +331,7 @@ class SecureDesk:
     def unmasking(self) -> Unmasking:
         a = self.attempt
         assert a is not None and a.stage is Stage.UNMASKING
-        return Unmasking(a.context, a.threshold, dict(a.roster), a.shared, a.uploaded,
+        return Unmasking(a.context, a.threshold, dict(a.roster), dict(a.neighbours), a.shared, a.uploaded,
                          {h: dict(s) for h, s in a.revealed.items()})
 
     # ---- internals -----------------------------------------------------------------------
@@ -342,7 +367,7 @@ def unmask_sum(u: Unmasking, uploads: Mapping[str, BinaryIO], length: int):
     holders = sorted(u.revealed, key=lambda h: u.roster[h].index)
 
     def seed_of(owner: str, kind: Kind) -> masking.Secret:
-        shares = [(u.roster[h].index, u.revealed[h][(owner, kind)]) for h in holders]
+        shares = [(u.roster[h].index, u.revealed[h][(owner, kind)]) for h in holders if (owner, kind) in u.revealed[h]]
         return secagg.rebuild(shares, u.threshold)
 
     self_keys, pair_terms = [], []
@@ -362,7 +387,7 @@ def unmask_sum(u: Unmasking, uploads: Mapping[str, BinaryIO], length: int):
             seed.wipe()
         if pair.public != u.roster[gone].masking_key:
             raise SecureError(f"the masking key rebuilt for {gone} is not the one it advertised")
-        for owner in u.uploaded:  # the owner added +PRG(s) for a peer above it, -PRG(s) for one below
+        for owner in (c for c in u.uploaded if c in u.neighbours[gone]):  # +PRG(s) for a peer above, - below
             pair_terms.append((secagg.pair_key(pair, u.roster[owner].masking_key, u.context),
                                +1 if gone > owner else -1))
     return secagg.unmasked_sum([uploads[c] for c in u.uploaded], length, self_keys, pair_terms)

@@ -60,6 +60,9 @@ class AggregatorConfig(Security):
     secure_threshold: int = field(0, "secure aggregation: clients whose shares rebuild a dropped client's masks, "
                                      "the fewest that may finish a round (0 = a majority of those who advertised "
                                      "keys, at least 2)")
+    secure_neighbours: int = field(0, "secure aggregation: each client's neighbours, with whom it shares seeds "
+                                      "and masks (0 = everyone); for large federations (e.g. 40 for 1,000 "
+                                      "clients), the threshold then counts among neighbours")
     secure_stage_timeout_s: float = field(120.0, "secure aggregation: how long the sharing, upload and unmasking "
                                                  "stages wait for clients that are alive")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
@@ -106,6 +109,11 @@ class AggregatorConfig(Security):
                               "unweighted mean: use --strategy fedavg, or set --noise-multiplier 0")
         if self.secure_threshold != 0 and self.secure_threshold < 2:
             raise ConfigError(f"--secure-threshold must be 0 (a majority) or at least 2, got {self.secure_threshold}")
+        if self.secure_neighbours != 0 and self.secure_neighbours < 2:
+            raise ConfigError(f"--secure-neighbours must be 0 (everyone) or at least 2, got {self.secure_neighbours}")
+        if self.secure_threshold > max(self.secure_neighbours + 1, 2) and self.secure_neighbours:
+            raise ConfigError(f"--secure-threshold {self.secure_threshold} is more than a neighbourhood holds "
+                              f"({self.secure_neighbours} neighbours and the client itself)")
         if self.secure_stage_timeout_s <= 0:
             raise ConfigError(f"--secure-stage-timeout-s must be positive, got {self.secure_stage_timeout_s}")
 
@@ -118,6 +126,7 @@ class AggregatorConfig(Security):
             wait_after_min_s=self.wait_after_min_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_interval_s=self.heartbeat_interval_s, params=self.strategy_params(),
             secure=self.secure_aggregation, secure_threshold=self.secure_threshold,
+            secure_neighbours=self.secure_neighbours,
             secure_stage_timeout_s=self.secure_stage_timeout_s,
         )
 

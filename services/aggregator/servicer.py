@@ -122,7 +122,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              max_chunk_bytes=self.chunk_bytes, wait_after_min_s=s.wait_after_min_s,
                              heartbeat_timeout_s=s.heartbeat_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
                              secure_aggregation=s.secure, secure_threshold=s.secure_threshold,
-                             secure_stage_timeout_s=s.secure_stage_timeout_s,
+                             secure_stage_timeout_s=s.secure_stage_timeout_s, secure_neighbours=s.secure_neighbours,
                              clip_norm=s.params.clip_norm if s.secure else 0.0,
                              noise_multiplier=s.params.noise_multiplier if s.secure else 0.0)
 

@@ -50,7 +50,8 @@ class RunSettings:
     params: StrategyParams = StrategyParams()
     start_clients: int = 0  # clients that open round 0 (0 = min_clients)
     secure: bool = False  # secure aggregation: uploads are masked vectors
-    secure_threshold: int = 0  # shares that rebuild a seed (0 = a majority of the roster)
+    secure_threshold: int = 0  # shares that rebuild a seed (0 = a majority of a neighbourhood)
+    secure_neighbours: int = 0  # each client's neighbours (0 = everyone)
     secure_stage_timeout_s: float = 120.0
 
     def fingerprint(self) -> dict[str, Any]:

@@ -90,21 +90,26 @@ class SecureRound:
                                                        me.self_commitment))
             on_step("advertised")
             roster, t = self._roster(self._reached(round_, nonce, fpb.SECURE_STAGE_SHARING))
+            near = secagg.neighbours(sorted(roster), me.ctx, self.config.secure_neighbours)[me.client_id]
+            if t > len(near):
+                raise SecureError(f"the roster asks for a threshold of {t} in a neighbourhood of {len(near)}: this "
+                                  "client will not take part")
             self._call(lambda: self.fed.share_keys(round_, nonce, [
                 fpb.SealedShare(client_id=to, sealed=sealed, self_mask_commitment=b, masking_commitment=s)
-                for to, sealed, b, s in me.shares(list(roster.values()), t)]))
+                for to, sealed, b, s in me.shares([roster[v] for v in sorted(near)], t)]))
             on_step("shared")
             sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UPLOADING)
             assert sr is not None
             shared = list(sr.shared)
             if me.client_id not in shared:
                 raise AttemptOver("our shares arrived after the sharing stage closed")
+            peers = [v for v in shared if v in near]  # the neighbours that shared: the masks' peers
             held = {s.client_id: me.open(roster[s.client_id], s.sealed) for s in sr.inbound
-                    if s.client_id in roster}
-            if set(held) != set(shared):
-                raise SecureError(f"the aggregator relayed shares from {sorted(held)}, not from every client that "
-                                  f"shared ({shared}): this client will not take part in this attempt")
-            self._upload(round_, nonce, me, c, [roster[v] for v in shared], t)
+                    if s.client_id in near}
+            if set(held) != set(peers):
+                raise SecureError(f"the aggregator relayed shares from {sorted(held)}, not from every neighbour that "
+                                  f"shared ({peers}): this client will not take part in this attempt")
+            self._upload(round_, nonce, me, c, [roster[v] for v in peers], t)
             on_step("uploaded")
             try:
                 sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UNMASKING, closed_ok=True)
@@ -138,15 +143,15 @@ class SecureRound:
     def _reveal(me: str, sr: fpb.SecureRound, shared: list[str], held: dict[str, tuple[bytes, bytes]],
                 t: int) -> list[fpb.RevealedShare]:
         """The shares the unmasking needs, once what the aggregator says is checked: the uploaders are
-        clients that shared, at least `t` of them, this client among them."""
-        uploaded = list(sr.uploaded)
-        if not set(uploaded) <= set(shared) or len(uploaded) < t or me not in uploaded:
+        clients that shared, this client among them, and at least `t` of its neighbours (`held`: the
+        shares of its neighbours that shared)."""
+        uploaded = set(sr.uploaded)
+        if not uploaded <= set(shared) or len(uploaded & set(held)) < t or me not in uploaded:
             raise SecureError(f"the aggregator asks to unmask {len(uploaded)} uploads of clients that shared "
-                              f"({len(shared)}), with a threshold of {t}: this client reveals nothing")
-        out = [fpb.RevealedShare(client_id=v, kind=fpb.SHARE_KIND_SELF_MASK, share=held[v][0]) for v in uploaded]
-        out += [fpb.RevealedShare(client_id=v, kind=fpb.SHARE_KIND_MASKING, share=held[v][1])
-                for v in shared if v not in uploaded]
-        return out
+                              f"({len(shared)}), with a threshold of {t} among neighbours: this client reveals nothing")
+        kinds = {True: (fpb.SHARE_KIND_SELF_MASK, 0), False: (fpb.SHARE_KIND_MASKING, 1)}
+        return [fpb.RevealedShare(client_id=v, kind=kinds[v in uploaded][0], share=held[v][kinds[v in uploaded][1]])
+                for v in sorted(held)]
 
     # ---- following the attempt -----------------------------------------------------------------
     def _roster(self, sr: fpb.SecureRound | None) -> tuple[dict[str, Member], int]:
