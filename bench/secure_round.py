@@ -71,6 +71,7 @@ def shapes(size: str) -> dict[str, tuple[int, int]]:
 # ---- a client process (this file run with --client) ---------------------------------------------
 def client(target: str, client_id: str, size: str, seed: int, secure: bool) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"{client_id} %(message)s")
+    torch.set_num_threads(1)  # as a client agent on a shared machine (--torch-threads): no OpenMP spinning
     gen = torch.Generator().manual_seed(seed)
     adapter = {n: torch.randn(s, generator=gen) * 0.01 for n, s in shapes(size).items()}
     schema = ad.Schema.of(adapter, CONFIG_JSON)

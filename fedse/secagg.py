@@ -83,7 +83,8 @@ class Layout:
         at = 0
         try:
             for name in self.names:
-                x = adapter[name].detach().to(torch.float64).reshape(-1).numpy()
+                t = adapter[name].detach().cpu()
+                x = (t if t.dtype in (torch.float32, torch.float64) else t.float()).reshape(-1).numpy()
                 out[at:at + x.size] = fx.encode(x)
                 if self.weighted:
                     out[half + at:half + at + x.size] = fx.encode(x * float(weight))
