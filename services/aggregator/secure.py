@@ -36,6 +36,13 @@ class Stage(enum.Enum):
     UPLOADING = "uploading"
     UNMASKING = "unmasking"
 
+    @property
+    def order(self) -> int:
+        return list(Stage).index(self)
+
+    def next(self) -> "Stage":
+        return list(Stage)[self.order + 1]
+
 
 class Kind(enum.Enum):
     SELF_MASK = "self"
@@ -170,16 +177,12 @@ class SecureDesk:
             raise ValueError("encryption_key and masking_key are the same key: make two key pairs")
         member = Member(client_id, 0, encryption_key, masking_key, self_commitment)
         held = a.adverts.get(client_id)
-        if held is not None:
-            if held[0] != member:
-                raise DuplicateUpload(f"client {client_id} advertised other keys in this attempt already: an "
-                                      "attempt's keys are fixed once advertised")
-            return
-        for other, (m, _) in a.adverts.items():
-            if {m.encryption_key, m.masking_key} & {encryption_key, masking_key}:
-                raise ValueError(f"these keys are {other}'s: every client advertises its own fresh keys")
-        a.adverts[client_id] = (member, now)
-        self._changed()
+        if held is None:
+            for other, (m, _) in a.adverts.items():
+                if {m.encryption_key, m.masking_key} & {encryption_key, masking_key}:
+                    raise ValueError(f"these keys are {other}'s: every client advertises its own fresh keys")
+        self._record(a.adverts, client_id, (member, held[1] if held else now), "advertised other keys",
+                     same=lambda old: old[0] == member)
 
     def share(self, client_id: str, shares: Sequence[tuple[str, bytes, bytes, bytes]]) -> None:
         """A roster member's shares: (recipient, sealed, self commitment, masking commitment) for every
@@ -199,27 +202,19 @@ class SecureDesk:
                 raise ValueError(f"the share for {recipient} is malformed: a sealed share is {SEALED_BYTES} bytes "
                                  f"and each commitment {DIGEST_BYTES}")
             dealt[recipient] = Dealt(sealed, b_commit, s_commit)
-        missing = sorted(near - set(dealt))
-        if missing:
-            raise ValueError(f"no share for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}: send one "
-                             "share to each member of your neighbourhood, this client included")
-        held = a.dealt.get(client_id)
-        if held is not None:
-            if held != dealt:
-                raise DuplicateUpload(f"client {client_id} shared other shares in this attempt already")
-            return
-        a.dealt[client_id] = dealt
-        self._changed()
+        if near - set(dealt):
+            raise ValueError(f"no share for {_few(near - set(dealt))}: send one share to each member of your "
+                             "neighbourhood, this client included")
+        self._record(a.dealt, client_id, dealt, "shared other shares")
 
     def view(self, client_id: str) -> View:
         """What the client may read of the attempt so far."""
         a = self._current()
-        later = list(Stage)
-        at = later.index(a.stage)
-        roster = tuple(sorted(a.roster.values(), key=lambda m: m.index)) if at > 0 else ()
-        shared = a.shared if at > 1 else ()
+        at = a.stage.order  # each set is shown once the stage that makes it is over
+        roster = tuple(sorted(a.roster.values(), key=lambda m: m.index)) if at > Stage.ADVERTISING.order else ()
+        shared = a.shared if at > Stage.SHARING.order else ()
         inbound = tuple((sender, a.dealt[sender][client_id]) for sender in shared if client_id in a.dealt[sender])
-        return View(a.stage, a.threshold, roster, shared, inbound, a.uploaded if at > 2 else ())
+        return View(a.stage, a.threshold, roster, shared, inbound, a.uploaded if at > Stage.UPLOADING.order else ())
 
     def check_upload(self, client_id: str) -> None:
         """Raises unless the client may upload its masked vector now."""
@@ -254,15 +249,8 @@ class SecureDesk:
                                  f"dealt to {client_id}: reveal the shares GetSecureRound.inbound sealed for you")
             got[key] = share
         if set(got) != want:
-            missing = sorted(f"{o} ({k.value})" for o, k in want - set(got))
-            raise ValueError(f"shares missing: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        held = a.revealed.get(client_id)
-        if held is not None:
-            if held != got:
-                raise DuplicateUpload(f"client {client_id} revealed other shares in this attempt already")
-            return
-        a.revealed[client_id] = got
-        self._changed()
+            raise ValueError(f"shares missing: {_few(f'{o} ({k.value})' for o, k in want - set(got))}")
+        self._record(a.revealed, client_id, got, "revealed other shares")
 
     # ---- closing stages ----------------------------------------------------------------------
     def due(self, last_seen: Mapping[str, float], accepted: Mapping[str, float], busy: bool, deadline: float,
@@ -316,12 +304,12 @@ class SecureDesk:
         if len(took) < max(a.threshold, 2) or short:
             metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
             if short:
-                return (f"fewer than the threshold of {a.threshold} of the neighbours of {', '.join(short[:5])} took "
+                return (f"fewer than the threshold of {a.threshold} of the neighbours of {_few(short)} took "
                         f"part in {a.stage.value}: their masks cannot be rebuilt")
             return (f"{len(took)} clients took part in {a.stage.value}, fewer than the threshold of "
                     f"{max(a.threshold, 2)}")
         if a.stage is not Stage.UNMASKING:
-            a.stage = list(Stage)[list(Stage).index(a.stage) + 1]
+            a.stage = a.stage.next()
             a.stage_opened = now
             log.info("secure stage opened", extra=log_fields(stage=a.stage.value, members=len(took),
                                                              threshold=a.threshold))
@@ -335,6 +323,18 @@ class SecureDesk:
                          {h: dict(s) for h, s in a.revealed.items()})
 
     # ---- internals -----------------------------------------------------------------------
+    def _record(self, book: dict, client_id: str, value: object, other: str,
+                same: Callable[[object], bool] | None = None) -> None:
+        """Keeps a client's message of a stage: once; the same message again is acknowledged (a retry),
+        a different one refused (ALREADY_EXISTS)."""
+        if client_id in book:
+            if not (same(book[client_id]) if same else book[client_id] == value):
+                raise DuplicateUpload(f"client {client_id} {other} in this attempt already: a client's message of "
+                                      "a stage is fixed once sent")
+            return
+        book[client_id] = value
+        self._changed()
+
     def _current(self) -> Attempt:
         if self.attempt is None:
             raise StaleRound("no secure round is open: wait for the round status to show an open round")
@@ -343,7 +343,7 @@ class SecureDesk:
     def _at(self, stage: Stage) -> Attempt:
         a = self._current()
         if a.stage is not stage:
-            later = list(Stage).index(a.stage) > list(Stage).index(stage)
+            later = a.stage.order > stage.order
             raise StaleRound(f"the {stage.value} stage of this attempt is {'over' if later else 'not open yet'} (the "
                              f"attempt is {a.stage.value}): follow RoundStatus.secure_stage")
         return a
@@ -358,6 +358,12 @@ class SecureDesk:
     def _forget(a: Attempt) -> None:
         a.dealt.clear()
         a.revealed.clear()
+
+
+def _few(names) -> str:
+    """Up to five names, sorted, and '...' for the rest."""
+    names = sorted(names)
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 # ---- unmasking (outside the lock) ---------------------------------------------------------------
