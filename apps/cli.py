@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
               "and capabilities\n"
               "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state\n"
               "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
-              "directory, offline (fedse model --help)")
+              "directory, offline (fedse model --help)\n"
+              "       fedse certs COMMAND [options]    the federation's CA and certificates: init, request, sign, "
+              "issue, show (fedse certs --help)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         return status(rest)
     if command == "model":
         return model(rest)
+    if command == "certs":
+        from apps.certs import main as certs
+
+        return certs(rest)
     print(f"unknown command {command!r}; try: fedse {', fedse '.join(SERVICES)}, fedse run, fedse experiment, "
-          "fedse tasks, fedse status, fedse model", file=sys.stderr)
+          "fedse tasks, fedse status, fedse model, fedse certs", file=sys.stderr)
     return 2
 
 

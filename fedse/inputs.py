@@ -8,6 +8,12 @@ instead of the status meant for it. So every identifier a request carries is bou
 
 from __future__ import annotations
 
+import re
+
+# A client id, as the aggregator admits it and a client certificate names it (its first subject
+# alternative name, its common name): also a file name.
+CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+CLIENT_ID_RULE = "use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
 # Ids and names: client, session, environment, run, round nonce, sha256, phase, metric names.
 MAX_ID_CHARS = 256
 # Longer names: a base model may be a directory path; tensor names are module paths.

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import re
 import secrets
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import Callable, TypeVar
 
 from fedse import adapter as ad
 from fedse import secagg
-from fedse.inputs import bounded, shown
+from fedse.inputs import CLIENT_ID, CLIENT_ID_RULE, bounded, shown
 from fedse.serving import log_fields
 
 from . import metrics
@@ -44,7 +43,6 @@ from .uploads import Accepted, UploadHeader
 
 log = logging.getLogger("aggregator.rounds")
 
-CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_METRICS = 256  # named values in one metrics report
 T = TypeVar("T")
 
@@ -175,8 +173,7 @@ class RoundKeeper:
 
     def join(self, client_id: str, env: str, base_model: str, schema: ad.Schema) -> Status:
         if not CLIENT_ID.match(client_id):
-            raise ValueError(f"client_id {shown(client_id)} is not valid: use 1-63 letters, digits, '.', '_' or '-', "
-                             "starting with a letter or digit")
+            raise ValueError(f"client_id {shown(client_id)} is not valid: {CLIENT_ID_RULE}")
         schema.check(self.settings.max_adapter_bytes)
         if self.settings.secure:
             secagg.Layout.of(schema, self.settings.strategy)  # a schema a masked vector can carry
