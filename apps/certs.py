@@ -56,8 +56,10 @@ def _parser():
     p.add_argument("--ip", action="append", default=[], help="IP addresses clients dial, comma-separated")
     p.add_argument("--out-dir", required=True, help="where to write them")
     p = command("show", _show, "print a certificate's (or request's) identity, names, issuer and validity; "
-                "warn if it expires within 30 days; exit 1 if it has expired")
+                "warn if it expires within 30 days; exit 1 if it has expired (or --ca did not sign it)")
     p.add_argument("file", metavar="FILE", help="a PEM certificate (or a .csr)")
+    p.add_argument("--ca", default="", help="the federation CA's certificate (ca.pem): also check that it signed FILE "
+                                            "(exit 1 if not)")
     return parser
 
 
@@ -100,7 +102,7 @@ def _issue(ns) -> int:
 
 
 def _show(ns) -> int:
-    shown = pki.show(pathlib.Path(ns.file))
+    shown = pki.show(pathlib.Path(ns.file), pathlib.Path(ns.ca) if ns.ca else None)
     print("\n".join(shown.lines))
     if shown.warning:
         print(f"warning: {shown.warning}", file=sys.stderr)

@@ -10,7 +10,8 @@ k8s/components/mtls). `fedse certs` is the command; this module makes and reads 
   first subject alternative name, the identity the aggregator reads, for TLS client authentication.
 - issue: the operator makes a server's key and certificate (the aggregator's, an env server's) for
   the DNS names and IP addresses clients dial, for TLS server authentication.
-- show: a certificate's identity, names, issuer, validity and purpose, and how soon it expires.
+- show: a certificate's identity, names, issuer, validity and purpose, how soon it expires, and
+  whether a given CA signed it.
 
 Keys are ECDSA P-256 (PKCS#8 PEM, unencrypted, as gRPC reads them), written with mode 0600;
 certificates and requests 0644. Nothing is overwritten unless `force` is set.
@@ -26,7 +27,7 @@ import re
 from typing import Iterable, Sequence
 
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -324,16 +325,31 @@ def _renewal(cert: x509.Certificate) -> str:
     return "the operator issues a new one (fedse certs issue)"
 
 
-def show(path: pathlib.Path) -> Shown:
-    """A certificate's (the first of a chain) or a certificate request's identity and validity."""
-    data = _read(path, "the file")
-    if b"CERTIFICATE REQUEST-----" in data:
-        return _show_request(path, load_csr(path))
+def _certificates(path: pathlib.Path, data: bytes) -> list[x509.Certificate]:
     try:
-        chain = x509.load_pem_x509_certificates(data)
+        return x509.load_pem_x509_certificates(data)
     except ValueError:
         raise CertError(f"{path} holds no PEM certificate or certificate request: give a .pem certificate or a "
                         f".csr") from None
+
+
+def _signed_by(cert: x509.Certificate, cas: Iterable[x509.Certificate]) -> bool:
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+            return True
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    return False
+
+
+def show(path: pathlib.Path, ca: pathlib.Path | None = None) -> Shown:
+    """A certificate's (the first of a chain) or a certificate request's identity and validity; with
+    `ca`, whether that CA signed the certificate."""
+    data = _read(path, "the file")
+    if b"CERTIFICATE REQUEST-----" in data:
+        return _show_request(path, load_csr(path))
+    chain = _certificates(path, data)
     cert, at = chain[0], now()
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     left = (end - at).total_seconds() / 86400
@@ -345,6 +361,12 @@ def show(path: pathlib.Path) -> Shown:
              f"  valid: {_date(start)} to {_date(end)}",
              f"  purpose: {', '.join(purposes(cert))}",
              f"  CA: {'yes' if _is_ca(cert) else 'no'}"]
+    if ca is not None:
+        signed = _signed_by(cert, _certificates(ca, _read(ca, "the CA's certificate (--ca)")))
+        lines.append(f"  signed by {ca}: {'yes' if signed else 'NO'}")
+        if not signed:
+            return Shown(lines, f"{path} is not signed by the CA in {ca}: ask the federation's operator for the "
+                                f"CA that signed it, or for a certificate this CA signed", False)
     if at < start:
         return Shown(lines, f"{path} is not valid before {_date(start)}: check this machine's clock", False)
     if left <= 0:

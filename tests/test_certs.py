@@ -158,6 +158,17 @@ def test_show_prints_identity_names_issuer_validity_and_purpose(ca, tmp_path, ca
     assert rc == 0 and "certificate request" in out and "identity (first SAN, else CN): org-a" in out
 
 
+def test_show_with_ca_checks_that_the_ca_signed_it(ca, tmp_path, capsys):
+    cert = tmp_path / "org-a.pem"
+    fedse_certs(capsys, "sign", "--ca-dir", ca, "--csr", requested(tmp_path, capsys, "org-a"), "--out", cert)
+    rc, out, err = fedse_certs(capsys, "show", cert, "--ca", ca / "ca.pem")
+    assert rc == 0 and f"  signed by {ca / 'ca.pem'}: yes\n" in out and err == ""
+    fedse_certs(capsys, "init", "--dir", tmp_path / "other", "--name", "Example federation CA")  # the same name
+    rc, out, err = fedse_certs(capsys, "show", cert, "--ca", tmp_path / "other" / "ca.pem")
+    assert rc == 1 and "signed by" in out and out.rstrip().endswith(": NO")
+    assert err.startswith(f"warning: {cert} is not signed by the CA in ") and err.count("\n") == 1
+
+
 def test_show_warns_a_month_before_expiry_and_fails_once_expired(ca, tmp_path, capsys, monkeypatch):
     short = tmp_path / "short.pem"
     fedse_certs(capsys, "sign", "--ca-dir", ca, "--csr", requested(tmp_path, capsys, "org-a"), "--out", short,

@@ -216,8 +216,11 @@ class Terminals:
 GUIDES_WITH_TESTS = [d for d in DOCS if marked_blocks(d)]
 # What the output of a guide's blocks shows, as the guide says it does.
 SHOWN = {
-    # the on-prem overlay, edited: the pair picked by one line, and the aggregator's address
-    "join-a-federation.md": ["value: wordle\n", "value: fedse.partner.example.net:50060\n"],
+    # the organisation's certificate, signed by the federation CA for its id; the on-prem overlay,
+    # edited: the pair picked by one line, and the aggregator's address
+    "join-a-federation.md": ["identity (first SAN, else CN): org-wordle\n", "purpose: client\n",
+                             "signed by ca.pem: yes\n", "value: wordle\n",
+                             "value: fedse.partner.example.net:50060\n"],
     # every workload of the federation from the registry in the overlay of your own
     "deploy.md": ["11\n"],
     "environments.md": ["webshop "],
@@ -265,9 +268,9 @@ def test_kubectl_in_tested_blocks_only_builds(tmp_path):
 
 
 def test_the_join_guides_certificates_work_with_fedse(tmp_path, capsys):
-    """The openssl blocks of the join guide make a CA, an aggregator certificate and an organisation's
-    certificate, and the aggregator the guide starts with them serves mTLS: `fedse status` with the
-    organisation's certificate reads the run, and the identity it presents is the client id."""
+    """The `fedse certs` blocks of the join guide make a CA, an aggregator certificate and an
+    organisation's certificate, and the aggregator the guide starts with them serves mTLS: `fedse status`
+    with the organisation's certificate reads the run, and the identity it presents is the client id."""
     from apps.cli import status
 
     doc = REPO / "docs" / "join-a-federation.md"
@@ -277,7 +280,7 @@ def test_the_join_guides_certificates_work_with_fedse(tmp_path, capsys):
         for block in marked_blocks(doc):
             if block.serves and "fedse aggregator" in block.text:
                 terminals.start(block.line, ports(block.text))
-            elif "openssl" in block.text:
+            elif "fedse certs" in block.text:
                 run_block(doc, block.line, block.text, tmp_path, env)
         assert terminals.running, "the join guide starts no aggregator in a block marked as tested"
         pem = {name: str(tmp_path / name) for name in ("ca.pem", "aggregator.pem", "aggregator-key.pem",
