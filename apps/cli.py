@@ -202,6 +202,7 @@ def status(argv: list[str]) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from fedse import reach
     from fedse.security import channel
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
@@ -209,11 +210,15 @@ def status(argv: list[str]) -> int:
     cfg = parse_or_exit(StatusConfig, argv, prog="fedse status")
     try:
         with channel(cfg.aggregator, cfg) as ch:
+            reach.wait_ready(ch, cfg.aggregator, Security.from_config(cfg), "--aggregator", cfg.timeout_s)
             st = fpb_grpc.FederationServiceStub(ch).GetRunStatus(fpb.RunStatusRequest(), timeout=cfg.timeout_s,
                                                                   wait_for_ready=True)
     except grpc.RpcError as exc:
         print(f"cannot get the run status from {cfg.aggregator}: {exc.code().name}: {exc.details()}",
               file=sys.stderr)
+        return 1
+    except reach.Unreachable as exc:
+        print(f"cannot connect: {exc.reason}", file=sys.stderr)
         return 1
     if cfg.json:
         print(json_format.MessageToJson(st, always_print_fields_with_no_presence=True))

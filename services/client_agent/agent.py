@@ -194,6 +194,7 @@ class ClientAgent:
         cfg = self.cfg
         state = mdl.get_adapter_state(self.model)
         schema = ad.Schema.of(state, mdl.adapter_config_json(self.model))
+        self.envs[0].ready()  # a connection that cannot be made ends the run here, with its reason
         joined = self.fed.join(cfg.env, cfg.base_model, schema)
         self.run_config, self.schema = joined.config, schema
         num_rounds = joined.config.num_rounds

@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 
 import grpc
 
+from fedse import reach
 from fedse.security import Security, channel
 from fedse.serving import insecure_channel, log_fields
 from fedse.v1 import env_pb2 as epb
@@ -74,8 +75,14 @@ class EnvClient:
         self.retry_s = retry_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.security = security if security is not None else Security()
         self.channel = channel(target, security) if security is not None else insecure_channel(target)
         self.stub = epb_grpc.EnvServiceStub(self.channel)
+
+    def ready(self) -> None:
+        """Waits for the env server (at most retry_s); reach.Unreachable with the reason where the
+        connection cannot be made."""
+        reach.wait_ready(self.channel, self.target, self.security, "--env-server", self.retry_s)
 
     def with_env(self, env: str) -> "EnvClient":
         """A client for another environment of the same env server, over this client's channel

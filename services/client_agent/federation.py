@@ -25,7 +25,7 @@ from typing import Callable, Iterator, TypeVar
 import grpc
 
 from fedse import adapter as ad
-from fedse import serde
+from fedse import reach, serde
 from fedse.secagg import MASKED_DTYPE
 from fedse.security import Security, channel
 from fedse.serving import insecure_channel, log_fields
@@ -148,6 +148,7 @@ class FederationClient:
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
         self.transport_dtype = ad.check_transport_dtype(transport_dtype)
+        self.security = security if security is not None else Security()
         self.channel = channel(target, security) if security is not None else insecure_channel(target)
         self.stub = fpb_grpc.FederationServiceStub(self.channel)
         self.chunk_bytes = ad.CHUNK_BYTES
@@ -173,7 +174,10 @@ class FederationClient:
 
     # ---- run and rounds -----------------------------------------------------------------------
     def join(self, env: str, base_model: str, schema: ad.Schema) -> fpb.JoinResponse:
-        """Joins the run (idempotent: a restarted client joins again with the same id)."""
+        """Joins the run (idempotent: a restarted client joins again with the same id). A connection
+        that cannot be made raises reach.Unreachable with its reason: at once where a setting is wrong
+        (TLS against plain, another CA, ...), after `timeout_s` where the aggregator does not answer."""
+        reach.wait_ready(self.channel, self.target, self.security, "--aggregator", self.timeout_s)
         req = fpb.JoinRequest(client_id=self.client_id, env=env, base_model=base_model,
                               schema=serde.schema_to_proto(schema))
         resp = self._retry("Join", lambda: self.stub.Join(req, timeout=self.timeout_s, wait_for_ready=True))

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from fedse.config import ConfigError, parse_or_exit
+from fedse.reach import Unreachable
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 
 from .config import ClientConfig
@@ -50,6 +51,9 @@ def serve(config: ClientConfig) -> int:
                                          env=config.env, base_model=config.base_model, device=str(agent.device)))
     try:
         agent.run()
+    except Unreachable as exc:  # a channel that cannot be made: its reason and the flag to check
+        print(f"cannot connect: {exc.reason}", file=sys.stderr)
+        return 2
     finally:
         agent.close()
         if not stop.is_set():

@@ -1,0 +1,144 @@
+"""Connections that cannot be made end with their reason and the flag to check, never a bare
+DEADLINE_EXCEEDED: real certificates, a real aggregator over real TLS, each failure kind."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import trustme
+
+from fedse import reach
+from fedse.security import Security, channel
+from support import Pki, aggregator_in_process, free_ports
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    p = Pki(tmp_path_factory.mktemp("pki"))
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=30)
+    expired = p.ca.issue_cert("localhost", "127.0.0.1", not_before=past - datetime.timedelta(days=30), not_after=past)
+    p.expired_server = p._write("expired-server.pem", b"".join(x.bytes() for x in expired.cert_chain_pems)), \
+        p._write("expired-server-key.pem", expired.private_key_pem.bytes())
+    old = p.ca.issue_cert("org-a", not_before=past - datetime.timedelta(days=30), not_after=past)
+    p.expired_client = p._write("expired-org-a.pem", b"".join(x.bytes() for x in old.cert_chain_pems)), \
+        p._write("expired-org-a-key.pem", old.private_key_pem.bytes())
+    p.other_ca_pem = p._write("other-ca.pem", p.other_ca.cert_pem.bytes())
+    return p
+
+
+def tls_server(tmp_path, pki, cert=None, mtls=True):
+    cert = cert or pki.server
+    return aggregator_in_process(tmp_path, tls_ca=pki.ca_pem if mtls else "", tls_cert=cert[0], tls_key=cert[1])
+
+
+def reason(target, **sec) -> str:
+    ch = channel(target, Security(**sec))
+    try:
+        with pytest.raises(reach.Unreachable) as err:
+            reach.wait_ready(ch, target, Security(**sec), "--aggregator", timeout_s=3, poll_s=1)
+    finally:
+        ch.close()
+    assert "\n" not in err.value.reason
+    return err.value.reason
+
+
+def client(pki, cert=None, ca=None, **over):
+    cert = cert if cert is not None else pki.org_a
+    return {"tls_ca": ca or pki.ca_pem, "tls_cert": cert[0] if cert else "", "tls_key": cert[1] if cert else "", **over}
+
+
+def test_a_certificate_from_another_ca(tmp_path, pki):
+    with tls_server(tmp_path, pki) as (_, port, _):
+        why = reason(f"127.0.0.1:{port}", **client(pki, ca=pki.other_ca_pem))
+    assert "--aggregator" in why and "not signed by --tls-ca" in why and "federation's CA" in why
+
+
+def test_a_name_the_server_certificate_does_not_hold(tmp_path, pki):
+    with tls_server(tmp_path, pki, cert=pki.named_server) as (_, port, _):
+        why = reason(f"127.0.0.1:{port}", **client(pki))
+    assert "does not name 127.0.0.1" in why and "--tls-server-name" in why
+
+
+def test_an_expired_server_certificate(tmp_path, pki):
+    with tls_server(tmp_path, pki, cert=pki.expired_server) as (_, port, _):
+        why = reason(f"127.0.0.1:{port}", **client(pki))
+    assert "expired" in why and "renew" in why
+
+
+def test_tls_against_plain_and_the_reverse(tmp_path, pki):
+    with aggregator_in_process(tmp_path / "plain") as (_, port, _):
+        why = reason(f"127.0.0.1:{port}", **client(pki))
+    assert "serves plain gRPC, not TLS" in why
+    with tls_server(tmp_path / "tls", pki) as (_, port, _):
+        why = reason(f"127.0.0.1:{port}")
+    assert "serves TLS" in why and "--tls-ca" in why
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("stranger", "refused this client's certificate"),
+    ("none", "asks for a client certificate (mTLS) and none was given"),
+    ("expired", "this client's certificate --tls-cert"),
+])
+def test_a_client_certificate_the_server_refuses(tmp_path, pki, case, expect):
+    cert = {"stranger": pki.stranger, "none": (), "expired": pki.expired_client}[case]
+    with tls_server(tmp_path, pki) as (_, port, _):
+        why = reason(f"127.0.0.1:{port}", **client(pki, cert=cert))
+    assert expect in why, why
+    if case == "expired":
+        assert "expired on" in why
+
+
+def test_nothing_listening_is_waited_for_and_then_said():
+    (port,) = free_ports(1)
+    why = reason(f"127.0.0.1:{port}")
+    assert "nothing listens there (connection refused)" in why
+    problem = reach.diagnose(f"127.0.0.1:{port}", Security(), "--aggregator")
+    assert problem is not None and not problem.lasting  # a server not up yet may come
+
+
+def test_a_good_connection_has_no_reason(tmp_path, pki):
+    with tls_server(tmp_path, pki) as (_, port, _):
+        target = f"127.0.0.1:{port}"
+        assert reach.diagnose(target, Security(**client(pki)), "--aggregator") is None
+        ch = channel(target, Security(**client(pki)))
+        reach.wait_ready(ch, target, Security(**client(pki)), "--aggregator", timeout_s=10)
+        ch.close()
+    assert isinstance(trustme.CA, type)
+
+
+def run_client(tmp_path, aggregator: str, env_server: str, *flags: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "apps.cli", "client", "--client-id", "org-a", "--env", "maze",
+                           "--aggregator", aggregator, "--env-server", env_server, "--state-dir", str(tmp_path / "c"),
+                           "--metrics-port", "-1", "--address", "127.0.0.1:0", "--expert-demos", "1", *flags],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_the_client_agent_ends_with_the_reason(tmp_path, pki):
+    """A client agent with mTLS settings against a plain aggregator, and a plain one against a TLS env
+    server: each ends at once with one line saying why and which flag, exit status 2."""
+    from services.env_server.server import EnvServerConfig, create_server
+
+    env, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
+    env.start()
+    tls_env, tls_env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1,
+                                                          tls_cert=pki.server[0], tls_key=pki.server[1]))
+    tls_env.start()
+    try:
+        with aggregator_in_process(tmp_path / "agg") as (_, port, _):
+            mtls = ["--tls-ca", pki.ca_pem, "--tls-cert", pki.org_a[0], "--tls-key", pki.org_a[1]]
+            out = run_client(tmp_path, f"127.0.0.1:{port}", f"127.0.0.1:{env_port}", "--env-server-plain", *mtls)
+            assert out.returncode == 2, out.stderr[-2000:]
+            assert out.stderr.strip().splitlines()[-1] == (
+                f"cannot connect: --aggregator 127.0.0.1:{port} serves plain gRPC, not TLS: drop --tls-ca, "
+                "--tls-cert and --tls-key for it, or use its TLS address")
+            out = run_client(tmp_path, f"127.0.0.1:{port}", f"127.0.0.1:{tls_env_port}")
+            assert out.returncode == 2, out.stderr[-2000:]
+            last = out.stderr.strip().splitlines()[-1]
+            assert last.startswith(f"cannot connect: --env-server 127.0.0.1:{tls_env_port} serves TLS"), last
+    finally:
+        env.stop(0)
+        tls_env.stop(0)
