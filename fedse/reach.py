@@ -33,13 +33,20 @@ _REFUSED = ("CERTIFICATE_REQUIRED", "BAD_CERTIFICATE", "UNKNOWN_CA", "CERTIFICAT
             "CERTIFICATE_REVOKED", "UNSUPPORTED_CERTIFICATE", "DECRYPT_ERROR", "HANDSHAKE_FAILURE")
 
 
-class Unreachable(ConnectionError):
-    """A channel that cannot be made, and why. `lasting`: waiting will not mend it (a setting is wrong)."""
+# What an Unreachable is about, in the order a connection is made (fedse doctor checks in this order).
+ADDRESS, TRANSPORT, SERVER_CERTIFICATE, CLIENT_CERTIFICATE = "address", "transport", "server certificate", \
+    "client certificate"
 
-    def __init__(self, reason: str, lasting: bool):
+
+class Unreachable(ConnectionError):
+    """A channel that cannot be made, and why. `lasting`: waiting will not mend it (a setting is wrong);
+    `kind`: which step of making it failed (ADDRESS, TRANSPORT, SERVER_CERTIFICATE, CLIENT_CERTIFICATE)."""
+
+    def __init__(self, reason: str, lasting: bool, kind: str = ADDRESS):
         super().__init__(reason)
         self.reason = reason
         self.lasting = lasting
+        self.kind = kind
 
 
 def split_target(target: str) -> tuple[str, int] | None:
@@ -89,7 +96,7 @@ def _speaks_tls(sock: socket.socket, host: str, target: str, flag: str) -> Unrea
         return None  # not a TLS server, as expected
     return Unreachable(f"{flag} {target} serves TLS, and this client speaks plain gRPC: give --tls-ca (the "
                        "federation's CA certificate) and, where the server asks for client certificates, --tls-cert "
-                       "and --tls-key", lasting=True)
+                       "and --tls-key", lasting=True, kind=TRANSPORT)
 
 
 def _tls_problem(sock: socket.socket, host: str, target: str, sec: Security, flag: str,
@@ -101,24 +108,27 @@ def _tls_problem(sock: socket.socket, host: str, target: str, sec: Security, fla
             ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
     except (ssl.SSLError, OSError) as exc:
         return Unreachable(f"--tls-cert {sec.tls_cert} and --tls-key {sec.tls_key} cannot be used together "
-                           f"({exc}): give the certificate and its own private key", lasting=True)
+                           f"({exc}): give the certificate and its own private key", lasting=True,
+                           kind=CLIENT_CERTIFICATE)
     ctx.set_alpn_protocols(["h2"])
     try:
         with ctx.wrap_socket(sock, server_hostname=name) as tls:
             tls.settimeout(timeout_s)
             tls.sendall(H2_PREFACE)  # TLS 1.3: a server's verdict on our certificate comes after the handshake
             if tls.recv(1) == b"":  # a gRPC server answers the preface; one that hangs up refused us
-                return Unreachable(_refused("it hung up right after the handshake", target, sec), lasting=True)
+                return Unreachable(_refused("it hung up right after the handshake", target, sec), lasting=True,
+                                   kind=CLIENT_CERTIFICATE)
     except ssl.SSLCertVerificationError as exc:
         return _server_certificate(exc, name, target, sec, flag)
     except ssl.SSLError as exc:
         text = f"{exc.reason or ''} {exc}"
         if any(r in text for r in _NOT_TLS):
             return Unreachable(f"{flag} {target} serves plain gRPC, not TLS: drop --tls-ca, --tls-cert and --tls-key "
-                               "for it, or use its TLS address", lasting=True)
+                               "for it, or use its TLS address", lasting=True, kind=TRANSPORT)
         if any(r in text for r in _REFUSED):
-            return Unreachable(_refused(exc.reason or str(exc), target, sec), lasting=True)
-        return Unreachable(f"{flag} {target}: the TLS handshake failed ({exc.reason or exc})", lasting=True)
+            return Unreachable(_refused(exc.reason or str(exc), target, sec), lasting=True, kind=CLIENT_CERTIFICATE)
+        return Unreachable(f"{flag} {target}: the TLS handshake failed ({exc.reason or exc})", lasting=True,
+                           kind=TRANSPORT)
     except (socket.timeout, OSError):
         return None  # the handshake went through; what follows is gRPC's
     return None
@@ -136,7 +146,7 @@ def _server_certificate(exc: ssl.SSLCertVerificationError, name: str, target: st
         ca = f"--tls-ca {sec.tls_ca}" if sec.tls_ca else "the system's CA certificates (no --tls-ca given)"
         why = (f"the server's certificate is not signed by {ca} ({exc.verify_message}): give the federation's CA "
                "certificate, from its operator")
-    return Unreachable(f"{flag} {target}: {why}", lasting=True)
+    return Unreachable(f"{flag} {target}: {why}", lasting=True, kind=SERVER_CERTIFICATE)
 
 
 def _refused(alert: str, target: str, sec: Security) -> str:
