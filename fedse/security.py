@@ -18,6 +18,10 @@ Modes, chosen by which settings are given (`Security.mode` names the one in forc
 Servicers read the authenticated caller with `peer_identity(context)` (None unless mTLS); the
 aggregator's servicer refuses a call whose `client_id` is not the caller's own.
 
+Renewal: TLS files renewed in place (cert-manager renewing a mounted Secret) are taken without a
+restart, by a server at its next TLS handshake and by a client at its next call; a renewal caught
+half-way keeps the files in use (fedse/certificates.py).
+
 Health: `grpc.health.v1.Health` is exempt from the token and from `allowed_clients`, so Kubernetes
 probes need no secret. Kubernetes' native gRPC probe cannot speak TLS, though, so once a server
 serves TLS its probes cannot reach the main port. The simplest sound option, used here: the
@@ -32,11 +36,11 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
-import pathlib
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import grpc
 
+from fedse.certificates import Pem, Renewal, RenewingChannel, TlsFiles, read_file, read_pem
 from fedse.config import ConfigError, field
 from fedse.serving import insecure_channel, log_fields, secure_channel
 
@@ -45,19 +49,6 @@ log = logging.getLogger("fedse.security")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 AUTH_HEADER = "authorization"
 MIN_TOKEN_CHARS = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class TlsFiles:
-    """PEM file paths; all empty means TLS off."""
-
-    ca: str = ""
-    cert: str = ""
-    key: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.ca or self.cert or self.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +75,7 @@ class Security:
             raise ConfigError(f"{given} is set but {missing} is not: give the certificate and its private key together")
         for flag, path in (("--tls-ca", self.tls_ca), ("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
             if path:
-                _read_pem(flag, path)
+                read_pem(flag, path)
         if self.token_file:
             self.token()
         if self.allowed_clients and not (self.tls_ca and self.tls_cert):
@@ -116,7 +107,7 @@ class Security:
         """The bearer token from token_file (surrounding whitespace removed), or None if unset."""
         if not self.token_file:
             return None
-        raw = _read("--token-file", self.token_file).decode("utf-8", errors="replace").strip()
+        raw = read_file("--token-file", self.token_file).decode("utf-8", errors="replace").strip()
         if not raw:
             raise ConfigError(f"--token-file {self.token_file} is empty: put the federation's token in it")
         if not all(33 <= ord(c) <= 126 for c in raw):
@@ -133,7 +124,7 @@ class Security:
             return None
         spec = self.allowed_clients.strip()
         if spec.startswith("@"):
-            text = _read("--allowed-clients", spec[1:]).decode("utf-8", errors="replace")
+            text = read_file("--allowed-clients", spec[1:]).decode("utf-8", errors="replace")
             lines = (line.split("#", 1)[0] for line in text.splitlines())
             items = [item.strip() for line in lines for item in line.split(",")]
         else:
@@ -147,36 +138,33 @@ class Security:
         return ids
 
 
-def _read(flag: str, path: str) -> bytes:
-    try:
-        return pathlib.Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot read it ({exc.strerror or exc}); check the path and its "
-                          f"permissions") from None
-
-
-def _read_pem(flag: str, path: str) -> bytes:
-    data = _read(flag, path)
-    if b"-----BEGIN " not in data:
-        raise ConfigError(f"{flag} {path} is not a PEM file (no '-----BEGIN' line)")
-    return data
-
-
 # --- server side -------------------------------------------------------------------------------------
 
 
+def _server_configuration(pem: Pem) -> grpc.ServerCertificateConfiguration:
+    return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], root_certificates=pem.ca or None)
+
+
 def server_credentials(sec: Security) -> grpc.ServerCredentials | None:
-    """mTLS with ca+cert+key, server-only TLS with cert+key, None (plain) without TLS."""
+    """mTLS with ca+cert+key, server-only TLS with cert+key, None (plain) without TLS.
+
+    The files are checked now (a key that is not the certificate's is a ConfigError) and, renewed in
+    place, served without a restart: gRPC asks at each new handshake whether they changed
+    (fedse.certificates.Renewal).
+    """
     if sec.tls_ca and not sec.tls_cert:
         raise ConfigError("--tls-ca is set but --tls-cert and --tls-key are not: a server needs its own "
                           "certificate and key to serve TLS (the CA only checks clients' certificates)")
     if not sec.tls_cert:
         return None
-    pair = [(_read_pem("--tls-key", sec.tls_key), _read_pem("--tls-cert", sec.tls_cert))]
-    if sec.tls_ca:
-        return grpc.ssl_server_credentials(pair, root_certificates=_read_pem("--tls-ca", sec.tls_ca),
-                                           require_client_auth=True)
-    return grpc.ssl_server_credentials(pair)
+    renewal = Renewal(TlsFiles(sec.tls_ca, sec.tls_cert, sec.tls_key))
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        pem = renewal.renewed()
+        return None if pem is None else _server_configuration(pem)
+
+    return grpc.dynamic_ssl_server_credentials(_server_configuration(renewal.pem), fetch,
+                                               require_client_authentication=bool(sec.tls_ca))
 
 
 def server_interceptors(sec: Security) -> list[grpc.ServerInterceptor]:
@@ -310,31 +298,35 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(client_call_details), request_iterator)
 
 
-def channel_credentials(sec: Security) -> grpc.ChannelCredentials | None:
-    """TLS (and bearer token) credentials for a channel, or None when TLS is off."""
-    if not sec.tls.enabled:
-        return None
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=_read_pem("--tls-ca", sec.tls_ca) if sec.tls_ca else None,
-        private_key=_read_pem("--tls-key", sec.tls_key) if sec.tls_key else None,
-        certificate_chain=_read_pem("--tls-cert", sec.tls_cert) if sec.tls_cert else None,
-    )
-    token = sec.token()
+def _tls_credentials(pem: Pem, token: str | None) -> grpc.ChannelCredentials:
+    creds = grpc.ssl_channel_credentials(root_certificates=pem.ca or None, private_key=pem.key or None,
+                                         certificate_chain=pem.cert or None)
     if token:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
     return creds
+
+
+def channel_credentials(sec: Security) -> grpc.ChannelCredentials | None:
+    """TLS (and bearer token) credentials for a channel from the files as they are now, or None when
+    TLS is off."""
+    if not sec.tls.enabled:
+        return None
+    return _tls_credentials(sec.tls.load(), sec.token())
 
 
 def channel(target: str, sec: Security) -> grpc.Channel:
     """A channel to target as sec says: plain, TLS, mTLS, each with or without the bearer token.
 
     With TLS, the CA (or the system roots when tls_ca is empty) verifies the server and tls_cert /
-    tls_key are presented as the client certificate; the token travels as call credentials. Without
-    TLS the token is added by a client interceptor (logged as a warning: it crosses in clear text).
+    tls_key are presented as the client certificate; the token travels as call credentials. The TLS
+    files are checked now (ConfigError) and followed: the first call after they were renewed in place
+    goes over a new channel made from them (fedse.certificates.RenewingChannel). Without TLS the
+    token is added by a client interceptor (logged as a warning: it crosses in clear text).
     """
-    creds = channel_credentials(sec)
-    if creds is not None:
-        return secure_channel(target, creds, target_name_override=sec.tls_server_name)
+    if sec.tls.enabled:
+        token = sec.token()
+        return RenewingChannel(Renewal(sec.tls), lambda pem: secure_channel(
+            target, _tls_credentials(pem, token), target_name_override=sec.tls_server_name))
     plain = insecure_channel(target)
     token = sec.token()
     if token is None:

@@ -340,5 +340,8 @@ def test_from_config_picks_the_security_fields(pki):
 
 def test_a_key_that_does_not_match_the_certificate_stops_the_server_with_a_clear_error(pki):
     sec = Security(tls_cert=pki.server[0], tls_key=pki.org_a[1])
-    with pytest.raises(OSError, match="private key of the certificate"):
-        Service("sectest-badkey", "127.0.0.1:0", credentials=security.server_credentials(sec))
+    with pytest.raises(ConfigError, match="private key of the certificate") as info:
+        security.server_credentials(sec)
+    assert pki.org_a[1] in str(info.value) and pki.server[0] in str(info.value)
+    with pytest.raises(ConfigError, match="private key of the certificate"):
+        security.channel("127.0.0.1:1", sec)
