@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
               "       fedse tasks [--env-server ADDR | --envs SPECS]  each environment's task counts, turn limit "
               "and capabilities\n"
               "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state\n"
+              "       fedse doctor [client options]    checks that this client could join: address, TLS, "
+              "certificates, admission, env server, base model (a dry run)\n"
               "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
               "directory, offline (fedse model --help)\n"
               "       fedse certs COMMAND [options]    the federation's CA and certificates: init, request, sign, "
@@ -80,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "tasks":
         return tasks(rest)
+    if command == "doctor":
+        from apps.doctor import doctor
+
+        return doctor(rest)
     if command == "status":
         return status(rest)
     if command == "model":
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return certs(rest)
     print(f"unknown command {command!r}; try: fedse {', fedse '.join(SERVICES)}, fedse run, fedse experiment, "
-          "fedse tasks, fedse status, fedse model, fedse certs", file=sys.stderr)
+          "fedse tasks, fedse status, fedse doctor, fedse model, fedse certs", file=sys.stderr)
     return 2
 
 

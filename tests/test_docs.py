@@ -293,6 +293,33 @@ def test_the_join_guides_certificates_work_with_fedse(tmp_path, capsys):
         # The aggregator's own certificate is for serving: it cannot stand in for a client.
         assert status([*argv, "--timeout-s=3", f"--tls-cert={pem['aggregator.pem']}",
                        f"--tls-key={pem['aggregator-key.pem']}"]) == 1
+        # fedse doctor, as the guide gives it, passes every check against the guide's aggregator and env
+        # server: only the addresses (this machine's free ports) and the base model (the tiny one) differ.
+        for block in marked_blocks(doc):
+            if block.serves and "fedse env-server" in block.text:
+                terminals.start(block.line, ports(block.text))
+        assert doctor_of_guide(doc, ports, tmp_path, capsys) == 0, capsys.readouterr().out
+
+
+def doctor_of_guide(doc: pathlib.Path, ports: LocalPorts, root: pathlib.Path, capsys) -> int:
+    """Runs the guide's `fedse doctor` command in `root` against this machine's ports."""
+    import os
+    import shlex
+
+    from apps.doctor import doctor
+
+    text = doc.read_text()
+    start = text.index("fedse doctor --client-id")
+    argv = shlex.split(ports(text[start:text.index("```", start)].replace("\\\n", " ")))[2:]
+    swap = {"--aggregator": f"127.0.0.1:{ports.free['50060']}", "--base-model": "fedse-tiny"}
+    argv = [swap.get(argv[i - 1], a) if i else a for i, a in enumerate(argv)]
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        capsys.readouterr()
+        return doctor([*argv, "--tls-server-name=aggregator.federation.example.org"])
+    finally:
+        os.chdir(here)
 
 
 # ---- links and length --------------------------------------------------------------------------------

@@ -1,0 +1,198 @@
+"""`fedse doctor`: checks, with a client's own settings, that it could join its federation, in the
+order a join needs them, and stops at the first failure with one line saying what to fix. It is a
+dry run: it joins nothing, uploads nothing and reports nothing.
+
+    fedse doctor --client-id org-wordle --env wordle --aggregator HOST:PORT --env-server HOST:PORT \\
+        --tls-ca ca.pem --tls-cert org-wordle.pem --tls-key org-wordle-key.pem [--base-model DIR]
+
+The checks: the aggregator's address answers; TLS (or plain) as the server speaks; the server's
+certificate; this client's own certificate (valid now, its key's, signed by the CA, its first name
+the client id); the aggregator admits the client; the env server answers and hosts every --env; the
+base model loads, and its LoRA has the run's base model and adapter schema.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from typing import Callable
+
+import grpc
+
+from fedse import reach
+from fedse.config import parse_or_exit
+from fedse.security import Security, channel
+from services.client_agent.config import ClientConfig
+
+
+class Failed(Exception):
+    """A check that failed; the text says what to fix."""
+
+
+def doctor(argv: list[str]) -> int:
+    cfg = parse_or_exit(ClientConfig, argv, prog="fedse doctor")
+    steps: list[tuple[str, Callable[[ClientConfig], str]]] = [
+        ("the aggregator's address", lambda c: _step(c, reach.ADDRESS)),
+        ("TLS or plain, as the aggregator", lambda c: _step(c, reach.TRANSPORT)),
+        ("the aggregator's certificate", lambda c: _step(c, reach.SERVER_CERTIFICATE)),
+        ("this client's certificate", own_certificate),
+        ("the aggregator admits this client", admitted),
+        ("the env server", env_server),
+        ("the base model and its LoRA", base_model),
+    ]
+    for name, check in steps:
+        try:
+            detail = check(cfg)
+        except (Failed, reach.Unreachable) as exc:
+            print(f"FAIL {name}: {exc}")
+            return 1
+        print(f"ok   {name}: {detail}")
+    print(f"{cfg.client_id} can join the run at {cfg.aggregator}")
+    return 0
+
+
+def _step(cfg: ClientConfig, kind: str) -> str:
+    """The connection to the aggregator, up to the step `kind` (reach.diagnose's reason if it fails there)."""
+    target, sec = cfg.aggregator, Security.from_config(cfg)
+    problem = reach.diagnose(target, sec, "--aggregator")
+    order = [reach.ADDRESS, reach.TRANSPORT, reach.SERVER_CERTIFICATE, reach.CLIENT_CERTIFICATE]
+    if problem is not None and order.index(problem.kind) <= order.index(kind):
+        raise problem
+    if kind == reach.ADDRESS:
+        return f"{target} answers"
+    if kind == reach.TRANSPORT:
+        return "TLS" + (" with a client certificate (mTLS)" if sec.tls_cert else "") if sec.tls.enabled else "plain"
+    if not sec.tls.enabled:
+        return "none (plain gRPC)"
+    name = sec.tls_server_name or reach.split_target(target)[0]  # type: ignore[index]
+    return f"signed by {sec.tls_ca or 'the system CAs'}, names {name}, valid now"
+
+
+def own_certificate(cfg: ClientConfig) -> str:
+    """This client's certificate, checked here: valid now, its key's, signed by --tls-ca, first name the
+    client id; then whether the aggregator took it in the handshake."""
+    if not cfg.tls_cert:
+        return "none (the aggregator does not ask for one unless it runs mTLS)"
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert = x509.load_pem_x509_certificate(open(cfg.tls_cert, "rb").read())
+    key = serialization.load_pem_private_key(open(cfg.tls_key, "rb").read(), password=None)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise Failed(f"--tls-cert {cfg.tls_cert} is valid from {cert.not_valid_before_utc:%Y-%m-%d} to "
+                     f"{cert.not_valid_after_utc:%Y-%m-%d}, not now: get a renewed one from the federation's operator")
+    if key.public_key().public_numbers() != cert.public_key().public_numbers():  # type: ignore[union-attr]
+        raise Failed(f"--tls-key {cfg.tls_key} is not the key of --tls-cert {cfg.tls_cert}: give the key the "
+                     "certificate request was made with")
+    if cfg.tls_ca:
+        ca = x509.load_pem_x509_certificate(open(cfg.tls_ca, "rb").read())
+        try:
+            cert.verify_directly_issued_by(ca)
+        except Exception as exc:  # noqa: BLE001 - InvalidSignature, or a CA of another key type (TypeError)
+            raise Failed(f"--tls-cert {cfg.tls_cert} is not signed by --tls-ca {cfg.tls_ca} "
+                         f"({type(exc).__name__}): have the federation's operator sign it") from None
+    first = _first_name(cert)
+    if first != cfg.client_id:
+        raise Failed(f"--tls-cert {cfg.tls_cert} names {first!r} first, and --client-id is {cfg.client_id!r}: the "
+                     "aggregator takes a client's id from its certificate; use the same id")
+    _step(cfg, reach.CLIENT_CERTIFICATE)
+    return f"{first}, valid until {cert.not_valid_after_utc:%Y-%m-%d}, taken by the aggregator"
+
+
+def _first_name(cert) -> str:
+    from cryptography import x509
+
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = [str(n.value) for n in sans]
+    except x509.ExtensionNotFound:
+        names = []
+    cns = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    return names[0] if names else str(cns[0].value) if cns else ""
+
+
+def admitted(cfg: ClientConfig) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fedse.v1 import federation_pb2 as fpb
+    from fedse.v1 import federation_pb2_grpc as fpb_grpc
+
+    with channel(cfg.aggregator, Security.from_config(cfg)) as ch:
+        try:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                raise Failed(f"--aggregator {cfg.aggregator} is not serving yet (health "
+                             f"{health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}): try again shortly")
+            stub = fpb_grpc.FederationServiceStub(ch)
+            stub.GetRoundStatus(fpb.RoundStatusRequest(client_id=cfg.client_id), timeout=10)
+            run = stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            raise Failed(_refusal(exc, cfg)) from None
+    return f"run {run.config.run_id}, round {run.round.round} of {run.config.num_rounds}"
+
+
+def _refusal(exc: grpc.RpcError, cfg: ClientConfig) -> str:
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return f"the aggregator refuses {cfg.client_id}: {details} (its operator lists who may join: --allowed-clients)"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"the aggregator wants the federation's token: {details} (--token-file)"
+    return f"--aggregator {cfg.aggregator} answered {code.name}: {details}"
+
+
+def env_server(cfg: ClientConfig) -> str:
+    from services.client_agent.envclient import EnvClient
+    from fedse.v1 import env_pb2 as epb
+
+    names = cfg.env_list()
+    env = EnvClient(cfg.env_server, names[0], security=None if cfg.env_server_plain else cfg, retry_s=10)
+    try:
+        reach.wait_ready(env.channel, cfg.env_server, env.security, "--env-server", timeout_s=10)
+        try:
+            hosted = {e.name for e in env.stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=10).environments}
+        except grpc.RpcError as exc:
+            raise Failed(f"--env-server {cfg.env_server} answered {exc.code().name}: {exc.details()}") from None
+    finally:
+        env.close_channel()
+    missing = [n for n in names if n not in hosted]
+    if missing:
+        raise Failed(f"--env-server {cfg.env_server} hosts {', '.join(sorted(hosted))}, not {', '.join(missing)}: "
+                     "check --env, or start the env server with it (--envs)")
+    return f"{cfg.env_server} hosts {', '.join(names)}"
+
+
+def base_model(cfg: ClientConfig) -> str:
+    """Loads the base model with this client's LoRA settings and compares it with the run's: its base
+    model, and the schema of the run's global adapter (once the first client joined)."""
+    from fedse import adapter as ad
+    from fedse.v1 import federation_pb2 as fpb
+    from services.client_agent import model as mdl
+    from services.client_agent.federation import FederationClient
+
+    base, _tokenizer = mdl.load_base(cfg.base_model, cfg.device or None, seed=cfg.seed)
+    peft = mdl.add_lora(base, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                        target_modules=cfg.lora_targets(), seed=cfg.seed)
+    ours = ad.Schema.of(mdl.get_adapter_state(peft), mdl.adapter_config_json(peft))
+    fed = FederationClient(cfg.aggregator, cfg.client_id, retries=1, timeout_s=60, security=cfg)
+    try:
+        run = fed.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10)
+        if run.base_model and run.base_model != cfg.base_model:
+            raise Failed(f"the run federates base model {run.base_model!r}, this client has --base-model "
+                         f"{cfg.base_model!r}: use the run's (the same path on every client)")
+        if not run.base_model:
+            return f"{cfg.base_model} loads ({len(ours.tensors)} LoRA tensors); no client has joined yet"
+        theirs = ad.decode_transport(fed.download(-1).data)
+        try:
+            ad.check_tensors(ours, {n: ad.TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                    for n, t in theirs.items()}, dtypes=False, expected_by="this client's LoRA")
+        except ad.AdapterError as exc:
+            raise Failed(f"this client's LoRA does not fit the run's adapter: {exc} (check --lora-r and "
+                         "--target-modules against the other clients')") from None
+    finally:
+        fed.close()
+    return f"{cfg.base_model} loads; its LoRA ({len(ours.tensors)} tensors) fits the run's adapter"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return doctor(list(sys.argv[1:] if argv is None else argv))

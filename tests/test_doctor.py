@@ -1,0 +1,100 @@
+"""fedse doctor with a client's own flags, against a real aggregator and env server over real TLS: every
+check passes for a client that can join, and each failure stops the checks with its one-line reason
+(the same reasons a client agent ends with)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from apps.doctor import doctor
+from services.env_server.server import EnvServerConfig, create_server
+from support import aggregator_in_process
+from test_reach import pki  # noqa: F401 - the module's certificates, expired ones included
+
+
+@contextlib.contextmanager
+def federation(tmp_path, pki, cert=None, mtls=True, allowed="org-a,org-b"):  # noqa: F811
+    cert = cert or pki.server
+    env, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
+    env.start()
+    tls = {"tls_ca": pki.ca_pem, "tls_cert": cert[0], "tls_key": cert[1], "allowed_clients": allowed} if mtls else {}
+    try:
+        with aggregator_in_process(tmp_path, **tls) as (_, port, _):
+            yield f"127.0.0.1:{port}", f"127.0.0.1:{env_port}"
+    finally:
+        env.stop(0)
+
+
+def run(capsys, agg, env, *flags):
+    code = doctor(["--client-id", "org-a", "--env", "maze", "--aggregator", agg, "--env-server", env,
+                   "--env-server-plain", *flags])
+    return code, capsys.readouterr().out.strip().splitlines()
+
+
+def mtls(pki, cert=None, ca=None):  # noqa: F811
+    cert = cert or pki.org_a
+    return ["--tls-ca", ca or pki.ca_pem, "--tls-cert", cert[0], "--tls-key", cert[1]]
+
+
+def test_a_client_that_can_join_passes_every_check(tmp_path, pki, capsys):  # noqa: F811
+    with federation(tmp_path, pki) as (agg, env):
+        code, lines = run(capsys, agg, env, *mtls(pki))
+    assert code == 0, lines
+    assert [line.split(":")[0] for line in lines[:-1]] == [
+        "ok   the aggregator's address", "ok   TLS or plain, as the aggregator", "ok   the aggregator's certificate",
+        "ok   this client's certificate", "ok   the aggregator admits this client", "ok   the env server",
+        "ok   the base model and its LoRA"]
+    assert lines[-1] == f"org-a can join the run at {agg}"
+
+
+@pytest.mark.parametrize("case, step, reason", [
+    ("another CA", "the aggregator's certificate", "is not signed by --tls-ca"),
+    ("name mismatch", "the aggregator's certificate", "does not name 127.0.0.1"),
+    ("expired server", "the aggregator's certificate", "expired"),
+    ("TLS against plain", "TLS or plain, as the aggregator", "serves plain gRPC, not TLS"),
+    ("plain against TLS", "TLS or plain, as the aggregator", "serves TLS"),
+    ("handshake refused", "this client's certificate", "is not signed by --tls-ca"),
+    ("expired client", "this client's certificate", "not now"),
+    ("another id", "this client's certificate", "names 'org-b' first, and --client-id is 'org-a'"),
+    ("not allowed", "the aggregator admits this client", "the aggregator refuses org-a"),
+    ("nothing there", "the aggregator's address", "nothing listens there"),
+])
+def test_each_failure_stops_the_checks_with_its_reason(tmp_path, pki, capsys, case, step, reason):  # noqa: F811
+    server = {"name mismatch": pki.named_server, "expired server": pki.expired_server}.get(case)
+    plain = case == "TLS against plain"
+    with federation(tmp_path, pki, cert=server, mtls=not plain, allowed="org-b" if case == "not allowed"
+                    else "org-a,org-b") as (agg, env):
+        flags = {"another CA": mtls(pki, ca=pki.other_ca_pem), "plain against TLS": [],
+                 "handshake refused": mtls(pki, cert=pki.stranger), "expired client": mtls(pki, pki.expired_client),
+                 "another id": mtls(pki, pki.org_b)}.get(case, mtls(pki))
+        if case == "nothing there":
+            agg = "127.0.0.1:1"
+        code, lines = run(capsys, agg, env, *flags)
+    assert code == 1
+    assert lines[-1].startswith(f"FAIL {step}: ") and reason in lines[-1], lines
+    assert all(line.startswith("ok   ") for line in lines[:-1])
+
+
+def test_an_env_server_without_the_environment(tmp_path, pki, capsys):  # noqa: F811
+    with federation(tmp_path, pki) as (agg, env):
+        code, lines = run(capsys, agg, env, *mtls(pki), "--env", "wordle")
+    assert code == 1 and lines[-1].startswith("FAIL the env server: ") and "not wordle" in lines[-1]
+
+
+def test_a_lora_that_does_not_fit_the_run(tmp_path, pki, capsys):  # noqa: F811
+    from fedse import adapter as ad
+    from services.client_agent.federation import FederationClient
+    from services.client_agent import model as mdl
+    from fedse.security import Security
+
+    with federation(tmp_path, pki) as (agg, env):
+        base, _ = mdl.load_base("fedse-tiny", None, seed=0)
+        peft = mdl.add_lora(base, r=8)
+        other = FederationClient(agg, "org-b", security=Security(tls_ca=pki.ca_pem, tls_cert=pki.org_b[0],
+                                                                   tls_key=pki.org_b[1]))
+        other.join("maze", "fedse-tiny", ad.Schema.of(mdl.get_adapter_state(peft), mdl.adapter_config_json(peft)))
+        other.close()
+        code, lines = run(capsys, agg, env, *mtls(pki), "--lora-r", "4")
+    assert code == 1 and lines[-1].startswith("FAIL the base model and its LoRA: ") and "--lora-r" in lines[-1], lines
