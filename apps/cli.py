@@ -119,6 +119,7 @@ def tasks(argv: list[str]) -> int:
 
     import grpc
 
+    from fedse import reach
     from fedse.serving import insecure_channel
     from fedse.v1 import env_pb2 as epb
     from fedse.v1 import env_pb2_grpc as epb_grpc
@@ -145,6 +146,7 @@ def tasks(argv: list[str]) -> int:
         target = f"127.0.0.1:{port}"
     try:
         with insecure_channel(target) as channel:
+            reach.wait_ready(channel, target, Security(), "--env-server", timeout_s=30)
             stub = epb_grpc.EnvServiceStub(channel)
             envs = stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=30, wait_for_ready=True).environments
             width = max([10, *(len(e.name) for e in envs)])
@@ -156,6 +158,9 @@ def tasks(argv: list[str]) -> int:
                       f"{'yes' if e.has_expert else 'no':>6} {'listed' if e.lists_actions else 'written':>7}")
     except grpc.RpcError as exc:
         print(f"fedse tasks: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except reach.Unreachable as exc:
+        print(f"fedse tasks: cannot connect: {exc.reason}", file=sys.stderr)
         return 1
     finally:
         if server is not None:

@@ -142,3 +142,13 @@ def test_the_client_agent_ends_with_the_reason(tmp_path, pki):
     finally:
         env.stop(0)
         tls_env.stop(0)
+
+
+def test_fedse_status_and_tasks_say_why(tmp_path, pki, capsys):
+    from apps.cli import status, tasks
+
+    with tls_server(tmp_path, pki) as (_, port, _):
+        assert status(["--aggregator", f"127.0.0.1:{port}", "--timeout-s", "5"]) == 1
+        assert "cannot connect: --aggregator" in capsys.readouterr().err
+        assert tasks(["--env-server", f"127.0.0.1:{port}"]) == 1  # fedse tasks speaks plain gRPC
+        assert f"fedse tasks: cannot connect: --env-server 127.0.0.1:{port} serves TLS" in capsys.readouterr().err
