@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pathlib
 import socket
 import ssl
 import time
@@ -116,7 +117,7 @@ def _tls_problem(sock: socket.socket, host: str, target: str, sec: Security, fla
             tls.settimeout(timeout_s)
             tls.sendall(H2_PREFACE)  # TLS 1.3: a server's verdict on our certificate comes after the handshake
             if tls.recv(1) == b"":  # a gRPC server answers the preface; one that hangs up refused us
-                return Unreachable(_refused("it hung up right after the handshake", target, sec), lasting=True,
+                return Unreachable(_refused("it hung up right after the handshake", target, sec, flag), lasting=True,
                                    kind=CLIENT_CERTIFICATE)
     except ssl.SSLCertVerificationError as exc:
         return _server_certificate(exc, name, target, sec, flag)
@@ -126,7 +127,8 @@ def _tls_problem(sock: socket.socket, host: str, target: str, sec: Security, fla
             return Unreachable(f"{flag} {target} serves plain gRPC, not TLS: drop --tls-ca, --tls-cert and --tls-key "
                                "for it, or use its TLS address", lasting=True, kind=TRANSPORT)
         if any(r in text for r in _REFUSED):
-            return Unreachable(_refused(exc.reason or str(exc), target, sec), lasting=True, kind=CLIENT_CERTIFICATE)
+            return Unreachable(_refused(exc.reason or str(exc), target, sec, flag), lasting=True,
+                               kind=CLIENT_CERTIFICATE)
         return Unreachable(f"{flag} {target}: the TLS handshake failed ({exc.reason or exc})", lasting=True,
                            kind=TRANSPORT)
     except (socket.timeout, OSError):
@@ -149,23 +151,24 @@ def _server_certificate(exc: ssl.SSLCertVerificationError, name: str, target: st
     return Unreachable(f"{flag} {target}: {why}", lasting=True, kind=SERVER_CERTIFICATE)
 
 
-def _refused(alert: str, target: str, sec: Security) -> str:
+def _refused(alert: str, target: str, sec: Security, flag: str) -> str:
     """Why the server refused this client's certificate, checked here where it can be."""
     if not sec.tls_cert:
-        return (f"{target} asks for a client certificate (mTLS) and none was given: give --tls-cert and --tls-key "
-                "(fedse certs request, signed by the federation's operator)")
+        return (f"{flag} {target} asks for a client certificate (mTLS) and none was given: give --tls-cert and "
+                "--tls-key (fedse certs request, signed by the federation's operator)")
     try:
-        cert = x509.load_pem_x509_certificate(open(sec.tls_cert, "rb").read())
+        cert = x509.load_pem_x509_certificate(pathlib.Path(sec.tls_cert).read_bytes())
         now = datetime.datetime.now(datetime.timezone.utc)
         if cert.not_valid_after_utc < now:
-            return (f"this client's certificate --tls-cert {sec.tls_cert} expired on "
+            return (f"{flag} {target} refused this client's certificate: --tls-cert {sec.tls_cert} expired on "
                     f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: get a renewed one from the federation's operator")
         if cert.not_valid_before_utc > now:
-            return f"this client's certificate --tls-cert {sec.tls_cert} is not valid yet: check this machine's clock"
+            return (f"{flag} {target} refused this client's certificate: --tls-cert {sec.tls_cert} is not valid yet: "
+                    "check this machine's clock")
     except (OSError, ValueError):
         pass
-    return (f"{target} refused this client's certificate ({alert}): --tls-cert {sec.tls_cert} must be signed by the "
-            "federation's CA (the one the server trusts) and valid now")
+    return (f"{flag} {target} refused this client's certificate ({alert}): --tls-cert {sec.tls_cert} must be signed "
+            "by the federation's CA (the one the server trusts) and valid now")
 
 
 def wait_ready(ch: grpc.Channel, target: str, sec: Security, flag: str, timeout_s: float, poll_s: float = 5.0) -> None:

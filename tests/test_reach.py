@@ -78,7 +78,7 @@ def test_tls_against_plain_and_the_reverse(tmp_path, pki):
 @pytest.mark.parametrize("case, expect", [
     ("stranger", "refused this client's certificate"),
     ("none", "asks for a client certificate (mTLS) and none was given"),
-    ("expired", "this client's certificate --tls-cert"),
+    ("expired", "refused this client's certificate: --tls-cert"),
 ])
 def test_a_client_certificate_the_server_refuses(tmp_path, pki, case, expect):
     cert = {"stranger": pki.stranger, "none": (), "expired": pki.expired_client}[case]
@@ -152,3 +152,29 @@ def test_fedse_status_and_tasks_say_why(tmp_path, pki, capsys):
         assert "cannot connect: --aggregator" in capsys.readouterr().err
         assert tasks(["--env-server", f"127.0.0.1:{port}"]) == 1  # fedse tasks speaks plain gRPC
         assert f"fedse tasks: cannot connect: --env-server 127.0.0.1:{port} serves TLS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("another CA", "not signed by --tls-ca"),
+    ("name mismatch", "does not name 127.0.0.1"),
+    ("expired server", "expired"),
+    ("TLS against plain", "serves plain gRPC, not TLS"),
+    ("plain against TLS", "serves TLS"),
+    ("handshake refused", "refused this client's certificate"),
+])
+def test_the_client_agent_s_join_ends_with_each_reason(tmp_path, pki, case, expect):
+    """The client agent joins through FederationClient.join: each failure kind raises its reason at once
+    (the agent's process prints it and exits 2, as test_the_client_agent_ends_with_the_reason shows)."""
+    from fedse import adapter as ad
+    from services.client_agent.federation import FederationClient
+
+    cert = {"name mismatch": pki.named_server, "expired server": pki.expired_server}.get(case)
+    flags = {"another CA": client(pki, ca=pki.other_ca_pem), "plain against TLS": {},
+             "handshake refused": client(pki, cert=pki.stranger)}.get(case, client(pki))
+    server = aggregator_in_process(tmp_path) if case == "TLS against plain" else tls_server(tmp_path, pki, cert=cert)
+    with server as (_, port, _):
+        fed = FederationClient(f"127.0.0.1:{port}", "org-a", security=Security(**flags), timeout_s=60)
+        with pytest.raises(reach.Unreachable) as err:
+            fed.join("maze", "fedse-tiny", ad.Schema((ad.TensorSpec("a", (1,), "float32"),), "{}"))
+        fed.close()
+    assert err.value.lasting and expect in err.value.reason and err.value.reason.startswith("--aggregator")
