@@ -14,6 +14,7 @@ base model loads, and its LoRA has the run's base model and adapter schema.
 from __future__ import annotations
 
 import datetime
+import pathlib
 import sys
 from typing import Callable
 
@@ -76,8 +77,8 @@ def own_certificate(cfg: ClientConfig) -> str:
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    cert = x509.load_pem_x509_certificate(open(cfg.tls_cert, "rb").read())
-    key = serialization.load_pem_private_key(open(cfg.tls_key, "rb").read(), password=None)
+    cert = x509.load_pem_x509_certificate(pathlib.Path(cfg.tls_cert).read_bytes())
+    key = serialization.load_pem_private_key(pathlib.Path(cfg.tls_key).read_bytes(), password=None)
     now = datetime.datetime.now(datetime.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise Failed(f"--tls-cert {cfg.tls_cert} is valid from {cert.not_valid_before_utc:%Y-%m-%d} to "
@@ -86,7 +87,7 @@ def own_certificate(cfg: ClientConfig) -> str:
         raise Failed(f"--tls-key {cfg.tls_key} is not the key of --tls-cert {cfg.tls_cert}: give the key the "
                      "certificate request was made with")
     if cfg.tls_ca:
-        ca = x509.load_pem_x509_certificate(open(cfg.tls_ca, "rb").read())
+        ca = x509.load_pem_x509_certificate(pathlib.Path(cfg.tls_ca).read_bytes())
         try:
             cert.verify_directly_issued_by(ca)
         except Exception as exc:  # noqa: BLE001 - InvalidSignature, or a CA of another key type (TypeError)
