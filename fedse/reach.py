@@ -175,12 +175,13 @@ def wait_ready(ch: grpc.Channel, target: str, sec: Security, flag: str, timeout_
     """Waits for `ch` to connect: raises Unreachable at once for a reason waiting cannot mend, and after
     `timeout_s` for any other (logged as it waits)."""
     deadline = time.monotonic() + timeout_s
+    wait = min(1.0, poll_s)  # a channel that connects does so at once: look for a reason soon
     while True:
         try:
-            grpc.channel_ready_future(ch).result(timeout=max(0.1, min(poll_s, deadline - time.monotonic())))
+            grpc.channel_ready_future(ch).result(timeout=max(0.1, min(wait, deadline - time.monotonic())))
             return
         except grpc.FutureTimeoutError:
-            pass
+            wait = poll_s
         problem = diagnose(target, sec, flag)
         if problem is not None and problem.lasting:
             raise problem
