@@ -178,3 +178,16 @@ def test_the_client_agent_s_join_ends_with_each_reason(tmp_path, pki, case, expe
             fed.join("maze", "fedse-tiny", ad.Schema((ad.TensorSpec("a", (1,), "float32"),), "{}"))
         fed.close()
     assert err.value.lasting and expect in err.value.reason and err.value.reason.startswith("--aggregator")
+
+
+@pytest.mark.parametrize("service", ["aggregator", "env-server"])
+def test_a_server_whose_key_is_not_its_certificate_s_says_so_in_one_line(tmp_path, pki, service):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "apps.cli", service, "--address", "127.0.0.1:0", "--metrics-port",
+                          "-1", "--tls-cert", pki.server[0], "--tls-key", pki.org_a[1]],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("configuration error: ") and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
+import sys
 import threading
 
 from fedse.config import ConfigError, field, parse_or_exit
@@ -184,7 +185,11 @@ def serve(config: AggregatorConfig) -> int:
     setup_logging("aggregator", config.log_level)
     log = logging.getLogger("aggregator")
     metrics_port = start_metrics(config.metrics_port)
-    agg, port = create_server(config)
+    try:
+        agg, port = create_server(config)
+    except (ConfigError, ValueError) as exc:  # a --tls-key that is not --tls-cert's; a state dir of other settings
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
     if config.secure_aggregation and not (config.tls_ca and config.allowed_clients):
         log.warning("secure aggregation without mTLS and --allowed-clients: anyone who reaches this port can "
                     "take part under any client id, and a threshold of its own ids could unmask one client's "

@@ -118,6 +118,9 @@ def serve(config: EnvServerConfig) -> int:
         log.error("cannot build an environment", extra=log_fields(error=str(exc)))
         print(f"configuration error: envs: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # e.g. a --tls-key that is not --tls-cert's
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
     server.start()
     server.ready([SERVICE_NAME])
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, envs=[
