@@ -252,6 +252,10 @@ def format_status(st) -> str:
         left = r.deadline_unix - time.time()
         lines.append(f"deadline in {left:.0f}s; closes {c.wait_after_min_s:.0f}s after {c.min_clients} upload(s) "
                      f"at the latest; uploaded {len(r.uploaded)} of {len(r.joined)}")
+    if c.secure_aggregation:
+        stage = fpb.SecureStage.Name(r.secure_stage).removeprefix("SECURE_STAGE_").lower()
+        steps = ", ".join(f"{cl.client_id} {cl.secure_step}" for cl in st.clients if cl.secure_step) or "none yet"
+        lines.append(f"secure aggregation: attempt {r.round_nonce[:8]} at {stage}; {steps}")
     if st.round_seconds:
         lines.append("round durations: " + ", ".join(f"{s:.1f}s" for s in st.round_seconds))
     lines.append(f"{'client':<20} {'env':<10} {'alive':<5} {'seen':>6} {'phase':<18} {'upload':<12} last metrics")

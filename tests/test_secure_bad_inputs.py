@@ -67,6 +67,10 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     refused(grpc.StatusCode.ALREADY_EXISTS, "advertised other keys",
             lambda: advertise("org-a", p=Participant("org-a", ctx)))
     wait_stage(a, fpb.SECURE_STAGE_SHARING)  # org-d, joined but silent, is not waited for past 1 s
+    from apps.cli import format_status
+
+    shown = format_status(stub.GetRunStatus(fpb.RunStatusRequest()))  # what fedse status prints
+    assert f"secure aggregation: attempt {nonce[:8]} at sharing; org-a advertised, org-b advertised" in shown
     refused(grpc.StatusCode.FAILED_PRECONDITION, "stage of this attempt is over", lambda: advertise("org-a"))
 
     # ---- 2. shares
