@@ -96,6 +96,19 @@ class Layout:
             raise SecureError(f"this adapter cannot be masked: {exc}") from None
         return out
 
+    def check(self, adapter: Mapping[str, torch.Tensor], weight: int) -> None:
+        """SecureError unless every value (times the weight, for weighted) is finite and within the
+        fixed-point range: the check `encode` makes, before any stage is taken part in."""
+        scale = max(1.0, float(weight)) if self.weighted else 1.0
+        for name in self.names:
+            t = adapter[name].detach()
+            if not bool(torch.isfinite(t).all()):
+                raise SecureError(f"this adapter cannot be masked: {name} holds a value that is not finite")
+            top = float(t.abs().max()) * scale if t.numel() else 0.0
+            if top > fx.CLIP:
+                raise SecureError(f"this adapter cannot be masked: {name} holds {top:.6g} (weight included), beyond "
+                                  f"±{fx.CLIP:g}")
+
     def decode_mean(self, total: np.ndarray, count: int) -> dict[str, torch.Tensor]:
         """The mean adapter (float64 tensors) of the `count` vectors whose wrapped sum is `total`. The
         summed weights must come out whole and as expected, else the masks were not all removed."""

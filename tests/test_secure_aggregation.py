@@ -227,3 +227,16 @@ def test_a_sparse_neighbourhood_recovers_dropouts_before_and_after_the_upload(tm
         threads = [p.start() for p in parties]
         assert finish(parties[:7], threads[:7]) == [True] * 7
         assert_equals_mean(published(parties[0]), mean_of(parties[:8]))
+
+
+def test_an_adapter_out_of_the_fixed_point_range_sits_the_round_out(tmp_path):
+    """org-2's adapter holds 5000: it is refused before any stage (never clipped), and the others'
+    round closes with their mean (advertisement waits --wait-after-min-s for it, as a round waits for
+    an upload)."""
+    with federation(tmp_path, 3, wait_after_min_s=1.0) as (_, _, _, parties):
+        next(iter(parties[2].adapter.values()))[0, 0] = 5000.0
+        threads = [p.start() for p in parties]
+        results = finish(parties, threads)
+        assert results[:2] == [True, True]
+        assert isinstance(results[2], secagg.SecureError) and "beyond ±4096" in str(results[2])
+        assert_equals_mean(published(parties[0]), mean_of(parties[:2]))

@@ -47,6 +47,7 @@ import torch
 
 from fedse import adapter as ad
 from fedse import secagg
+from fedse.secagg import SecureError
 from fedse.machine import available_cores, release_free_memory
 from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
@@ -380,6 +381,11 @@ class ClientAgent:
                 self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
                                 adapter_config_json=mdl.adapter_config_json(self.model),
                                 transport_dtype=p.transport_dtype, sha256=p.sha256)  # checked by saved_upload
+        except SecureError as exc:  # an adapter a masked vector cannot carry: this round goes on without it
+            log.error("our adapter cannot take part in secure aggregation this round",
+                      extra=log_fields(round=p.round, reason=str(exc)))
+            metrics["upload_refused"] = 1.0
+            return False
         except StaleRound as exc:
             log.warning("round closed before our upload; catching up with the next round",
                         extra=log_fields(round=p.round, open_round=exc.open_round, detail=str(exc)))

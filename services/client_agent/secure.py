@@ -63,7 +63,9 @@ class SecureRound:
     def take_part(self, round_: int, c: Contribution, on_step: Callable[[str], None] = lambda step: None) -> bool:
         """True once the round closed with this client's masked upload in its sum; False when it closed
         without it (the client missed key advertisement, or the round moved on). Raises StaleRound when
-        the round is over before this client could take part."""
+        the round is over before this client could take part, SecureError (before any stage) when its
+        adapter cannot be masked."""
+        self.layout.check(c.values, c.weight)
         while True:
             st = self.fed.status()
             if st.state == fpb.ROUND_STATE_WAITING_FOR_CLIENTS:  # round 0 opens once enough clients joined
