@@ -129,6 +129,13 @@ class Schema:
         check_tensors(self, {s.name: s for s in other.tensors})
 
 
+def clip_factor(squared_norm: float, clip_norm: float) -> float:
+    """min(1, clip_norm / ||update||): what an update of that squared L2 norm is scaled by to be clipped to
+    clip_norm (1 for a zero update). The aggregator clips each upload with it, and so does a client that
+    clips its own (secure aggregation)."""
+    return min(1.0, clip_norm / math.sqrt(squared_norm)) if squared_norm > 0 else 1.0
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

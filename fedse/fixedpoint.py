@@ -30,15 +30,20 @@ SCALE = float(1 << FRACTION_BITS)
 MEAN_ERROR_BOUND = 2.0 ** -(FRACTION_BITS + 1)
 
 
-def encode(values: np.ndarray) -> np.ndarray:
-    """The values as uint64 ring elements; ValueError for a value that is not finite or lies outside
-    [-CLIP, CLIP]."""
+def check(values: np.ndarray) -> np.ndarray:
+    """The values as float64; ValueError for a value that is not finite or lies outside [-CLIP, CLIP]."""
     x = np.asarray(values, dtype=np.float64)
     if not np.isfinite(x).all():
         raise ValueError("cannot encode a value that is not finite (NaN or infinity)")
     if x.size and np.abs(x).max() > CLIP:
         raise ValueError(f"cannot encode {np.abs(x).max():.6g}: values must lie within ±{CLIP:g}")
-    return np.rint(x * SCALE).astype(np.int64).view(np.uint64)
+    return x
+
+
+def encode(values: np.ndarray) -> np.ndarray:
+    """The values as uint64 ring elements; ValueError for a value that is not finite or lies outside
+    [-CLIP, CLIP]."""
+    return np.rint(check(values) * SCALE).astype(np.int64).view(np.uint64)
 
 
 def add(total: np.ndarray, term: np.ndarray) -> np.ndarray:

@@ -109,10 +109,6 @@ class MaskStream:
         return np.frombuffer(self._out, dtype="<u8", count=n // 8)
 
 
-def expand_mask(key: bytes, count: int) -> np.ndarray:
-    """`count` uint64 ring elements from the ChaCha20 stream of `key` (MaskStream), as a new array."""
-    return MaskStream(key).next(count).astype(np.uint64)
-
 
 def split(secret: Secret, threshold: int, holders: int) -> list[tuple[int, bytes]]:
     """Shamir shares of the seed: `holders` shares (index, 16 bytes), any `threshold` of which

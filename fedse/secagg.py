@@ -27,7 +27,7 @@ import torch
 
 from fedse import fixedpoint as fx
 from fedse import masking
-from fedse.adapter import Schema
+from fedse.adapter import Schema, clip_factor
 
 MASKED_DTYPE = "masked-uint64"  # AdapterHeader.transport_dtype of a masked upload
 BLOCK = 1 << 15  # ring elements masked at a time (256 KiB: the block stays in cache while every mask is added)
@@ -81,33 +81,32 @@ class Layout:
         out = np.empty(self.length, dtype=np.uint64)
         half = self.values + 1
         at = 0
-        try:
-            for name in self.names:
-                t = adapter[name].detach().cpu()
-                x = (t if t.dtype in (torch.float32, torch.float64) else t.float()).reshape(-1).numpy()
-                out[at:at + x.size] = fx.encode(x)
-                if self.weighted:
-                    out[half + at:half + at + x.size] = fx.encode(x * float(weight))
-                at += x.size
-            out[self.values] = fx.encode(np.ones(1))[0]
-            if self.weighted:
-                out[-1] = fx.encode(np.array([float(weight)]))[0]
-        except ValueError as exc:
-            raise SecureError(f"this adapter cannot be masked: {exc}") from None
+        for name, x, weighted in self._pieces(adapter, weight, fx.encode):
+            out[at:at + x.size] = x
+            if weighted is not None:
+                out[half + at:half + at + x.size] = weighted
+            at += x.size
+        out[self.values] = fx.encode(np.ones(1))[0]
+        if self.weighted:
+            out[-1] = fx.encode(np.array([float(weight)]))[0]
         return out
 
     def check(self, adapter: Mapping[str, torch.Tensor], weight: int) -> None:
-        """SecureError unless every value (times the weight, for weighted) is finite and within the
-        fixed-point range: the check `encode` makes, before any stage is taken part in."""
-        scale = max(1.0, float(weight)) if self.weighted else 1.0
+        """SecureError unless `encode` can make the vector (every value, times the weight for weighted,
+        finite and within the fixed-point range): asked before any stage is taken part in."""
+        for _ in self._pieces(adapter, weight, fx.check):
+            pass
+
+    def _pieces(self, adapter: Mapping[str, torch.Tensor], weight: int, convert):
+        """(name, convert(x), convert(w*x) or None) per tensor, in order; SecureError naming the tensor
+        whose values `convert` (fixedpoint's check or encode) refuses."""
         for name in self.names:
-            t = adapter[name].detach()
-            if not bool(torch.isfinite(t).all()):
-                raise SecureError(f"this adapter cannot be masked: {name} holds a value that is not finite")
-            top = float(t.abs().max()) * scale if t.numel() else 0.0
-            if top > fx.CLIP:
-                raise SecureError(f"this adapter cannot be masked: {name} holds {top:.6g} (weight included), beyond "
-                                  f"±{fx.CLIP:g}")
+            t = adapter[name].detach().cpu()
+            x = (t if t.dtype in (torch.float32, torch.float64) else t.float()).reshape(-1).numpy()
+            try:
+                yield name, convert(x), convert(x * float(weight)) if self.weighted else None
+            except ValueError as exc:
+                raise SecureError(f"this adapter cannot be masked: {name}: {exc}") from None
 
     def decode_mean(self, total: np.ndarray, count: int) -> dict[str, torch.Tensor]:
         """The mean adapter (float64 tensors) of the `count` vectors whose wrapped sum is `total`. The
@@ -138,8 +137,7 @@ def clip_and_noise(adapter: Mapping[str, torch.Tensor], previous: Mapping[str, t
     `clip_norm` over all its tensors (0: not clipped), plus Gaussian noise of `noise_std` on every value."""
     out = {n: t.detach().to(torch.float64) for n, t in adapter.items()}
     if clip_norm > 0:
-        norm = math.sqrt(sum(float(((out[n] - previous[n].to(torch.float64)) ** 2).sum()) for n in out))
-        scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+        scale = clip_factor(sum(float(((out[n] - previous[n].to(torch.float64)) ** 2).sum()) for n in out), clip_norm)
         out = {n: previous[n].to(torch.float64) + scale * (t - previous[n].to(torch.float64)) for n, t in out.items()}
     if noise_std > 0:
         rng = rng or np.random.default_rng(int.from_bytes(os.urandom(16), "little"))

@@ -238,5 +238,5 @@ def test_an_adapter_out_of_the_fixed_point_range_sits_the_round_out(tmp_path):
         threads = [p.start() for p in parties]
         results = finish(parties, threads)
         assert results[:2] == [True, True]
-        assert isinstance(results[2], secagg.SecureError) and "beyond ±4096" in str(results[2])
+        assert isinstance(results[2], secagg.SecureError) and "within ±4096" in str(results[2])
         assert_equals_mean(published(parties[0]), mean_of(parties[:2]))

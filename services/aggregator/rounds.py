@@ -35,7 +35,7 @@ from .closing import OpenRound, Rule, close_reason
 from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
-from .secure import SecureDesk, Stage, Unmasking, unmask_sum
+from .secure import Attempt, SecureDesk, Stage, unmask_sum
 from .state import Client, Member, RunSettings, State, restore
 from .store import Store
 from .strategies import Update, aggregate, validate_params
@@ -378,7 +378,7 @@ class RoundKeeper:
                   self.settings.params, round_, out=views)
         return image
 
-    def _unmask(self, round_: int, u: Unmasking) -> bytearray:
+    def _unmask(self, round_: int, u: Attempt) -> bytearray:
         """phi_{t+1}'s file image: the mean of the masked uploads, their masks removed."""
         layout = self.layout()
         with contextlib.ExitStack() as files:

@@ -22,7 +22,7 @@ from fedse.serving import log_fields
 
 from . import metrics
 from .closing import OpenRound, Rule, close_reason
-from .errors import DuplicateUpload, NotJoined, StaleRound
+from .errors import DuplicateUpload, StaleRound
 
 log = logging.getLogger("aggregator.secure")
 
@@ -107,20 +107,6 @@ class View:
     shared: tuple[str, ...]
     inbound: tuple[tuple[str, Dealt], ...]
     uploaded: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Unmasking:
-    """What the unmasking needs, taken under the lock: the attempt's members, who did what and the
-    revealed shares (holder -> (owner, kind) -> share)."""
-
-    context: bytes
-    threshold: int
-    roster: Mapping[str, Member]
-    neighbours: Mapping[str, frozenset[str]]
-    shared: tuple[str, ...]
-    uploaded: tuple[str, ...]
-    revealed: Mapping[str, Mapping[tuple[str, Kind], bytes]]
 
 
 class SecureDesk:
@@ -316,11 +302,12 @@ class SecureDesk:
             self._changed()
         return None
 
-    def unmasking(self) -> Unmasking:
+    def unmasking(self) -> Attempt:
+        """The attempt as the unmasking needs it, taken under the lock: a copy of its revealed shares
+        (holder -> (owner, kind) -> share), which a new attempt clears in the original."""
         a = self.attempt
         assert a is not None and a.stage is Stage.UNMASKING
-        return Unmasking(a.context, a.threshold, dict(a.roster), dict(a.neighbours), a.shared, a.uploaded,
-                         {h: dict(s) for h, s in a.revealed.items()})
+        return dataclasses.replace(a, revealed={h: dict(s) for h, s in a.revealed.items()}, dealt={})
 
     # ---- internals -----------------------------------------------------------------------
     def _record(self, book: dict, client_id: str, value: object, other: str,
@@ -367,7 +354,7 @@ def _few(names) -> str:
 
 
 # ---- unmasking (outside the lock) ---------------------------------------------------------------
-def unmask_sum(u: Unmasking, uploads: Mapping[str, BinaryIO], length: int):
+def unmask_sum(u: Attempt, uploads: Mapping[str, BinaryIO], length: int):
     """The wrapped sum of the uploaders' values: their masked uploads less every mask, rebuilt from the
     revealed shares. SecureError where a rebuilt seed is not the one its owner committed to."""
     holders = sorted(u.revealed, key=lambda h: u.roster[h].index)
@@ -385,7 +372,7 @@ def unmask_sum(u: Unmasking, uploads: Mapping[str, BinaryIO], length: int):
             self_keys.append(secagg.self_mask_key(u.context, seed.reveal()))
         finally:
             seed.wipe()
-    for gone in (c for c in u.shared if c not in u.uploaded):
+    for gone in u.dropped():
         seed = seed_of(gone, Kind.MASKING)
         try:
             pair = masking.KeyPair(seed)

@@ -41,7 +41,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from fedse.adapter import Adapter
+from fedse.adapter import Adapter, clip_factor
 
 _F64 = torch.float64
 _SORT_ELEMENTS = 1 << 20  # median / trimmed mean sort at most this many values at once
@@ -217,7 +217,7 @@ def _clip_scales(updates: Sequence[Update], previous: Mapping[str, torch.Tensor]
         prev = previous[name].to(_F64)
         for k, u in enumerate(updates):
             squares[k] += float(torch.sub(u.adapter[name], prev).square().sum())
-    return [min(1.0, clip_norm / math.sqrt(s)) if s > 0 else 1.0 for s in squares]
+    return [clip_factor(s, clip_norm) for s in squares]
 
 
 def _successes(updates: Sequence[Update]) -> list[float]:
