@@ -21,7 +21,7 @@ from typing import Callable
 import grpc
 
 from fedse import reach
-from fedse.config import parse_or_exit
+from fedse.config import ConfigError, parse_or_exit
 from fedse.security import Security, channel
 from services.client_agent.config import ClientConfig
 
@@ -32,11 +32,13 @@ class Failed(Exception):
 
 def doctor(argv: list[str]) -> int:
     cfg = parse_or_exit(ClientConfig, argv, prog="fedse doctor")
+    sec = Security.from_config(cfg)
+    problem = reach.diagnose(cfg.aggregator, sec, "--aggregator")  # one probe answers the first four checks
     steps: list[tuple[str, Callable[[ClientConfig], str]]] = [
-        ("the aggregator's address", lambda c: _step(c, reach.ADDRESS)),
-        ("TLS or plain, as the aggregator", lambda c: _step(c, reach.TRANSPORT)),
-        ("the aggregator's certificate", lambda c: _step(c, reach.SERVER_CERTIFICATE)),
-        ("this client's certificate", own_certificate),
+        ("the aggregator's address", lambda c: _connection(c, sec, problem, reach.ADDRESS)),
+        ("TLS or plain, as the aggregator", lambda c: _connection(c, sec, problem, reach.TRANSPORT)),
+        ("the aggregator's certificate", lambda c: _connection(c, sec, problem, reach.SERVER_CERTIFICATE)),
+        ("this client's certificate", lambda c: own_certificate(c, problem)),
         ("the aggregator admits this client", admitted),
         ("the env server", env_server),
         ("the base model and its LoRA", base_model),
@@ -52,65 +54,56 @@ def doctor(argv: list[str]) -> int:
     return 0
 
 
-def _step(cfg: ClientConfig, kind: str) -> str:
-    """The connection to the aggregator, up to the step `kind` (reach.diagnose's reason if it fails there)."""
-    target, sec = cfg.aggregator, Security.from_config(cfg)
-    problem = reach.diagnose(target, sec, "--aggregator")
-    order = [reach.ADDRESS, reach.TRANSPORT, reach.SERVER_CERTIFICATE, reach.CLIENT_CERTIFICATE]
-    if problem is not None and order.index(problem.kind) <= order.index(kind):
+_STEPS = [reach.ADDRESS, reach.TRANSPORT, reach.SERVER_CERTIFICATE, reach.CLIENT_CERTIFICATE]
+
+
+def _failed_by(problem: reach.Unreachable | None, kind: str) -> None:
+    """Raises the connection's problem if it lies at the step `kind` or before it."""
+    if problem is not None and _STEPS.index(problem.kind) <= _STEPS.index(kind):
         raise problem
+
+
+def _connection(cfg: ClientConfig, sec: Security, problem: reach.Unreachable | None, kind: str) -> str:
+    """The connection to the aggregator up to the step `kind`, as reach.diagnose found it."""
+    _failed_by(problem, kind)
     if kind == reach.ADDRESS:
-        return f"{target} answers"
+        return f"{cfg.aggregator} answers"
     if kind == reach.TRANSPORT:
         return "TLS" + (" with a client certificate (mTLS)" if sec.tls_cert else "") if sec.tls.enabled else "plain"
     if not sec.tls.enabled:
         return "none (plain gRPC)"
-    name = sec.tls_server_name or reach.split_target(target)[0]  # type: ignore[index]
+    name = sec.tls_server_name or reach.split_target(cfg.aggregator)[0]  # type: ignore[index]
     return f"signed by {sec.tls_ca or 'the system CAs'}, names {name}, valid now"
 
 
-def own_certificate(cfg: ClientConfig) -> str:
-    """This client's certificate, checked here: valid now, its key's, signed by --tls-ca, first name the
+def own_certificate(cfg: ClientConfig, problem: reach.Unreachable | None) -> str:
+    """This client's certificate, checked here: its key's, valid now, signed by --tls-ca, first name the
     client id; then whether the aggregator took it in the handshake."""
     if not cfg.tls_cert:
         return "none (the aggregator does not ask for one unless it runs mTLS)"
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
 
-    cert = x509.load_pem_x509_certificate(pathlib.Path(cfg.tls_cert).read_bytes())
-    key = serialization.load_pem_private_key(pathlib.Path(cfg.tls_key).read_bytes(), password=None)
+    from fedse import certs
+
+    files = Security.from_config(cfg).tls
+    try:
+        cert = files.check(files.read())  # parses, and the key is the certificate's
+    except ConfigError as exc:
+        raise Failed(str(exc)) from None
+    assert cert is not None
     now = datetime.datetime.now(datetime.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise Failed(f"--tls-cert {cfg.tls_cert} is valid from {cert.not_valid_before_utc:%Y-%m-%d} to "
                      f"{cert.not_valid_after_utc:%Y-%m-%d}, not now: get a renewed one from the federation's operator")
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():  # type: ignore[union-attr]
-        raise Failed(f"--tls-key {cfg.tls_key} is not the key of --tls-cert {cfg.tls_cert}: give the key the "
-                     "certificate request was made with")
-    if cfg.tls_ca:
-        ca = x509.load_pem_x509_certificate(pathlib.Path(cfg.tls_ca).read_bytes())
-        try:
-            cert.verify_directly_issued_by(ca)
-        except Exception as exc:  # noqa: BLE001 - InvalidSignature, or a CA of another key type (TypeError)
-            raise Failed(f"--tls-cert {cfg.tls_cert} is not signed by --tls-ca {cfg.tls_ca} "
-                         f"({type(exc).__name__}): have the federation's operator sign it") from None
-    first = _first_name(cert)
+    if cfg.tls_ca and not certs.signed_by(cert, x509.load_pem_x509_certificates(pathlib.Path(cfg.tls_ca).read_bytes())):
+        raise Failed(f"--tls-cert {cfg.tls_cert} is not signed by --tls-ca {cfg.tls_ca}: have the federation's "
+                     "operator sign it")
+    first = certs.identity(cert)
     if first != cfg.client_id:
         raise Failed(f"--tls-cert {cfg.tls_cert} names {first!r} first, and --client-id is {cfg.client_id!r}: the "
                      "aggregator takes a client's id from its certificate; use the same id")
-    _step(cfg, reach.CLIENT_CERTIFICATE)
+    _failed_by(problem, reach.CLIENT_CERTIFICATE)
     return f"{first}, valid until {cert.not_valid_after_utc:%Y-%m-%d}, taken by the aggregator"
-
-
-def _first_name(cert) -> str:
-    from cryptography import x509
-
-    try:
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names = [str(n.value) for n in sans]
-    except x509.ExtensionNotFound:
-        names = []
-    cns = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
-    return names[0] if names else str(cns[0].value) if cns else ""
 
 
 def admitted(cfg: ClientConfig) -> str:

@@ -72,7 +72,8 @@ def _certificates(flag: str, path: str, data: bytes) -> list[x509.Certificate]:
         raise ConfigError(f"{flag} {path}: not a whole PEM certificate ({exc})") from None
 
 
-def _public(key: Any) -> bytes:
+def public_bytes(key: Any) -> bytes:
+    """A public key's DER bytes, to compare two keys."""
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
@@ -114,7 +115,7 @@ class TlsFiles:
             except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
                 raise ConfigError(f"--tls-key {self.key}: not a whole private key without a password "
                                   f"({exc})") from None
-            if _public(key.public_key()) != _public(leaf.public_key()):
+            if public_bytes(key.public_key()) != public_bytes(leaf.public_key()):
                 raise ConfigError(f"--tls-key {self.key} is not the private key of the certificate in "
                                   f"--tls-cert {self.cert}: give the key the certificate was issued for")
         return leaf

@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedse.certificates import public_bytes
 from fedse.files import atomic_write
 from fedse.inputs import CLIENT_ID, CLIENT_ID_RULE, shown
 
@@ -171,16 +172,12 @@ def load_ca(directory: pathlib.Path) -> Ca:
     except (ValueError, TypeError, UnsupportedAlgorithm):
         raise CertError(f"{directory}: {CA_CERT} or {CA_KEY} is not a PEM certificate or unencrypted key: "
                         f"{hint}") from None
-    if _public(key.public_key()) != _public(cert.public_key()):
+    if public_bytes(key.public_key()) != public_bytes(cert.public_key()):
         raise CertError(f"{directory / CA_KEY} is not the key of {directory / CA_CERT}: put the pair fedse certs "
                         f"init made together")
     if not isinstance(key, ec.EllipticCurvePrivateKey) or not _is_ca(cert):
         raise CertError(f"{directory / CA_CERT} is not a CA fedse certs init made: {hint}")
     return Ca(cert, key, directory)
-
-
-def _public(public_key) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _is_ca(cert: x509.Certificate) -> bool:
@@ -333,7 +330,8 @@ def _certificates(path: pathlib.Path, data: bytes) -> list[x509.Certificate]:
                         f".csr") from None
 
 
-def _signed_by(cert: x509.Certificate, cas: Iterable[x509.Certificate]) -> bool:
+def signed_by(cert: x509.Certificate, cas: Iterable[x509.Certificate]) -> bool:
+    """Whether one of `cas` signed `cert` directly."""
     for ca in cas:
         try:
             cert.verify_directly_issued_by(ca)
@@ -362,7 +360,7 @@ def show(path: pathlib.Path, ca: pathlib.Path | None = None) -> Shown:
              f"  purpose: {', '.join(purposes(cert))}",
              f"  CA: {'yes' if _is_ca(cert) else 'no'}"]
     if ca is not None:
-        signed = _signed_by(cert, _certificates(ca, _read(ca, "the CA's certificate (--ca)")))
+        signed = signed_by(cert, _certificates(ca, _read(ca, "the CA's certificate (--ca)")))
         lines.append(f"  signed by {ca}: {'yes' if signed else 'NO'}")
         if not signed:
             return Shown(lines, f"{path} is not signed by the CA in {ca}: ask the federation's operator for the "

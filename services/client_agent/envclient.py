@@ -19,7 +19,7 @@ import grpc
 
 from fedse import reach
 from fedse.security import Security, channel
-from fedse.serving import insecure_channel, log_fields
+from fedse.serving import log_fields
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 
@@ -76,7 +76,7 @@ class EnvClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.security = security if security is not None else Security()
-        self.channel = channel(target, security) if security is not None else insecure_channel(target)
+        self.channel = channel(target, self.security)
         self.stub = epb_grpc.EnvServiceStub(self.channel)
 
     def ready(self) -> None:

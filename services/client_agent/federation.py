@@ -28,7 +28,7 @@ from fedse import adapter as ad
 from fedse import reach, serde
 from fedse.secagg import MASKED_DTYPE
 from fedse.security import Security, channel
-from fedse.serving import insecure_channel, log_fields
+from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
@@ -149,7 +149,7 @@ class FederationClient:
         self.timeout_s = timeout_s
         self.transport_dtype = ad.check_transport_dtype(transport_dtype)
         self.security = security if security is not None else Security()
-        self.channel = channel(target, security) if security is not None else insecure_channel(target)
+        self.channel = channel(target, self.security)
         self.stub = fpb_grpc.FederationServiceStub(self.channel)
         self.chunk_bytes = ad.CHUNK_BYTES
 
