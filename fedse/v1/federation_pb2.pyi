@@ -22,6 +22,7 @@ class SecureStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SECURE_STAGE_SHARING: _ClassVar[SecureStage]
     SECURE_STAGE_UPLOADING: _ClassVar[SecureStage]
     SECURE_STAGE_UNMASKING: _ClassVar[SecureStage]
+    SECURE_STAGE_CONSISTENCY: _ClassVar[SecureStage]
 
 class ShareKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ SECURE_STAGE_ADVERTISING: SecureStage
 SECURE_STAGE_SHARING: SecureStage
 SECURE_STAGE_UPLOADING: SecureStage
 SECURE_STAGE_UNMASKING: SecureStage
+SECURE_STAGE_CONSISTENCY: SecureStage
 SHARE_KIND_UNSPECIFIED: ShareKind
 SHARE_KIND_SELF_MASK: ShareKind
 SHARE_KIND_MASKING: ShareKind
@@ -73,7 +75,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours")
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,9 @@ class RunConfig(_message.Message):
     CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
     NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     SECURE_NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    SECURE_SIGNED_FIELD_NUMBER: _ClassVar[int]
+    SECURE_MAX_ROSTER_FIELD_NUMBER: _ClassVar[int]
+    DP_DELTA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_rounds: int
     min_clients: int
@@ -104,7 +109,10 @@ class RunConfig(_message.Message):
     clip_norm: float
     noise_multiplier: float
     secure_neighbours: int
-    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ...) -> None: ...
+    secure_signed: bool
+    secure_max_roster: int
+    dp_delta: float
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "current_round")
@@ -293,52 +301,68 @@ class ClientStatus(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secure_step: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "round", "clients", "round_seconds", "base_model")
+    __slots__ = ("config", "round", "clients", "round_seconds", "base_model", "dp_accounted", "dp_epsilon_round", "dp_epsilon_total", "dp_releases")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DP_ACCOUNTED_FIELD_NUMBER: _ClassVar[int]
+    DP_EPSILON_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DP_EPSILON_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DP_RELEASES_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     round: RoundStatus
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
     round_seconds: _containers.RepeatedScalarFieldContainer[float]
     base_model: str
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ...) -> None: ...
+    dp_accounted: bool
+    dp_epsilon_round: float
+    dp_epsilon_total: float
+    dp_releases: int
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ..., dp_accounted: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_total: _Optional[float] = ..., dp_releases: _Optional[int] = ...) -> None: ...
 
 class StageAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class AdvertiseKeysRequest(_message.Message):
-    __slots__ = ("client_id", "round", "round_nonce", "encryption_key", "masking_key", "self_mask_commitment")
+    __slots__ = ("client_id", "round", "round_nonce", "encryption_key", "masking_key", "self_mask_commitment", "certificate", "signature")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTION_KEY_FIELD_NUMBER: _ClassVar[int]
     MASKING_KEY_FIELD_NUMBER: _ClassVar[int]
     SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     round: int
     round_nonce: str
     encryption_key: bytes
     masking_key: bytes
     self_mask_commitment: bytes
-    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ...) -> None: ...
+    certificate: bytes
+    signature: bytes
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RosterMember(_message.Message):
-    __slots__ = ("client_id", "encryption_key", "masking_key", "self_mask_commitment", "index")
+    __slots__ = ("client_id", "encryption_key", "masking_key", "self_mask_commitment", "index", "certificate", "signature")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTION_KEY_FIELD_NUMBER: _ClassVar[int]
     MASKING_KEY_FIELD_NUMBER: _ClassVar[int]
     SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     encryption_key: bytes
     masking_key: bytes
     self_mask_commitment: bytes
     index: int
-    def __init__(self, client_id: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., index: _Optional[int] = ...) -> None: ...
+    certificate: bytes
+    signature: bytes
+    def __init__(self, client_id: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., index: _Optional[int] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SealedShare(_message.Message):
     __slots__ = ("client_id", "sealed", "self_mask_commitment", "masking_commitment")
@@ -375,7 +399,7 @@ class SecureRoundRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ...) -> None: ...
 
 class SecureRound(_message.Message):
-    __slots__ = ("round", "round_nonce", "stage", "threshold", "roster", "shared", "inbound", "uploaded")
+    __slots__ = ("round", "round_nonce", "stage", "threshold", "roster", "shared", "inbound", "uploaded", "consistency")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +408,7 @@ class SecureRound(_message.Message):
     SHARED_FIELD_NUMBER: _ClassVar[int]
     INBOUND_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_nonce: str
     stage: SecureStage
@@ -392,7 +417,28 @@ class SecureRound(_message.Message):
     shared: _containers.RepeatedScalarFieldContainer[str]
     inbound: _containers.RepeatedCompositeFieldContainer[SealedShare]
     uploaded: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., stage: _Optional[_Union[SecureStage, str]] = ..., threshold: _Optional[int] = ..., roster: _Optional[_Iterable[_Union[RosterMember, _Mapping]]] = ..., shared: _Optional[_Iterable[str]] = ..., inbound: _Optional[_Iterable[_Union[SealedShare, _Mapping]]] = ..., uploaded: _Optional[_Iterable[str]] = ...) -> None: ...
+    consistency: _containers.RepeatedCompositeFieldContainer[UploaderSignature]
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., stage: _Optional[_Union[SecureStage, str]] = ..., threshold: _Optional[int] = ..., roster: _Optional[_Iterable[_Union[RosterMember, _Mapping]]] = ..., shared: _Optional[_Iterable[str]] = ..., inbound: _Optional[_Iterable[_Union[SealedShare, _Mapping]]] = ..., uploaded: _Optional[_Iterable[str]] = ..., consistency: _Optional[_Iterable[_Union[UploaderSignature, _Mapping]]] = ...) -> None: ...
+
+class UploaderSignature(_message.Message):
+    __slots__ = ("client_id", "signature")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    signature: bytes
+    def __init__(self, client_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ConsistencyRequest(_message.Message):
+    __slots__ = ("client_id", "round", "round_nonce", "signature")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    round: int
+    round_nonce: str
+    signature: bytes
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RevealedShare(_message.Message):
     __slots__ = ("client_id", "kind", "share")

@@ -97,6 +97,11 @@ class FederationServiceStub:
                 request_serializer=fedse_dot_v1_dot_federation__pb2.SecureRoundRequest.SerializeToString,
                 response_deserializer=fedse_dot_v1_dot_federation__pb2.SecureRound.FromString,
                 _registered_method=True)
+        self.CheckConsistency = channel.unary_unary(
+                '/fedse.v1.FederationService/CheckConsistency',
+                request_serializer=fedse_dot_v1_dot_federation__pb2.ConsistencyRequest.SerializeToString,
+                response_deserializer=fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
+                _registered_method=True)
         self.Unmask = channel.unary_unary(
                 '/fedse.v1.FederationService/Unmask',
                 request_serializer=fedse_dot_v1_dot_federation__pb2.UnmaskRequest.SerializeToString,
@@ -202,28 +207,67 @@ class FederationServiceServicer:
 
     def AdvertiseKeys(self, request, context):
         """---- Secure aggregation (RunConfig.secure_aggregation) -------------------------------------
-        With secure aggregation the aggregator learns only the sum of the adapters, never one of them
-        (pairwise masking with dropout recovery, Bonawitz et al. 2017). A round runs as attempts, each
-        with its own round_nonce (RoundStatus) and its own keys, in four stages (RoundStatus.secure_stage):
-        1. ADVERTISING: each client sends two fresh X25519 public keys (AdvertiseKeys). The stage
-        closes as a plain round closes on uploads (every joined client advertised, or min_clients
-        did and the rest are not alive, or waited long enough); who advertised is the roster U1.
+        With secure aggregation the aggregator learns only the sum of the adapters of a round
+        (pairwise masking with dropout recovery, Bonawitz et al. 2017), under the threat model below.
+        A round runs as attempts, each with its own round_nonce (RoundStatus) and its own keys, in four
+        stages, five when RunConfig.secure_signed (RoundStatus.secure_stage):
+        1. ADVERTISING: each client sends two fresh X25519 public keys (AdvertiseKeys), signed with
+        the key of its certificate when secure_signed. The stage closes as a plain round closes on
+        uploads (every joined client advertised, or min_clients did and the rest are not alive, or
+        waited long enough), or once secure_max_roster advertised; who advertised (the first
+        secure_max_roster of them) is the roster U1.
         2. SHARING: each member of U1 sends, for every member of its neighbourhood (itself included;
         everyone, unless RunConfig.secure_neighbours makes the graph sparse), Shamir shares of its
         two mask seeds sealed for that member (ShareKeys); the aggregator relays them
         (GetSecureRound.inbound). Who shared is U2.
         3. UPLOADING: each member of U2 uploads its masked vector over UploadAdapter (the header
         carries the attempt's round_nonce and transport_dtype "masked-uint64"). Who uploaded is U3.
-        4. UNMASKING: each member of U3 reveals the shares it holds of the self-mask seed of every
-        neighbour in U3, and of the pairwise-mask seed of every neighbour in U2 not in U3, never
-        both of one client (Unmask). Once every seed it needs has `threshold` shares revealed, the
-        aggregator removes the masks and publishes the mean as the next global adapter.
-        Stages 2 to 4 close when every member of the stage's set that is alive has answered, or
+        The attempt is abandoned when the masking graph among U3 (two uploaders joined where they
+        are neighbours) is not connected: its unmasking would give the sum of each part.
+        4. CONSISTENCY (secure_signed only): each member of U3 signs the list of uploaders it was
+        shown (CheckConsistency). Who signed is U4.
+        5. UNMASKING: each member of U4 (U3 without secure_signed) reveals the shares it holds of the
+        self-mask seed of every neighbour in U3, and of the pairwise-mask seed of every neighbour in
+        U2 not in U3, never both of one client (Unmask). Once every seed it needs has `threshold`
+        shares revealed, the aggregator removes the masks and publishes the mean as the next
+        global adapter.
+        Stages 2 to 5 close when every member of the stage's set that is alive has answered, or
         RunConfig.secure_stage_timeout_s after the stage opened. A stage that closes with fewer than
-        `threshold` members (at UPLOADING and UNMASKING also: with a client whose seed fewer than
-        `threshold` of its neighbours could reveal) aborts the attempt: nothing of it is published, and the round starts a new
-        attempt at ADVERTISING with a new round_nonce (a restarted aggregator does the same). Clients
-        make fresh keys for every attempt and re-mask the same adapter.
+        `threshold` members (from UPLOADING on also: with a client whose seed fewer than `threshold` of
+        its neighbours could reveal) aborts the attempt: nothing of it is published, and the round starts
+        a new attempt at ADVERTISING with a new round_nonce (a restarted aggregator does the same).
+        Clients make fresh keys for every attempt and re-mask the same adapter, noise included.
+
+        Once the aggregator has begun removing the masks of an attempt, the round is released: it
+        publishes the mean, or, if the unmasked sum does not decode (a client that masked a wrong
+        count), closes with the round's global adapter unchanged. It never starts another attempt of
+        that round, since a second sum over another set of clients would reveal their difference.
+
+        What a client checks before it acts (fedse's client refuses the attempt, and reveals nothing,
+        where any check fails):
+        - the threshold is at least its own floor (more than half of its neighbourhood, or more
+        where its organisation set so), and at most its neighbourhood;
+        - the roster's keys are distinct, its own entry holds its own keys, and with secure_signed
+        every member's certificate chains to the federation's CA, names the member's client_id,
+        and signed the member's keys;
+        - it masks only with at least `threshold` neighbours that shared, itself included, and the
+        shares relayed to it open and match their commitments (else it names the dealer);
+        - the uploaders are clients that shared, itself among them, at least `threshold` of its
+        neighbours, and their masking graph is connected;
+        - with secure_signed, at least `threshold` uploaders signed the very uploader list it was
+        shown before it reveals any share;
+        - it reveals shares in at most one attempt of a round.
+
+        Threat model. Against an aggregator that follows the protocol and reads what it holds (honest
+        but curious): no client's adapter, only the round's sum. Against an aggregator that lies (shows
+        clients different rosters, thresholds, uploader lists, or keys of its own), with secure_signed
+        and the checks above: no client's adapter while fewer than 2t - n of the client's neighbourhood
+        (n members as the client was shown them, itself included; t the threshold) collude with it;
+        each honest member reveals only one of the client's two seeds, so the aggregator can rebuild
+        both only with colluders' shares. A client's floor on t is its organisation's setting: more than
+        n/2 tolerates no colluder (n odd), more than 2n/3 about n/3 of them. Without secure_signed the
+        aggregator can put keys of its own in place of other members' keys and learn a client's
+        adapter: that mode protects against an honest-but-curious aggregator only.
 
         Failure answers, the same for every stage call: FAILED_PRECONDITION for a call whose round or
         round_nonce is not the current attempt's (a replay, or a client that missed a restart: read
@@ -231,9 +275,9 @@ class FederationServiceServicer:
         round), and for a client that is not in the stage's set (not in the roster: it sits out this
         attempt); INVALID_ARGUMENT for a malformed message (a key that is not 32 bytes, a share
         addressed to a client not in the roster or missing one, a revealed share that does not match
-        what its owner committed to); ALREADY_EXISTS for a second, different message of one client in
-        one stage (the same message again is acknowledged: retries are safe); PERMISSION_DENIED where
-        mTLS says the caller is another client.
+        what its owner committed to, a signature or certificate that does not verify); ALREADY_EXISTS
+        for a second, different message of one client in one stage (the same message again is
+        acknowledged: retries are safe); PERMISSION_DENIED where mTLS says the caller is another client.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,6 +293,13 @@ class FederationServiceServicer:
         """What a client needs from the aggregator for the attempt, as far as it has got: the roster
         (after ADVERTISING), the shares sealed for the caller and who sent them (after SHARING), and
         who uploaded (after UPLOADING).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckConsistency(self, request, context):
+        """secure_signed only: an uploader's signature over the uploader list GetSecureRound showed it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -322,6 +373,11 @@ def add_FederationServiceServicer_to_server(servicer, server):
                     servicer.GetSecureRound,
                     request_deserializer=fedse_dot_v1_dot_federation__pb2.SecureRoundRequest.FromString,
                     response_serializer=fedse_dot_v1_dot_federation__pb2.SecureRound.SerializeToString,
+            ),
+            'CheckConsistency': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckConsistency,
+                    request_deserializer=fedse_dot_v1_dot_federation__pb2.ConsistencyRequest.FromString,
+                    response_serializer=fedse_dot_v1_dot_federation__pb2.StageAck.SerializeToString,
             ),
             'Unmask': grpc.unary_unary_rpc_method_handler(
                     servicer.Unmask,
@@ -656,6 +712,33 @@ class FederationService:
             '/fedse.v1.FederationService/GetSecureRound',
             fedse_dot_v1_dot_federation__pb2.SecureRoundRequest.SerializeToString,
             fedse_dot_v1_dot_federation__pb2.SecureRound.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckConsistency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedse.v1.FederationService/CheckConsistency',
+            fedse_dot_v1_dot_federation__pb2.ConsistencyRequest.SerializeToString,
+            fedse_dot_v1_dot_federation__pb2.StageAck.FromString,
             options,
             channel_credentials,
             insecure,

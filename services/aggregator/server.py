@@ -66,6 +66,13 @@ class AggregatorConfig(Security):
                                       "clients), the threshold then counts among neighbours")
     secure_stage_timeout_s: float = field(120.0, "secure aggregation: how long the sharing, upload and unmasking "
                                                  "stages wait for clients that are alive")
+    secure_max_roster: int = field(1024, "secure aggregation: the most clients in an attempt's roster (at most "
+                                         "1024); key advertisement closes once this many advertised")
+    secure_dropout_rate: float = field(0.05, "secure aggregation: the share of clients expected to drop out of a "
+                                             "stage, which sizes the least --secure-neighbours for "
+                                             "--secure-max-roster (a sparser ring would split often)")
+    dp_delta: float = field(1e-5, "differential privacy: the delta of the (epsilon, delta) reported per round "
+                                  "and in total (with --clip-norm and --noise-multiplier)")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -128,7 +135,8 @@ class AggregatorConfig(Security):
             heartbeat_interval_s=self.heartbeat_interval_s, params=self.strategy_params(),
             secure=self.secure_aggregation, secure_threshold=self.secure_threshold,
             secure_neighbours=self.secure_neighbours,
-            secure_stage_timeout_s=self.secure_stage_timeout_s,
+            secure_stage_timeout_s=self.secure_stage_timeout_s, secure_signed=self.secure_aggregation and bool(self.tls_ca),
+            secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta,
         )
 
     def strategy_params(self) -> StrategyParams:

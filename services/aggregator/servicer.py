@@ -124,7 +124,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              secure_aggregation=s.secure, secure_threshold=s.secure_threshold,
                              secure_stage_timeout_s=s.secure_stage_timeout_s, secure_neighbours=s.secure_neighbours,
                              clip_norm=s.params.clip_norm if s.secure else 0.0,
-                             noise_multiplier=s.params.noise_multiplier if s.secure else 0.0)
+                             noise_multiplier=s.params.noise_multiplier if s.secure else 0.0,
+                             secure_signed=s.secure_signed, secure_max_roster=s.secure_max_roster if s.secure else 0,
+                             dp_delta=s.dp_delta)
 
     @ERRORS.wrap
     def Join(self, request, context):

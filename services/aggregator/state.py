@@ -53,6 +53,9 @@ class RunSettings:
     secure_threshold: int = 0  # shares that rebuild a seed (0 = a majority of a neighbourhood)
     secure_neighbours: int = 0  # each client's neighbours (0 = everyone)
     secure_stage_timeout_s: float = 120.0
+    secure_signed: bool = False  # clients sign their keys and the uploader list (the aggregator runs mTLS)
+    secure_max_roster: int = 1024  # the most members of an attempt's roster
+    dp_delta: float = 1e-5  # the delta of the (epsilon, delta) reported
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that decide a run's result: a restart must not change them."""

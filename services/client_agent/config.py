@@ -87,6 +87,12 @@ class ClientConfig(Security):
                                      "schema's dtype)")
     heartbeat_interval_s: float = field(0.0, "seconds between heartbeats to the aggregator "
                                              "(0 = the interval the aggregator asks for at Join)")
+    require_secure_aggregation: bool = field(False, "upload only to a run with secure aggregation: a run that is not "
+                                                    "secure is refused at join, and nothing is uploaded to it")
+    secure_min_threshold: float = field(0.5, "secure aggregation: the least threshold this client accepts, as a share "
+                                             "of its neighbourhood; it takes part only where the threshold is above "
+                                             "it (0.5: a majority; 0.67 keeps its adapter hidden from an aggregator "
+                                             "that lies with up to a third of the neighbourhood colluding)")
     log_level: str = field("INFO", "log level")
     env_server_plain: bool = field(False, "talk to the env server without TLS or token (e.g. one in the same pod "
                                           "or on the same host), whatever the aggregator link uses")
@@ -128,6 +134,9 @@ class ClientConfig(Security):
                               f"got {self.heartbeat_interval_s}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not 0.5 <= self.secure_min_threshold < 1:
+            raise ConfigError(f"--secure-min-threshold must be in [0.5, 1): a share of the neighbourhood the threshold "
+                              f"must exceed, got {self.secure_min_threshold}")
         envs = self.env_list()
         if not envs:
             raise ConfigError("--env is empty: name an environment, e.g. maze, or several: maze,wordle")
