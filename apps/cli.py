@@ -258,6 +258,10 @@ def format_status(st) -> str:
         lines.append(f"secure aggregation: attempt {r.round_nonce[:8]} at {stage}; {steps}")
     if st.round_seconds:
         lines.append("round durations: " + ", ".join(f"{s:.1f}s" for s in st.round_seconds))
+    if st.dp_accounted:
+        n = st.dp_releases
+        lines.append(f"privacy: epsilon {st.dp_epsilon_round:.3g} per round, {st.dp_epsilon_total:.3g} after {n} "
+                     f"round{'' if n == 1 else 's'} (delta {c.dp_delta:g})")
     lines.append(f"{'client':<20} {'env':<10} {'alive':<5} {'seen':>6} {'phase':<18} {'upload':<12} last metrics")
     now = time.time()
     for cl in st.clients:

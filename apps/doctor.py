@@ -7,7 +7,8 @@ dry run: it joins nothing, uploads nothing and reports nothing.
 
 The checks: the aggregator's address answers; TLS (or plain) as the server speaks; the server's
 certificate; this client's own certificate (valid now, its key's, signed by the CA, its first name
-the client id); the aggregator admits the client; the env server answers and hosts every --env; the
+the client id); the aggregator admits the client (and, with --require-secure-aggregation, its run is
+secure: the client agent would refuse it otherwise); the env server answers and hosts every --env; the
 base model loads, and its LoRA has the run's base model and adapter schema.
 """
 
@@ -107,10 +108,12 @@ def own_certificate(cfg: ClientConfig, problem: reach.Unreachable | None) -> str
 
 
 def admitted(cfg: ClientConfig) -> str:
+    """The aggregator admits this client, and its run is one this client would upload to."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
+    from services.client_agent.federation import InsecureRun, refuse_insecure
 
     with channel(cfg.aggregator, Security.from_config(cfg)) as ch:
         try:
@@ -123,7 +126,12 @@ def admitted(cfg: ClientConfig) -> str:
             run = stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10)
         except grpc.RpcError as exc:
             raise Failed(_refusal(exc, cfg)) from None
-    return f"run {run.config.run_id}, round {run.round.round} of {run.config.num_rounds}"
+    try:
+        refuse_insecure(cfg.require_secure_aggregation, run.config)  # the reason the client agent ends with
+    except InsecureRun as exc:
+        raise Failed(str(exc)) from None
+    secure = ", secure aggregation" if run.config.secure_aggregation else ""
+    return f"run {run.config.run_id}, round {run.round.round} of {run.config.num_rounds}{secure}"
 
 
 def _refusal(exc: grpc.RpcError, cfg: ClientConfig) -> str:

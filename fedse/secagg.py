@@ -12,6 +12,12 @@ did not upload (whose pairwise key it then agrees with each uploader's public ke
 Every key is bound to the run, the attempt (its round_nonce), the pair and the purpose through
 HKDF's info, so no mask or seal is ever used twice. Vectors are masked block by block: a mask is
 never held whole.
+
+What a client checks before it acts, against an aggregator that may lie, is here too: the least
+threshold it accepts (`floor`), the masking graph of the uploaders (`parts`: unmasking a graph in
+pieces would give each piece's sum), the least neighbourhood that keeps a ring of a given size from
+splitting (`min_neighbours`), and the ring's order, drawn from the roster's own keys (`roster_digest`)
+so that the aggregator cannot pick a nonce that seats colluders around a client.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 from typing import BinaryIO, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -94,6 +99,10 @@ class Layout:
     def check(self, adapter: Mapping[str, torch.Tensor], weight: int) -> None:
         """SecureError unless `encode` can make the vector (every value, times the weight for weighted,
         finite and within the fixed-point range): asked before any stage is taken part in."""
+        try:
+            fx.check(np.array([float(weight)]))
+        except ValueError as exc:
+            raise SecureError(f"this adapter cannot be masked: its weight {weight}: {exc}") from None
         for _ in self._pieces(adapter, weight, fx.check):
             pass
 
@@ -132,16 +141,18 @@ class Layout:
 
 
 def clip_and_noise(adapter: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], clip_norm: float,
-                   noise_std: float, rng: np.random.Generator | None = None) -> dict[str, torch.Tensor]:
+                   noise_std: float) -> dict[str, torch.Tensor]:
     """The client's side of distributed differential privacy: its update (adapter - previous) clipped to
-    `clip_norm` over all its tensors (0: not clipped), plus Gaussian noise of `noise_std` on every value."""
+    `clip_norm` over all its tensors (0: not clipped), plus Gaussian noise of `noise_std` on every value,
+    drawn from a cryptographic generator (masking.gaussian). Called once per round: every attempt of
+    the round masks the same values, so a retried round gives no second noise sample."""
     out = {n: t.detach().to(torch.float64) for n, t in adapter.items()}
     if clip_norm > 0:
         scale = clip_factor(sum(float(((out[n] - previous[n].to(torch.float64)) ** 2).sum()) for n in out), clip_norm)
         out = {n: previous[n].to(torch.float64) + scale * (t - previous[n].to(torch.float64)) for n, t in out.items()}
     if noise_std > 0:
-        rng = rng or np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
-        out = {n: t + torch.from_numpy(rng.normal(0.0, noise_std, tuple(t.shape))) for n, t in out.items()}
+        out = {n: t + torch.from_numpy(masking.gaussian(t.numel(), noise_std).reshape(tuple(t.shape)))
+               for n, t in out.items()}
     return out
 
 
@@ -153,39 +164,98 @@ def noise_std(clip_norm: float, noise_multiplier: float, threshold: int) -> floa
 
 # ---- keys, contexts and commitments ----------------------------------------------------------
 def context(run_id: str, round_nonce: str) -> bytes:
-    """What binds an attempt's keys and seals: the run and the attempt's round nonce."""
-    return f"{run_id}|{round_nonce}".encode()
+    """What binds an attempt's keys, seals and signatures: the run and the attempt's round nonce."""
+    return masking.frame(run_id, round_nonce)
 
 
 def commitment(ctx: bytes, purpose: str, owner: str, holder: str, value: bytes) -> bytes:
     """SHA-256 commitment to a 16-byte secret (a seed or a share; 128 bits of entropy, so the hash
     reveals nothing a search could find)."""
-    return hashlib.sha256(masking.DOMAIN + b"|commit|" + ctx + f"|{purpose}|{owner}|{holder}|".encode()
-                          + value).digest()
+    return hashlib.sha256(masking.frame(masking.DOMAIN, "commit", ctx, purpose, owner, holder, value)).digest()
 
 
 def seal_associated(ctx: bytes, sender: str, recipient: str) -> bytes:
-    return ctx + f"|share|{sender}|{recipient}".encode()
+    return masking.frame(masking.DOMAIN, "seal", ctx, sender, recipient)
 
 
-def neighbours(ids: Sequence[str], ctx: bytes, degree: int) -> dict[str, frozenset[str]]:
+def roster_digest(ctx: bytes, members: Iterable["Member"]) -> bytes:
+    """SHA-256 over every member's keys, in client-id order: what the ring's order is drawn from. The
+    aggregator cannot choose it (it would have to change a member's signed keys); it can only leave
+    members out, and a member left out learns it."""
+    parts: list[bytes | str] = [masking.DOMAIN, "roster", ctx]
+    for m in sorted(members, key=lambda m: m.client_id):
+        parts += [m.client_id, m.encryption_key, m.masking_key, m.self_commitment]
+    return hashlib.sha256(masking.frame(*parts)).digest()
+
+
+def neighbours(ids: Sequence[str], ctx: bytes, degree: int, digest: bytes = b"") -> dict[str, frozenset[str]]:
     """Each roster member's neighbourhood, itself included: those it shares its seeds with and masks
     against. Everyone where `degree` is 0 or reaches the others; else a random Harary graph (Bell et
-    al. 2020): the members in an order drawn from the attempt's context, each joined to the
-    ceil(degree/2) members on either side of it, so every neighbourhood has the same size."""
+    al. 2020): the members in an order drawn from the attempt's context and the roster's digest, each
+    joined to the ceil(degree/2) members on either side of it, so every neighbourhood has the same size."""
     n = len(ids)
     if degree <= 0 or degree >= n - 1:
         everyone = frozenset(ids)
         return {cid: everyone for cid in ids}
-    order = sorted(ids, key=lambda cid: hashlib.sha256(ctx + b"|order|" + cid.encode()).digest())
+    order = ring(ids, ctx, digest)
     half = (degree + 1) // 2
     return {cid: frozenset(order[(i + j) % n] for j in range(-half, half + 1)) for i, cid in enumerate(order)}
 
 
-def threshold(configured: int, members: int) -> int:
-    """Shares that rebuild a seed: the configured number, or a majority of a neighbourhood of
-    `members` (the roster, where everyone is everyone's neighbour); at least 2."""
-    return max(2, configured or members // 2 + 1)
+def ring(ids: Iterable[str], ctx: bytes, digest: bytes) -> list[str]:
+    """The members in the ring's order: by SHA-256 of the attempt's context, the roster's digest and the id."""
+    return sorted(ids, key=lambda cid: hashlib.sha256(masking.frame(masking.DOMAIN, "order", ctx, digest, cid)).digest())
+
+
+# A ring is sized so that one run of ceil(k/2) consecutive dropouts is expected in at most 1 attempt
+# of 100; a split, which takes two such runs, then comes in about 1 attempt of 20,000.
+SPLIT_BUDGET = 0.01
+
+
+def min_neighbours(members: int, dropout_rate: float) -> int:
+    """The fewest neighbours (k) that keep a Harary ring of `members` whole at `dropout_rate`: the ring
+    splits only where two runs of ceil(k/2) consecutive members all drop out, and k is the least for
+    which members * rate^ceil(k/2) <= SPLIT_BUDGET. Bell et al. 2020 show O(log n) neighbours suffice;
+    this is that bound for a stated dropout rate. members - 1 (everyone) where no sparser ring does."""
+    everyone = max(members - 1, 0)
+    if dropout_rate >= 1:
+        return everyone
+    half = 1
+    while members * dropout_rate ** half > SPLIT_BUDGET and 2 * half - 1 < everyone:
+        half += 1
+    return min(max(2, 2 * half - 1), everyone)
+
+
+def parts(members: Iterable[str], graph: Mapping[str, frozenset[str]]) -> list[list[str]]:
+    """The connected parts of the masking graph among `members` (two joined where they are neighbours),
+    each sorted, in order. More than one part and unmasking would give each part's own sum."""
+    left, out = set(members), []
+    while left:
+        start = min(left)
+        seen, todo = {start}, [start]
+        while todo:
+            for v in graph.get(todo.pop(), ()):
+                if v in left and v not in seen:
+                    seen.add(v)
+                    todo.append(v)
+        left -= seen
+        out.append(sorted(seen))
+    return out
+
+
+def threshold(configured: int, members: int, signed: bool = False) -> int:
+    """Shares that rebuild a seed: the configured number, or by default more than half of a
+    neighbourhood of `members` (the roster, where everyone is everyone's neighbour), more than two
+    thirds with signed keys (where it is meant to hold against an aggregator that lies); at least 2."""
+    default = 2 * members // 3 + 1 if signed else members // 2 + 1
+    return max(2, configured or default)
+
+
+def floor(members: int, fraction: float) -> int:
+    """The least threshold a client accepts in a neighbourhood of `members`: more than `fraction` of
+    it (its organisation's setting, at least a majority), at least 2. With a threshold t, the
+    aggregator learns a client's adapter only with 2t - members colluding neighbours or more."""
+    return max(2, math.floor(max(fraction, 0.5) * members) + 1)
 
 
 class Participant:
@@ -211,7 +281,7 @@ class Participant:
         out = []
         for m in roster:
             b, s = self_shares[m.index], mask_shares[m.index]
-            key = self.sealing.agree(m.encryption_key, self.ctx + b"|seal")
+            key = self.sealing.agree(m.encryption_key, self.ctx, "seal")
             sealed = masking.encrypt(key, b + s, seal_associated(self.ctx, self.client_id, m.client_id))
             out.append((m.client_id, sealed, commitment(self.ctx, "self", self.client_id, m.client_id, b),
                         commitment(self.ctx, "masking", self.client_id, m.client_id, s)))
@@ -220,7 +290,7 @@ class Participant:
     def open(self, sender: Member, sealed: bytes) -> tuple[bytes, bytes]:
         """(self-mask share, masking share) that `sender` sealed for this client; SecureError if the seal
         does not open (a tampered or misdirected share)."""
-        key = self.sealing.agree(sender.encryption_key, self.ctx + b"|seal")
+        key = self.sealing.agree(sender.encryption_key, self.ctx, "seal")
         try:
             plain = masking.decrypt(key, sealed, seal_associated(self.ctx, sender.client_id, self.client_id))
         except Exception:  # cryptography's InvalidTag, or a sealed text too short
@@ -252,14 +322,16 @@ class Member:
     encryption_key: bytes
     masking_key: bytes
     self_commitment: bytes
+    certificate: bytes = b""  # DER, signed keys only
+    signature: bytes = b""  # of its advertisement (signatures.advertisement)
 
 
 def self_mask_key(ctx: bytes, seed: bytes) -> bytes:
-    return masking.derive(seed, ctx + b"|self mask")
+    return masking.derive(seed, ctx, "self mask")
 
 
 def pair_key(pair: masking.KeyPair, peer_public: bytes, ctx: bytes) -> bytes:
-    return pair.agree(peer_public, ctx + b"|pair mask")
+    return pair.agree(peer_public, ctx, "pair mask")
 
 
 def add_streams(vector: np.ndarray, terms: Sequence[tuple[bytes, int]]) -> None:

@@ -21,7 +21,9 @@ from fedse import adapter as ad
 from fedse import secagg
 from services.client_agent.federation import FederationClient
 from services.client_agent.heartbeat import Heartbeat
-from services.client_agent.secure import Contribution, SecureRound
+from fedse.security import Security
+from fedse.tinymodel import TINY_MODEL_NAME
+from services.client_agent.secure import Contribution, Protection, SecureRound
 
 CONFIG_JSON = '{"peft_type": "LORA", "r": 4}'
 
@@ -34,13 +36,22 @@ def base_adapter() -> ad.Adapter:
     return out
 
 
-def trained(seed: int) -> ad.Adapter:
-    """A client's adapter after its round: phi_0 moved by a seeded step."""
+def trained(seed: int, base: ad.Adapter | None = None) -> ad.Adapter:
+    """A client's adapter after its round: phi_0 (`base`, else base_adapter()) moved by a seeded step."""
     g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base_adapter().items()}
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in (base or base_adapter()).items()}
 
 
 SCHEMA = ad.Schema.of(base_adapter(), CONFIG_JSON)
+
+
+class Miscounting(secagg.Layout):
+    """A layout whose vectors count their client twice: the unmasked sum then does not decode."""
+
+    def encode(self, adapter, weight):
+        out = super().encode(adapter, weight)
+        out[self.values] += out[self.values]
+        return out
 
 
 @dataclasses.dataclass
@@ -51,27 +62,49 @@ class Party:
     successes: int = 1
     hold_at: str = ""  # a step to stop at (the party then goes silent, as if killed)
     result: object = None
+    security: Security | None = None  # mTLS to the aggregator
+    protection: Protection | None = None  # what the party requires (signed keys with its mTLS files)
+    schema: ad.Schema | None = None  # the run's adapter schema and phi_0 (default: SCHEMA, base_adapter())
+    base: ad.Adapter | None = None
+    hold_if: object = None  # called with the party at each step: True stops it there, as hold_at does
+    miscount: bool = False  # masks a vector whose count slot says 2, not 1 (a dishonest or broken client)
 
     def __post_init__(self):
-        self.fed = FederationClient(self.target, self.client_id, retries=3, backoff_s=0.1, timeout_s=30)
+        self.fed = FederationClient(self.target, self.client_id, retries=3, backoff_s=0.1, timeout_s=30,
+                                    security=self.security)
         self.heartbeat = Heartbeat(self.fed, 0.3)
-        self.adapter = trained(self.seed)
+        self.schema, self.base = self.schema or SCHEMA, self.base or base_adapter()
+        self.adapter = trained(self.seed, self.base)
+        self.steps: list[str] = []
         self._held = threading.Event()
 
+    @classmethod
+    def signed(cls, target: str, client_id: str, seed: int, pki, min_threshold: float = 0.5, **kw) -> "Party":
+        """A party over mTLS with a certificate naming it (issued by `pki`, a support.Pki), that signs its
+        keys and requires everyone's signed."""
+        cert, key = pki.issue(pki.ca, client_id, client_id)
+        sec = Security(tls_ca=pki.ca_pem, tls_cert=cert, tls_key=key)
+        return cls(target, client_id, seed, security=sec,
+                   protection=Protection.of(min_threshold, pki.ca_pem, cert, key), **kw)
+
     def join(self):
-        self.config = self.fed.join("maze", "fedse-tiny", SCHEMA).config
+        self.config = self.fed.join("maze", TINY_MODEL_NAME, self.schema).config
         self.heartbeat.start()
         return self
 
     def take_part(self, round_: int = 0) -> bool:
-        layout = secagg.Layout.of(SCHEMA, self.config.strategy)
+        layout = secagg.Layout.of(self.schema, self.config.strategy)
+        if self.miscount:
+            layout = Miscounting(layout.names, layout.shapes, layout.weighted)
         weight = self.successes if self.config.strategy == "weighted" else 1
-        c = Contribution({k: v.double() for k, v in self.adapter.items()}, base_adapter(), weight, 1, self.successes)
-        return SecureRound(self.fed, self.config.run_id, self.config, layout, 60).take_part(round_, c, self._step)
+        c = Contribution({k: v.double() for k, v in self.adapter.items()}, self.base, weight, 1, self.successes)
+        return SecureRound(self.fed, self.config.run_id, self.config, layout, 60, self.protection).take_part(
+            round_, c, self._step)
 
     def _step(self, step: str) -> None:
         print(f"AT {step}", flush=True)
-        if step == self.hold_at:
+        self.steps.append(step)
+        if step == self.hold_at or (self.hold_if is not None and self.hold_if(self, step)):
             self.heartbeat.stop(0.1)
             self._held.set()
             while True:  # silent from here on, as a client that died

@@ -217,10 +217,11 @@ GUIDES_WITH_TESTS = [d for d in DOCS if marked_blocks(d)]
 # What the output of a guide's blocks shows, as the guide says it does.
 SHOWN = {
     # the organisation's certificate, signed by the federation CA for its id; the on-prem overlay,
-    # edited: the pair picked by one line, and the aggregator's address
+    # edited: the pair picked by one line, and the aggregator's address; its client agent requires
+    # secure aggregation
     "join-a-federation.md": ["identity (first SAN, else CN): org-wordle\n", "purpose: client\n",
                              "signed by ca.pem: yes\n", "value: wordle\n",
-                             "value: fedse.partner.example.net:50060\n"],
+                             "value: fedse.partner.example.net:50060\n", 'value: "true"\n'],
     # every workload of the federation from the registry in the overlay of your own
     "deploy.md": ["11\n"],
     "environments.md": ["webshop "],

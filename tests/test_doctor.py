@@ -15,13 +15,13 @@ from test_reach import pki  # noqa: F401 - the module's certificates, expired on
 
 
 @contextlib.contextmanager
-def federation(tmp_path, pki, cert=None, mtls=True, allowed="org-a,org-b"):  # noqa: F811
+def federation(tmp_path, pki, cert=None, mtls=True, allowed="org-a,org-b", **settings):  # noqa: F811
     cert = cert or pki.server
     env, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
     env.start()
     tls = {"tls_ca": pki.ca_pem, "tls_cert": cert[0], "tls_key": cert[1], "allowed_clients": allowed} if mtls else {}
     try:
-        with aggregator_in_process(tmp_path, **tls) as (_, port, _):
+        with aggregator_in_process(tmp_path, **tls, **settings) as (_, port, _):
             yield f"127.0.0.1:{port}", f"127.0.0.1:{env_port}"
     finally:
         env.stop(0)
@@ -59,6 +59,9 @@ def test_a_client_that_can_join_passes_every_check(tmp_path, pki, capsys):  # no
     ("expired client", "this client's certificate", "not now"),
     ("another id", "this client's certificate", "names 'org-b' first, and --client-id is 'org-a'"),
     ("not allowed", "the aggregator admits this client", "the aggregator refuses org-a"),
+    ("not secure", "the aggregator admits this client",
+     "the aggregator's run t is not secure (no secure aggregation) and this client requires it "
+     "(--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION)"),
     ("nothing there", "the aggregator's address", "nothing listens there"),
 ])
 def test_each_failure_stops_the_checks_with_its_reason(tmp_path, pki, capsys, case, step, reason):  # noqa: F811
@@ -68,13 +71,22 @@ def test_each_failure_stops_the_checks_with_its_reason(tmp_path, pki, capsys, ca
                     else "org-a,org-b") as (agg, env):
         flags = {"another CA": mtls(pki, ca=pki.other_ca_pem), "plain against TLS": [],
                  "handshake refused": mtls(pki, cert=pki.stranger), "expired client": mtls(pki, pki.expired_client),
-                 "another id": mtls(pki, pki.org_b)}.get(case, mtls(pki))
+                 "another id": mtls(pki, pki.org_b),
+                 "not secure": [*mtls(pki), "--require-secure-aggregation"]}.get(case, mtls(pki))
         if case == "nothing there":
             agg = "127.0.0.1:1"
         code, lines = run(capsys, agg, env, *flags)
     assert code == 1
     assert lines[-1].startswith(f"FAIL {step}: ") and reason in lines[-1], lines
     assert all(line.startswith("ok   ") for line in lines[:-1])
+
+
+def test_a_secure_run_passes_a_client_that_requires_it(tmp_path, pki, capsys):  # noqa: F811
+    with federation(tmp_path, pki, secure_aggregation=True) as (agg, env):
+        code, lines = run(capsys, agg, env, *mtls(pki), "--require-secure-aggregation")
+    assert code == 0, lines
+    assert any(line.startswith("ok   the aggregator admits this client: ") and line.endswith(", secure aggregation")
+               for line in lines), lines
 
 
 def test_an_env_server_without_the_environment(tmp_path, pki, capsys):  # noqa: F811

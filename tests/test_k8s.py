@@ -774,6 +774,21 @@ def test_onprem_runs_any_pair_on_a_gpu_with_the_model_from_a_node(scenario_tmp, 
         assert term["matchExpressions"] == [{"key": "fedse.io/models", "operator": "In", "values": ["true"]}]
 
 
+def test_onprem_requires_secure_aggregation_and_the_base_leaves_it_to_the_run(scenario_tmp, tmp_path):
+    """An organisation's protection is its own setting: its client agent refuses a run that is not
+    secure. The federation one operator runs (the base, with or without the secure-aggregation
+    component, which switches on the aggregator alone) leaves its clients to follow the run."""
+    for name in ONPREM:
+        (job,) = of_kind(list(_render(name, scenario_tmp)), "Job")
+        (c,) = pod_spec(job)["containers"]
+        assert env_of(c).get("FEDSE_REQUIRE_SECURE_AGGREGATION") == "true", name
+        assert program_config(job, c, tmp_path).require_secure_aggregation, name
+    for name in ("default", "secure-aggregation", "secure-aggregation-over-mtls", "all-components"):
+        agents = [(w, c) for w, c in containers(list(_render(name, scenario_tmp)))
+                  if module_of(c) == "services.client_agent"]
+        assert agents and not any(program_config(w, c, tmp_path).require_secure_aggregation for w, c in agents), name
+
+
 def test_without_network_policies_everything_is_open(scenario_tmp):
     # The evaluator above is not vacuous: with no policies every pair of endpoints connects.
     docs = list(_render("default", scenario_tmp))

@@ -220,7 +220,8 @@ def test_neighbourhoods_are_a_random_harary_graph():
 def test_a_sparse_neighbourhood_recovers_dropouts_before_and_after_the_upload(tmp_path):
     """Nine clients, four neighbours each (threshold 3 of 5): org-7 dies after its masked upload, org-8
     after sharing; the mean is over the eight uploads."""
-    with federation(tmp_path, 9, secure_neighbours=4) as (_, _, _, parties):
+    with federation(tmp_path, 9, secure_neighbours=4, secure_max_roster=9, secure_dropout_rate=0.01) as \
+            (_, _, _, parties):
         assert parties[0].config.secure_neighbours == 4
         parties[7].hold_at, parties[8].hold_at = "uploaded", "shared"
         threads = [p.start() for p in parties]

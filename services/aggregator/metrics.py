@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import prometheus_client
 
 UPLOADS = prometheus_client.Counter(
@@ -28,6 +31,32 @@ SECURE_ATTEMPTS_ABORTED = prometheus_client.Counter(
     "fedse_aggregator_secure_attempts_aborted",
     "Secure attempts of a round abandoned because fewer than the threshold took part in a stage (the round "
     "starts again at key advertisement).", ["stage"])
-for _stage in ("advertising", "sharing", "uploading", "unmasking"):
+SECURE_ROUNDS_WITHHELD = prometheus_client.Counter(
+    "fedse_aggregator_secure_rounds_withheld",
+    "Secure rounds closed without an update after their sum was unmasked (it did not decode, or the aggregator "
+    "restarted while unmasking): a round's sum is released once and never tried again.")
+for _stage in ("advertising", "sharing", "uploading", "consistency", "unmasking"):
     SECURE_STAGE_SECONDS.labels(_stage)
     SECURE_ATTEMPTS_ABORTED.labels(_stage)
+
+# Differential privacy (fedse.accounting): two names, not a label, since a round's epsilon and the
+# total are not parts of one sum.
+DP_EPSILON = prometheus_client.Gauge(
+    "fedse_aggregator_dp_epsilon",
+    "Differential privacy spent: epsilon, at the run's delta, of every round completed so far (+Inf without "
+    "clip-norm and noise-multiplier).")
+DP_EPSILON_ROUND = prometheus_client.Gauge(
+    "fedse_aggregator_dp_epsilon_per_round",
+    "Differential privacy of one round: epsilon at the run's delta (+Inf without clip-norm and noise-multiplier).")
+DP_RELEASES = prometheus_client.Gauge(
+    "fedse_aggregator_dp_releases", "Rounds completed, each one release that the privacy accounting counts.")
+DP_EPSILON.set(math.inf)
+DP_EPSILON_ROUND.set(math.inf)
+
+
+def serve_privacy(account: Callable[[], tuple[float, float, int]]) -> None:
+    """Serves the privacy gauges from `account()` = (epsilon of a round, epsilon in total, releases), called
+    at each scrape: they follow the run without anyone setting them when a round closes."""
+    DP_EPSILON_ROUND.set_function(lambda: account()[0])
+    DP_EPSILON.set_function(lambda: account()[1])
+    DP_RELEASES.set_function(lambda: account()[2])

@@ -35,7 +35,7 @@ from .closing import OpenRound, Rule, close_reason
 from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
-from .secure import Attempt, SecureDesk, Stage, unmask_sum
+from .secure import Attempt, SecureDesk, Stage, mask_keys
 from .state import Client, Member, RunSettings, State, restore
 from .store import Store
 from .strategies import Update, aggregate, validate_params
@@ -95,12 +95,17 @@ class RoundKeeper:
         # A secure round needs two uploads or more: the mean of one is that client's adapter.
         self.secure = SecureDesk(settings.run_id, settings.secure_threshold, settings.secure_stage_timeout_s,
                                  dataclasses.replace(self._rule, min_clients=max(2, settings.min_clients)),
-                                 self._changed_locked, settings.secure_neighbours) if settings.secure else None
+                                 self._changed_locked, settings.secure_neighbours, settings.secure_ca,
+                                 settings.secure_max_roster) if settings.secure else None
         self.uploads = UploadDesk(settings, store, self.run, self._cond, clock, self._changed_locked, self.secure,
                                   (lambda: self.layout().nbytes) if settings.secure else None)
         if self.secure is not None and self.run.state is State.OPEN:
             with self._cond:  # keys and shares were only in memory: the round's secure stages start again
-                self._new_attempt_locked("the aggregator restarted")
+                if self.run.released == self.run.round:
+                    # It stopped while unmasking: a new attempt would give a second sum of this round.
+                    self._withhold_locked(self.run.round, "the aggregator restarted while unmasking the round")
+                else:
+                    self._new_attempt_locked("the aggregator restarted")
         # Every (client, round) reported: a round's metrics are recorded once, so a client that
         # repeats a report after a crash does not count twice.
         self._reported: set[tuple[str, int]] = set()
@@ -343,30 +348,71 @@ class RoundKeeper:
             records = [(cid, m.accepted) for cid, m in self.run.uploaded().items()]  # accepted: never None
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
-        try:
-            image = self._unmask(round_, unmasking) if unmasking is not None else self._aggregate(round_, records)
-            self.globals.save(round_ + 1, image, self.run.adapter_config())
-            if unmasking is not None:
-                self.store.drop_uploads(round_)  # masked under keys that are gone: of no use to anyone
-        except Exception as exc:  # noqa: BLE001 - a failed aggregation must not end the run
-            with self._cond:
-                if unmasking is not None:
-                    self._new_attempt_locked(f"unmasking failed: {exc}")
-                else:
+        if unmasking is not None:
+            image = self._unmask_once(round_, unmasking)
+            if image is None:
+                return
+        else:
+            try:
+                image = self._aggregate(round_, records)
+                self.globals.save(round_ + 1, image, self.run.adapter_config())
+            except Exception:  # noqa: BLE001 - a failed aggregation must not end the run
+                with self._cond:
                     log.exception("aggregation failed; the round stays open", extra=log_fields(round=round_))
                     self.run.state = State.OPEN
-                self._changed_locked()
-            return
+                    self._changed_locked()
+                return
         took = time.perf_counter() - started
         metrics.AGGREGATE_SECONDS.observe(took)
         with self._cond:
-            duration = self.clock() - self.run.opened_at
-            self.run.round_seconds.append(round(duration, 3))
-            metrics.ROUND_SECONDS.observe(duration)
-            log.info("round closed", extra=log_fields(round=round_, uploads=len(records), reason=reason,
-                                                      aggregate_s=round(took, 4), round_s=round(duration, 2)))
-            self._open_locked(round_ + 1)
-            self._changed_locked()
+            self._close_locked(round_, reason, len(records), took)
+
+    def _close_locked(self, round_: int, reason: str, uploads: int, took: float) -> None:
+        """phi_{round+1} is saved: the round is over, the next one opens."""
+        duration = self.clock() - self.run.opened_at
+        self.run.round_seconds.append(round(duration, 3))
+        metrics.ROUND_SECONDS.observe(duration)
+        log.info("round closed", extra=log_fields(round=round_, uploads=uploads, reason=reason,
+                                                  aggregate_s=round(took, 4), round_s=round(duration, 2)))
+        self._open_locked(round_ + 1)
+        self._changed_locked()
+
+    def _unmask_once(self, round_: int, u: Attempt) -> bytearray | None:
+        """phi_{t+1}'s image from the attempt's masked uploads, saved; None where the round goes on
+        otherwise. A failure before any mask is removed (a rebuilt seed that is not its owner's) starts a
+        new attempt; from the moment the sum is unmasked the round is released and never tried again:
+        a sum that does not decode closes it with phi_t unchanged."""
+        try:
+            keys = mask_keys(u)
+        except Exception as exc:  # noqa: BLE001 - a bad share must not end the run
+            with self._cond:
+                self._new_attempt_locked(f"unmasking failed: {exc}")
+                self._changed_locked()
+            return None
+        with self._cond:
+            self.run.released = round_
+            self._persist_locked()
+        try:
+            image = self._unmask(round_, u, keys)
+            self.globals.save(round_ + 1, image, self.run.adapter_config())
+        except Exception as exc:  # noqa: BLE001 - the round is released either way
+            with self._cond:
+                self._withhold_locked(round_, f"its unmasked sum cannot be used: {exc}")
+            return None
+        self.store.drop_uploads(round_)  # masked under keys that are gone: of no use to anyone
+        return image
+
+    def _withhold_locked(self, round_: int, why: str) -> None:
+        """Closes a secure round whose sum was (or may have been) unmasked without an update: phi_{t+1} is
+        phi_t. Another attempt would give a second sum of the round over other clients."""
+        log.error("secure round closed without an update: its sum is released once and not retried",
+                  extra=log_fields(round=round_, reason=why))
+        metrics.SECURE_ROUNDS_WITHHELD.inc()
+        self.globals.save(round_ + 1, self.globals.get(round_)[0], self.run.adapter_config())
+        self.store.drop_uploads(round_)
+        if self.secure is not None:
+            self.secure.end()
+        self._close_locked(round_, "withheld: " + why, 0, 0.0)
 
     def _aggregate(self, round_: int, records: list[tuple[str, Accepted]]) -> bytearray:
         """phi_{t+1}'s file image: the strategy over the round's accepted uploads."""
@@ -378,12 +424,12 @@ class RoundKeeper:
                   self.settings.params, round_, out=views)
         return image
 
-    def _unmask(self, round_: int, u: Attempt) -> bytearray:
-        """phi_{t+1}'s file image: the mean of the masked uploads, their masks removed."""
+    def _unmask(self, round_: int, u: Attempt, keys: tuple[list[bytes], list[tuple[bytes, int]]]) -> bytearray:
+        """phi_{t+1}'s file image: the mean of the masked uploads, their masks (`keys`) removed."""
         layout = self.layout()
         with contextlib.ExitStack() as files:
-            uploads = {cid: files.enter_context(open(self.store.upload_path(round_, cid), "rb")) for cid in u.uploaded}
-            total = unmask_sum(u, uploads, layout.length)
+            uploads = [files.enter_context(open(self.store.upload_path(round_, cid), "rb")) for cid in u.uploaded]
+            total = secagg.unmasked_sum(uploads, layout.length, *keys)
         mean = layout.decode_mean(total, len(u.uploaded))
         assert self.run.schema is not None
         image, views = allocate(self.run.schema)

@@ -5,6 +5,11 @@ An attempt lives only in memory: keys, sealed shares and revealed shares are nev
 so an aggregator that restarts starts a new attempt of the open round (the round keeper does that,
 and drops the masked uploads of the attempt it lost). The desk works under the round keeper's lock
 and calls `changed()`, with that lock held, when what a round status shows has changed.
+
+With signed keys (RunConfig.secure_signed) the desk checks each advertisement's certificate and
+signature and runs the consistency stage, where each uploader signs the uploader list it was shown.
+Whatever the mode it abandons an attempt whose uploaders' masking graph is in pieces, since the
+unmasking would then give each piece's sum.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from typing import BinaryIO, Callable, Mapping, Sequence
 
 from fedse import masking
 from fedse import secagg
+from fedse.certificates import read_pem
+from fedse import signatures
 from fedse.inputs import shown
 from fedse.secagg import Member, SecureError
 from fedse.serving import log_fields
+from fedse.signatures import SignatureError, Verifier
 
 from . import metrics
 from .closing import OpenRound, Rule, close_reason
@@ -34,14 +42,16 @@ class Stage(enum.Enum):
     ADVERTISING = "advertising"
     SHARING = "sharing"
     UPLOADING = "uploading"
+    CONSISTENCY = "consistency"  # signed keys only
     UNMASKING = "unmasking"
 
     @property
     def order(self) -> int:
         return list(Stage).index(self)
 
-    def next(self) -> "Stage":
-        return list(Stage)[self.order + 1]
+    def next(self, signed: bool) -> "Stage":
+        after = list(Stage)[self.order + 1]
+        return Stage.UNMASKING if after is Stage.CONSISTENCY and not signed else after
 
 
 class Kind(enum.Enum):
@@ -65,7 +75,8 @@ class Dealt:
 @dataclasses.dataclass
 class Attempt:
     """One attempt of the open round, as far as it has got. Sets grow stage by stage: advertised
-    (U1 = the roster), dealt (U2 = who shared), uploaded (U3), revealed (who unmasked)."""
+    (U1 = the roster), dealt (U2 = who shared), uploaded (U3), signed (U4, signed keys only: who
+    signed the uploader list), revealed (who unmasked)."""
 
     nonce: str
     context: bytes
@@ -78,7 +89,10 @@ class Attempt:
     dealt: dict[str, dict[str, Dealt]] = dataclasses.field(default_factory=dict)
     shared: tuple[str, ...] = ()
     uploaded: tuple[str, ...] = ()
+    signed: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    consistent: tuple[str, ...] = ()
     revealed: dict[str, dict[tuple[str, Kind], bytes]] = dataclasses.field(default_factory=dict)
+    certificates: dict = dataclasses.field(default_factory=dict)  # client id -> its checked certificate
 
     def dropped(self) -> list[str]:
         """Members that shared but did not upload: their pairwise masks are rebuilt."""
@@ -107,14 +121,20 @@ class View:
     shared: tuple[str, ...]
     inbound: tuple[tuple[str, Dealt], ...]
     uploaded: tuple[str, ...]
+    consistency: tuple[tuple[str, bytes], ...] = ()
 
 
 class SecureDesk:
     def __init__(self, run_id: str, configured_threshold: int, stage_timeout_s: float, rule: Rule,
-                 changed: Callable[[], None], degree: int = 0):
-        """`degree`: each member's neighbours besides itself (0: everyone; secagg.neighbours)."""
+                 changed: Callable[[], None], degree: int = 0, ca_file: str = "", max_roster: int = 1024):
+        """`degree`: each member's neighbours besides itself (0: everyone; secagg.neighbours);
+        `ca_file`: the federation CA's PEM file, to check signed keys ("": keys are not signed), read
+        again at every attempt so that a renewed CA is taken; `max_roster`: the most members of a roster."""
         self.run_id = run_id
         self.degree = degree
+        self.ca_file = ca_file
+        self.verifier: Verifier | None = None
+        self.max_roster = max_roster
         self.configured_threshold = configured_threshold
         self.stage_timeout_s = stage_timeout_s
         self.rule = rule
@@ -126,6 +146,8 @@ class SecureDesk:
         """A new attempt of the open round (its round nonce new), at key advertisement."""
         if self.attempt is not None:
             self._forget(self.attempt)
+        if self.ca_file:
+            self.verifier = Verifier(read_pem("--tls-ca", self.ca_file))
         self.attempt = Attempt(nonce, secagg.context(self.run_id, nonce), stage_opened=now)
         self._changed()
 
@@ -143,15 +165,20 @@ class SecureDesk:
         a = self.attempt
         if a is None:
             return ""
-        for step, done in (("unmasked", client_id in a.revealed), ("uploaded", client_id in a.uploaded),
+        for step, done in (("unmasked", client_id in a.revealed), ("signed", client_id in a.signed),
+                           ("uploaded", client_id in a.uploaded),
                            ("shared", client_id in a.dealt), ("advertised", client_id in a.adverts)):
             if done:
                 return step
         return ""
 
     # ---- the stage calls ---------------------------------------------------------------------
+    @property
+    def signed(self) -> bool:
+        return bool(self.ca_file)
+
     def advertise(self, client_id: str, encryption_key: bytes, masking_key: bytes, self_commitment: bytes,
-                  now: float) -> None:
+                  now: float, certificate: bytes = b"", signature: bytes = b"") -> None:
         a = self._at(Stage.ADVERTISING)
         for name, value, size in (("encryption_key", encryption_key, masking.KEY_BYTES),
                                   ("masking_key", masking_key, masking.KEY_BYTES),
@@ -161,7 +188,18 @@ class SecureDesk:
                                  "SHA-256 commitment)")
         if encryption_key == masking_key:
             raise ValueError("encryption_key and masking_key are the same key: make two key pairs")
-        member = Member(client_id, 0, encryption_key, masking_key, self_commitment)
+        member = Member(client_id, 0, encryption_key, masking_key, self_commitment, certificate, signature)
+        if self.signed:
+            assert self.verifier is not None
+            try:
+                cert = self.verifier.certificate(certificate, client_id)
+                self.verifier.signature(cert, signatures.advertisement(a.context, client_id, encryption_key, masking_key,
+                                                                       self_commitment), signature,
+                                        f"{client_id}'s signature of its keys")
+            except SignatureError as exc:
+                raise ValueError(f"{exc}: this run signs keys (RunConfig.secure_signed); sign the advertisement "
+                                 "with the key of your mTLS certificate and send that certificate") from None
+            a.certificates.setdefault(client_id, cert)
         held = a.adverts.get(client_id)
         if held is None:
             for other, (m, _) in a.adverts.items():
@@ -200,18 +238,35 @@ class SecureDesk:
         roster = tuple(sorted(a.roster.values(), key=lambda m: m.index)) if at > Stage.ADVERTISING.order else ()
         shared = a.shared if at > Stage.SHARING.order else ()
         inbound = tuple((sender, a.dealt[sender][client_id]) for sender in shared if client_id in a.dealt[sender])
-        return View(a.stage, a.threshold, roster, shared, inbound, a.uploaded if at > Stage.UPLOADING.order else ())
+        consistency = tuple((c, a.signed[c]) for c in a.consistent) if at > Stage.CONSISTENCY.order else ()
+        return View(a.stage, a.threshold, roster, shared, inbound, a.uploaded if at > Stage.UPLOADING.order else (),
+                    consistency)
 
     def check_upload(self, client_id: str) -> None:
         """Raises unless the client may upload its masked vector now."""
         a = self._at(Stage.UPLOADING)
         self._in(a.shared, client_id, "those who shared keys")
 
+    def check_consistency(self, client_id: str, signature: bytes) -> None:
+        """An uploader's signature over the uploader list (signed keys only)."""
+        a = self._at(Stage.CONSISTENCY)
+        self._in(a.uploaded, client_id, "the uploaders")
+        assert self.verifier is not None, "the consistency stage runs with signed keys only"
+        try:
+            self.verifier.signature(a.certificates[client_id], signatures.consistency(a.context, client_id, a.uploaded),
+                                    signature, f"{client_id}'s signature of the uploader list")
+        except SignatureError as exc:
+            raise ValueError(f"{exc}: sign the uploader list GetSecureRound.uploaded shows") from None
+        self._record(a.signed, client_id, signature, "signed another uploader list")
+
     def unmask(self, client_id: str, revealed: Sequence[tuple[str, Kind, bytes]]) -> None:
         """An uploader's revealed shares: of the self mask of every uploader and of the pairwise masks of
         every member that shared and did not upload, never both of one client."""
         a = self._at(Stage.UNMASKING)
-        self._in(a.uploaded, client_id, "the uploaders")
+        if self.signed:
+            self._in(a.consistent, client_id, "the uploaders that signed the uploader list")
+        else:
+            self._in(a.uploaded, client_id, "the uploaders")
         want = a.wanted(client_id)
         got: dict[tuple[str, Kind], bytes] = {}
         for owner, kind, share in revealed:
@@ -247,12 +302,15 @@ class SecureDesk:
         if a is None:
             return None
         if a.stage is Stage.ADVERTISING:
+            if len(a.adverts) >= self.max_roster:
+                return "the roster is full"
             return close_reason(self.rule, OpenRound(last_seen, {c: t for c, (_, t) in a.adverts.items()}, False,
                                                      0.0, deadline), now)
         members, acted = {
             Stage.SHARING: (set(a.roster), set(a.dealt)),
             Stage.UPLOADING: (set(a.shared), set(accepted)),
-            Stage.UNMASKING: (set(a.uploaded), set(a.revealed)),
+            Stage.CONSISTENCY: (set(a.uploaded), set(a.signed)),
+            Stage.UNMASKING: (set(a.consistent if self.signed else a.uploaded), set(a.revealed)),
         }[a.stage]
         if a.stage is Stage.UNMASKING and not a.short(a.revealed):
             return "threshold unmasked"
@@ -272,11 +330,14 @@ class SecureDesk:
         a = self.attempt
         assert a is not None
         metrics.SECURE_STAGE_SECONDS.labels(a.stage.value).observe(max(0.0, now - a.stage_opened))
-        if a.stage is Stage.ADVERTISING:
-            ids = sorted(a.adverts)
+        if a.stage is Stage.ADVERTISING:  # the first max_roster to advertise make the roster
+            first = sorted(a.adverts, key=lambda c: (a.adverts[c][1], c))[:self.max_roster]
+            ids = sorted(first)
             a.roster = {cid: dataclasses.replace(a.adverts[cid][0], index=i + 1) for i, cid in enumerate(ids)}
-            a.neighbours = secagg.neighbours(ids, a.context, self.degree)
-            a.threshold = secagg.threshold(self.configured_threshold, len(a.neighbours[ids[0]]) if ids else 0)
+            a.neighbours = secagg.neighbours(ids, a.context, self.degree,
+                                             secagg.roster_digest(a.context, a.roster.values()))
+            a.threshold = secagg.threshold(self.configured_threshold, len(a.neighbours[ids[0]]) if ids else 0,
+                                           self.signed)
             took = ids
         elif a.stage is Stage.SHARING:
             a.shared = tuple(sorted(a.dealt))
@@ -284,9 +345,17 @@ class SecureDesk:
         elif a.stage is Stage.UPLOADING:
             a.uploaded = tuple(sorted(c for c in accepted if c in a.shared))
             took = list(a.uploaded)
+            pieces = secagg.parts(a.uploaded, a.neighbours)
+            if len(pieces) > 1:
+                metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
+                return (f"the uploaders' masking graph is in {len(pieces)} pieces (sizes "
+                        f"{', '.join(str(len(p)) for p in pieces)}): unmasking would give each piece's sum")
+        elif a.stage is Stage.CONSISTENCY:
+            a.consistent = tuple(sorted(a.signed))
+            took = list(a.consistent)
         else:
             took = sorted(a.revealed)
-        short = a.short(took) if a.stage in (Stage.UPLOADING, Stage.UNMASKING) else []
+        short = a.short(took) if a.stage in (Stage.UPLOADING, Stage.CONSISTENCY, Stage.UNMASKING) else []
         if len(took) < max(a.threshold, 2) or short:
             metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
             if short:
@@ -295,7 +364,7 @@ class SecureDesk:
             return (f"{len(took)} clients took part in {a.stage.value}, fewer than the threshold of "
                     f"{max(a.threshold, 2)}")
         if a.stage is not Stage.UNMASKING:
-            a.stage = a.stage.next()
+            a.stage = a.stage.next(self.signed)
             a.stage_opened = now
             log.info("secure stage opened", extra=log_fields(stage=a.stage.value, members=len(took),
                                                              threshold=a.threshold))
@@ -345,6 +414,8 @@ class SecureDesk:
     def _forget(a: Attempt) -> None:
         a.dealt.clear()
         a.revealed.clear()
+        a.signed.clear()
+        a.certificates.clear()
 
 
 def _few(names) -> str:
@@ -354,9 +425,11 @@ def _few(names) -> str:
 
 
 # ---- unmasking (outside the lock) ---------------------------------------------------------------
-def unmask_sum(u: Attempt, uploads: Mapping[str, BinaryIO], length: int):
-    """The wrapped sum of the uploaders' values: their masked uploads less every mask, rebuilt from the
-    revealed shares. SecureError where a rebuilt seed is not the one its owner committed to."""
+def mask_keys(u: Attempt) -> tuple[list[bytes], list[tuple[bytes, int]]]:
+    """The keys of every mask left in the uploads' sum, rebuilt from the revealed shares: each
+    uploader's self mask, and the pairwise masks of uploaders with clients that dropped. SecureError
+    where a rebuilt seed is not the one its owner committed to. Nothing is unmasked yet: an attempt
+    that fails here may be followed by another."""
     holders = sorted(u.revealed, key=lambda h: u.roster[h].index)
 
     def seed_of(owner: str, kind: Kind) -> masking.Secret:
@@ -383,4 +456,4 @@ def unmask_sum(u: Attempt, uploads: Mapping[str, BinaryIO], length: int):
         for owner in (c for c in u.uploaded if c in u.neighbours[gone]):  # +PRG(s) for a peer above, - below
             pair_terms.append((secagg.pair_key(pair, u.roster[owner].masking_key, u.context),
                                +1 if gone > owner else -1))
-    return secagg.unmasked_sum([uploads[c] for c in u.uploaded], length, self_keys, pair_terms)
+    return self_keys, pair_terms

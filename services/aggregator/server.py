@@ -10,6 +10,7 @@ import threading
 
 from fedse.config import ConfigError, field, parse_or_exit
 from fedse.fixedpoint import MAX_CLIENTS
+from fedse import secagg
 from fedse.secagg import STRATEGIES as SECURE_STRATEGIES
 from fedse.security import Security, peer_identity, server_credentials, server_interceptors
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
@@ -103,6 +104,8 @@ class AggregatorConfig(Security):
             raise ConfigError(f"--max-adapter-mb must be positive, got {self.max_adapter_mb}")
         if self.secure_aggregation:
             self._check_secure()
+        if not 0 < self.dp_delta < 1:
+            raise ConfigError(f"--dp-delta must lie strictly between 0 and 1 (e.g. 1e-5), got {self.dp_delta}")
 
     def _check_secure(self) -> None:
         """Secure aggregation's preconditions: what a masked sum can give, and enough clients to hide one."""
@@ -124,6 +127,18 @@ class AggregatorConfig(Security):
                               f"({self.secure_neighbours} neighbours and the client itself)")
         if self.secure_stage_timeout_s <= 0:
             raise ConfigError(f"--secure-stage-timeout-s must be positive, got {self.secure_stage_timeout_s}")
+        if not 2 <= self.secure_max_roster <= MAX_CLIENTS:
+            raise ConfigError(f"--secure-max-roster must be 2 to {MAX_CLIENTS} (what a fixed-point sum "
+                              f"holds), got {self.secure_max_roster}")
+        if not 0 <= self.secure_dropout_rate < 1:
+            raise ConfigError(f"--secure-dropout-rate must be in [0, 1), got {self.secure_dropout_rate}")
+        least = secagg.min_neighbours(self.secure_max_roster, self.secure_dropout_rate)
+        if 0 < self.secure_neighbours < least:
+            raise ConfigError(
+                f"--secure-neighbours {self.secure_neighbours} is too few for a roster of up to "
+                f"{self.secure_max_roster} clients at a dropout rate of {self.secure_dropout_rate:g}: such a ring "
+                f"splits too often (Bell et al. 2020); give at least {least}, or 0 (everyone), or a smaller "
+                "--secure-max-roster")
 
     def settings(self) -> RunSettings:
         return RunSettings(
@@ -135,7 +150,7 @@ class AggregatorConfig(Security):
             heartbeat_interval_s=self.heartbeat_interval_s, params=self.strategy_params(),
             secure=self.secure_aggregation, secure_threshold=self.secure_threshold,
             secure_neighbours=self.secure_neighbours,
-            secure_stage_timeout_s=self.secure_stage_timeout_s, secure_signed=self.secure_aggregation and bool(self.tls_ca),
+            secure_stage_timeout_s=self.secure_stage_timeout_s, secure_ca=self.tls_ca if self.secure_aggregation else "",
             secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta,
         )
 
@@ -147,7 +162,7 @@ class AggregatorConfig(Security):
 class Aggregator:
     """The running aggregator: the gRPC service plus the ticker that enforces round deadlines."""
 
-    def __init__(self, config: AggregatorConfig):
+    def __init__(self, config: AggregatorConfig, servicer: type[FederationServicer] = FederationServicer):
         self.config = config
         if config.torch_threads:
             import torch
@@ -157,8 +172,8 @@ class Aggregator:
                                                                   masked=config.secure_aggregation))
         self.service = Service("aggregator", config.address, max_workers=WORKERS, credentials=server_credentials(config),
                                interceptors=server_interceptors(config), health_address=config.health_address)
-        fpb_grpc.add_FederationServiceServicer_to_server(
-            FederationServicer(self.federation, identity=peer_identity), self.service.server)
+        self.servicer = servicer(self.federation, identity=peer_identity)
+        fpb_grpc.add_FederationServiceServicer_to_server(self.servicer, self.service.server)
         self.port = self.service.port
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="round-ticker", daemon=True)
@@ -183,8 +198,9 @@ class Aggregator:
         self.service.stop(grace)
 
 
-def create_server(config: AggregatorConfig) -> tuple[Aggregator, int]:
-    agg = Aggregator(config)
+def create_server(config: AggregatorConfig,
+                  servicer: type[FederationServicer] = FederationServicer) -> tuple[Aggregator, int]:
+    agg = Aggregator(config, servicer)
     return agg, agg.port
 
 

@@ -66,6 +66,7 @@ _STAGE = {
     Stage.ADVERTISING: fpb.SECURE_STAGE_ADVERTISING,
     Stage.SHARING: fpb.SECURE_STAGE_SHARING,
     Stage.UPLOADING: fpb.SECURE_STAGE_UPLOADING,
+    Stage.CONSISTENCY: fpb.SECURE_STAGE_CONSISTENCY,
     Stage.UNMASKING: fpb.SECURE_STAGE_UNMASKING,
 }
 _KIND = {fpb.SHARE_KIND_SELF_MASK: Kind.SELF_MASK, fpb.SHARE_KIND_MASKING: Kind.MASKING}
@@ -81,7 +82,8 @@ def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
 
 def _member(m: secagg.Member) -> fpb.RosterMember:
     return fpb.RosterMember(client_id=m.client_id, encryption_key=m.encryption_key, masking_key=m.masking_key,
-                            self_mask_commitment=m.self_commitment, index=m.index)
+                            self_mask_commitment=m.self_commitment, index=m.index, certificate=m.certificate,
+                            signature=m.signature)
 
 
 def _no_identity(context: grpc.ServicerContext) -> str | None:
@@ -243,6 +245,10 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
 
     def GetRunStatus(self, request, context):
         st, views, seconds, base_model = self.fed.run_view()
+        # Each completed round published one adapter: a release for the privacy accounting.
+        dp = self.fed.settings.dp_epsilons(len(seconds))
+        privacy = dict(dp_accounted=True, dp_epsilon_round=dp[0], dp_epsilon_total=dp[1],
+                       dp_releases=len(seconds)) if dp is not None else {}
         return fpb.RunStatus(
             config=self.config_proto(), round=status_to_proto(st), round_seconds=seconds, base_model=base_model,
             clients=[fpb.ClientStatus(
@@ -250,7 +256,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 last_seen_unix=v.last_seen_unix, phase_round=v.phase_round, phase=v.phase,
                 partial_upload_bytes=v.partial_upload_bytes, metrics_round=v.metrics_round, metrics=v.metrics,
                 secure_step=v.secure_step)
-                for v in views])
+                for v in views], **privacy)
 
     # ---- secure aggregation's stages ---------------------------------------------------------------
     def _stage(self, context: grpc.ServicerContext, request, call):
@@ -262,7 +268,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def AdvertiseKeys(self, request, context):
         self._stage(context, request, lambda desk: desk.advertise(
             request.client_id, request.encryption_key, request.masking_key, request.self_mask_commitment,
-            self.fed.clock()))
+            self.fed.clock(), request.certificate, request.signature))
         return fpb.StageAck()
 
     @ERRORS.wrap
@@ -279,7 +285,13 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             round=request.round, round_nonce=request.round_nonce, stage=_STAGE[v.stage], threshold=v.threshold,
             roster=[_member(m) for m in v.roster], shared=list(v.shared), uploaded=list(v.uploaded),
             inbound=[fpb.SealedShare(client_id=sender, sealed=d.sealed, self_mask_commitment=d.self_commitment,
-                                     masking_commitment=d.masking_commitment) for sender, d in v.inbound])
+                                     masking_commitment=d.masking_commitment) for sender, d in v.inbound],
+            consistency=[fpb.UploaderSignature(client_id=c, signature=sig) for c, sig in v.consistency])
+
+    @ERRORS.wrap
+    def CheckConsistency(self, request, context):
+        self._stage(context, request, lambda desk: desk.check_consistency(request.client_id, request.signature))
+        return fpb.StageAck()
 
     @ERRORS.wrap
     def Unmask(self, request, context):

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 from typing import Any
 
+from fedse import accounting
 from fedse import adapter as ad
 from fedse.inputs import shown
 from fedse.serving import log_fields
 
+from . import metrics
 from .errors import NotJoined
 from .store import Store, config_with_base
 from .strategies import StrategyParams
@@ -53,9 +56,14 @@ class RunSettings:
     secure_threshold: int = 0  # shares that rebuild a seed (0 = a majority of a neighbourhood)
     secure_neighbours: int = 0  # each client's neighbours (0 = everyone)
     secure_stage_timeout_s: float = 120.0
-    secure_signed: bool = False  # clients sign their keys and the uploader list (the aggregator runs mTLS)
+    secure_ca: str = ""  # the federation CA's PEM file (mTLS): clients sign their keys and the uploader list
     secure_max_roster: int = 1024  # the most members of an attempt's roster
     dp_delta: float = 1e-5  # the delta of the (epsilon, delta) reported
+
+    @property
+    def secure_signed(self) -> bool:
+        """Secure aggregation with signed keys and the consistency stage (RunConfig.secure_signed)."""
+        return self.secure and bool(self.secure_ca)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that decide a run's result: a restart must not change them."""
@@ -64,6 +72,14 @@ class RunSettings:
         if self.secure:
             out["secure"] = True
         return out
+
+    def dp_epsilons(self, releases: int) -> tuple[float, float] | None:
+        """(epsilon of one round, epsilon of `releases` rounds) at dp_delta (fedse.accounting), or None
+        when the run is not differentially private: without clipping and noise nothing bounds a client's
+        influence on what is published, and the noise is calibrated for fedavg's mean alone."""
+        if self.params.clip_norm <= 0 or self.params.noise_multiplier <= 0 or self.strategy != "fedavg":
+            return None
+        return accounting.epsilons(self.params.noise_multiplier, releases, self.dp_delta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +121,9 @@ class RunState:
     deadline: float = 0.0
     opened_at: float = 0.0
     round_seconds: list[float] = dataclasses.field(default_factory=list)
+    # Secure aggregation: the round whose masks the aggregator began to remove (-1: none). Saved before
+    # the sum is unmasked: that round never starts another attempt, even after a restart.
+    released: int = -1
 
     def member(self, client_id: str) -> Member:
         """The joined client's Member; NotJoined if it has not joined."""
@@ -131,13 +150,27 @@ class RunState:
                         for cid, m in self.members.items()},
             "round": self.round, "state": self.state.value if self.state is not State.AGGREGATING else "open",
             "round_nonce": self.nonce, "deadline_unix": self.deadline, "opened_unix": self.opened_at,
-            "round_seconds": self.round_seconds,
+            "round_seconds": self.round_seconds, "released_round": self.released,
         }
 
 
 def restore(settings: RunSettings, store: Store, now: float) -> RunState:
     """The run the store holds (with the accepted uploads of its open round), or a new one. A run
-    saved with other settings that decide its result is refused (ValueError saying what to do)."""
+    saved with other settings that decide its result is refused (ValueError saying what to do).
+    Its privacy account is served as metrics from then on."""
+    run = _load(settings, store, now)
+
+    def privacy() -> tuple[float, float, int]:
+        # Read at a scrape, without the round keeper's lock: a list's length is read atomically, and a
+        # round's duration is appended in the same step that opens the next round.
+        releases = len(run.round_seconds)
+        return (*(settings.dp_epsilons(releases) or (math.inf, math.inf)), releases)
+
+    metrics.serve_privacy(privacy)
+    return run
+
+
+def _load(settings: RunSettings, store: Store, now: float) -> RunState:
     saved = store.load_state()
     if saved is None:
         return RunState()
@@ -154,7 +187,7 @@ def restore(settings: RunSettings, store: Store, now: float) -> RunState:
                  for cid, c in saved["clients"].items()},
         round=int(saved["round"]), state=State(saved["state"]), nonce=saved.get("round_nonce", ""),
         deadline=float(saved.get("deadline_unix", 0.0)), opened_at=float(saved.get("opened_unix", now)),
-        round_seconds=list(saved.get("round_seconds", [])))
+        round_seconds=list(saved.get("round_seconds", [])), released=int(saved.get("released_round", -1)))
     if run.state is State.OPEN:
         for cid, record in store.accepted_uploads(run.round).items():
             run.members[cid].accepted = Accepted.from_dict(record)

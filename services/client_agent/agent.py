@@ -58,14 +58,14 @@ from . import model as mdl
 from .buffer import Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient, EnvInfo
-from .federation import FederationClient, StaleRound
+from .federation import FederationClient, InsecureRun, StaleRound, refuse_insecure
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
 from .metrics import BUFFER, KEPT, LOSS, PHASE_SECONDS, ROUND, TRAIN_SECONDS, init_client
 from .playing import Player
 from .prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
 from .resume import Phase, Progress, Resume, decide_resume
 from .rollout import expert_policy
-from .secure import Contribution, SecureRound
+from .secure import Contribution, Protection, ReleaseBook, SecureRound
 from .seeding import count_demos, seed_buffer
 from .state import StateDir
 from .tasks import EnvTasks, capabilities, env_tasks, writing
@@ -198,6 +198,9 @@ class ClientAgent:
         self.envs[0].ready()  # a connection that cannot be made ends the run here, with its reason
         joined = self.fed.join(cfg.env, cfg.base_model, schema)
         self.run_config, self.schema = joined.config, schema
+        # Before anything is trained or uploaded: a client that requires secure aggregation ends here,
+        # with one line (InsecureRun), when the run has none.
+        refuse_insecure(cfg.require_secure_aggregation, joined.config)
         num_rounds = joined.config.num_rounds
         self.heartbeat.interval_s = (cfg.heartbeat_interval_s or joined.config.heartbeat_interval_s
                                      or DEFAULT_HEARTBEAT_INTERVAL_S)
@@ -370,7 +373,13 @@ class ClientAgent:
     def upload(self, p: Progress, data: bytes, metrics: dict[str, float]) -> bool:
         """Uploads the saved adapter; True once the aggregator acknowledged it. False when the round
         closed without it (StaleRound: logged, the metrics say so, the agent catches up with the
-        open round) or when the aggregator holds a different adapter of ours for the round."""
+        open round) or when the aggregator holds a different adapter of ours for the round. Never a
+        plain upload from a client that requires secure aggregation, whatever the run's settings became
+        since the check at Join (a re-join): InsecureRun ends the client instead."""
+        if self.cfg.require_secure_aggregation and not self.run_config.secure_aggregation:
+            log.error("refusing a plain upload: this client requires secure aggregation",
+                      extra=log_fields(round=p.round, run_id=self.run_config.run_id))
+            raise InsecureRun(self.run_config.run_id)
         try:
             with PHASE_SECONDS.labels("upload").time():
                 if self.run_config.secure_aggregation:
@@ -411,7 +420,10 @@ class ClientAgent:
                                     p.num_successes if cfg.strategy == "weighted" else 1, p.num_examples,
                                     p.num_successes)
         layout = secagg.Layout.of(self.schema, cfg.strategy)
-        secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s)
+        mine = self.cfg
+        protection = Protection.of(mine.secure_min_threshold, mine.tls_ca, mine.tls_cert, mine.tls_key,
+                                   ReleaseBook(self.state.path / "secure_released.json"))
+        secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s, protection)
         return secure.take_part(p.round, contribution, lambda step: log.info(
             "secure aggregation", extra=log_fields(round=p.round, step=step)))
 

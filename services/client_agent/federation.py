@@ -59,6 +59,23 @@ class StaleRound(RuntimeError):
                          f"({state}): {detail}")
 
 
+class InsecureRun(RuntimeError):
+    """A run without secure aggregation, which this client refuses (--require-secure-aggregation): an
+    organisation decides its own protection, whatever the aggregator offers. The client agent ends with
+    this line and exit status 2; fedse doctor fails its admission check with it."""
+
+    def __init__(self, run_id: str):
+        super().__init__(f"the aggregator's run {run_id} is not secure (no secure aggregation) and this client "
+                         "requires it (--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION); nothing "
+                         "was uploaded")
+
+
+def refuse_insecure(required: bool, run: fpb.RunConfig) -> None:
+    """Raises InsecureRun where this client requires secure aggregation and the run has none."""
+    if required and not run.secure_aggregation:
+        raise InsecureRun(run.run_id)
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalAdapter:
     round: int
@@ -225,10 +242,11 @@ class FederationClient:
 
     # ---- secure aggregation's stages (secure.py takes part in them) -------------------------------
     def advertise_keys(self, round_: int, nonce: str, encryption_key: bytes, masking_key: bytes,
-                       self_commitment: bytes) -> None:
+                       self_commitment: bytes, certificate: bytes = b"", signature: bytes = b"") -> None:
         req = fpb.AdvertiseKeysRequest(client_id=self.client_id, round=round_, round_nonce=nonce,
                                        encryption_key=encryption_key, masking_key=masking_key,
-                                       self_mask_commitment=self_commitment)
+                                       self_mask_commitment=self_commitment, certificate=certificate,
+                                       signature=signature)
         self._retry("AdvertiseKeys", lambda: self.stub.AdvertiseKeys(req, timeout=self.timeout_s))
 
     def share_keys(self, round_: int, nonce: str, shares: list[fpb.SealedShare]) -> None:
@@ -238,6 +256,10 @@ class FederationClient:
     def secure_round(self, round_: int, nonce: str) -> fpb.SecureRound:
         req = fpb.SecureRoundRequest(client_id=self.client_id, round=round_, round_nonce=nonce)
         return self._retry("GetSecureRound", lambda: self.stub.GetSecureRound(req, timeout=self.timeout_s))
+
+    def check_consistency(self, round_: int, nonce: str, signature: bytes) -> None:
+        req = fpb.ConsistencyRequest(client_id=self.client_id, round=round_, round_nonce=nonce, signature=signature)
+        self._retry("CheckConsistency", lambda: self.stub.CheckConsistency(req, timeout=self.timeout_s))
 
     def unmask(self, round_: int, nonce: str, shares: list[fpb.RevealedShare]) -> None:
         req = fpb.UnmaskRequest(client_id=self.client_id, round=round_, round_nonce=nonce, shares=shares)

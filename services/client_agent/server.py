@@ -12,12 +12,14 @@ from fedse.reach import Unreachable
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 
 from .config import ClientConfig
+from .federation import InsecureRun
 
 
 def serve(config: ClientConfig) -> int:
     """Runs the client agent: its health server at once, then the run until it ends or SIGTERM. A
     setting that cannot work (a malformed --demos file, a --base-model that is no model) stops it
-    with one line on stderr and exit status 2, before it joins a run."""
+    with one line on stderr and exit status 2, before it joins a run; so do a connection that cannot
+    be made and, with --require-secure-aggregation, a run that is not secure (right after Join)."""
     setup_logging("client_agent", config.log_level)
     log = logging.getLogger("client_agent")
     metrics_port = start_metrics(config.metrics_port)
@@ -53,6 +55,9 @@ def serve(config: ClientConfig) -> int:
         agent.run()
     except Unreachable as exc:  # a channel that cannot be made: its reason and the flag to check
         print(f"cannot connect: {exc.reason}", file=sys.stderr)
+        return 2
+    except InsecureRun as exc:  # this organisation's protection, not the aggregator's choice
+        print(f"refused: {exc}", file=sys.stderr)
         return 2
     finally:
         agent.close()
