@@ -127,10 +127,12 @@ def admitted(cfg: ClientConfig) -> str:
         except grpc.RpcError as exc:
             raise Failed(_refusal(exc, cfg)) from None
     try:
-        refuse_insecure(cfg.require_secure_aggregation, run.config)  # the reason the client agent ends with
+        # The reason the client agent ends with.
+        refuse_insecure(cfg.require_secure_aggregation, run.config, cfg.signs_keys)
     except InsecureRun as exc:
         raise Failed(str(exc)) from None
     secure = ", secure aggregation" if run.config.secure_aggregation else ""
+    secure += " with signed keys" if run.config.secure_signed else ""
     return f"run {run.config.run_id}, round {run.round.round} of {run.config.num_rounds}{secure}"
 
 

@@ -7,8 +7,9 @@ holds: its X25519 key is derived from a seed (`KeyPair.from_seed`), and so is it
 Pairwise masks come from the key two clients agree on, bound to the run, the round and the pair by
 HKDF's info, so no mask is ever used twice. Every info, commitment and associated data is framed
 (`frame`: each part preceded by its length), so no two different lists of parts read alike. Noise
-for differential privacy is drawn from the ChaCha20 stream of a random key (`gaussian`). Nothing here logs, stores or prints a secret; `Secret`
-keeps a seed in a bytearray that `wipe()` zeroes (Python cannot promise more: copies made by the
+for differential privacy is drawn from the ChaCha20 stream of a random key (`gaussian`).
+
+Nothing here logs, stores or prints a secret; `Secret` keeps a seed in a bytearray that `wipe()` zeroes (Python cannot promise more: copies made by the
 libraries it calls are theirs to free).
 """
 

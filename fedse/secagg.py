@@ -204,7 +204,9 @@ def neighbours(ids: Sequence[str], ctx: bytes, degree: int, digest: bytes = b"")
 
 def ring(ids: Iterable[str], ctx: bytes, digest: bytes) -> list[str]:
     """The members in the ring's order: by SHA-256 of the attempt's context, the roster's digest and the id."""
-    return sorted(ids, key=lambda cid: hashlib.sha256(masking.frame(masking.DOMAIN, "order", ctx, digest, cid)).digest())
+    def place(cid: str) -> bytes:
+        return hashlib.sha256(masking.frame(masking.DOMAIN, "order", ctx, digest, cid)).digest()
+    return sorted(ids, key=place)
 
 
 # A ring is sized so that one run of ceil(k/2) consecutive dropouts is expected in at most 1 attempt
@@ -246,9 +248,10 @@ def parts(members: Iterable[str], graph: Mapping[str, frozenset[str]]) -> list[l
 def threshold(configured: int, members: int, signed: bool = False) -> int:
     """Shares that rebuild a seed: the configured number, or by default more than half of a
     neighbourhood of `members` (the roster, where everyone is everyone's neighbour), more than two
-    thirds with signed keys (where it is meant to hold against an aggregator that lies); at least 2."""
+    thirds with signed keys (where it is meant to hold against an aggregator that lies); never less than
+    a majority (clients refuse less: `floor`), and at least 2."""
     default = 2 * members // 3 + 1 if signed else members // 2 + 1
-    return max(2, configured or default)
+    return max(2, configured or default, members // 2 + 1)
 
 
 def floor(members: int, fraction: float) -> int:

@@ -80,8 +80,8 @@ class Verifier:
             raise SignatureError(f"{client_id}'s certificate is not signed by the federation's CA")
         now = now or certs.now()
         if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-            raise SignatureError(f"{client_id}'s certificate is not valid now (valid {cert.not_valid_before_utc:%Y-%m-%d}"
-                                 f" to {cert.not_valid_after_utc:%Y-%m-%d})")
+            raise SignatureError(f"{client_id}'s certificate is not valid now (valid "
+                                 f"{cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d})")
         named = certs.identity(cert)
         if named != client_id:
             raise SignatureError(f"the certificate given for {client_id} names {named!r}")

@@ -116,6 +116,7 @@ class Party:
                 self.result = self.take_part(round_)
             except BaseException as exc:  # noqa: BLE001 - the test reads it
                 self.result = exc
+                self.heartbeat.stop(0.1)  # a party that refused goes quiet: the stage need not wait it out
         t = threading.Thread(target=run, daemon=True, name=f"party-{self.client_id}")
         t.start()
         return t

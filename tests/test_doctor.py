@@ -85,8 +85,8 @@ def test_a_secure_run_passes_a_client_that_requires_it(tmp_path, pki, capsys):  
     with federation(tmp_path, pki, secure_aggregation=True) as (agg, env):
         code, lines = run(capsys, agg, env, *mtls(pki), "--require-secure-aggregation")
     assert code == 0, lines
-    assert any(line.startswith("ok   the aggregator admits this client: ") and line.endswith(", secure aggregation")
-               for line in lines), lines
+    admits, secure = "ok   the aggregator admits this client: ", ", secure aggregation with signed keys"
+    assert any(line.startswith(admits) and line.endswith(secure) for line in lines), lines
 
 
 def test_an_env_server_without_the_environment(tmp_path, pki, capsys):  # noqa: F811

@@ -88,3 +88,13 @@ def test_the_setting_parses_from_its_flag_and_its_variable():
     assert required([], {"FEDSE_REQUIRE_SECURE_AGGREGATION": "true"})
     assert not required([], {"FEDSE_REQUIRE_SECURE_AGGREGATION": "false"})
     assert not required(["--require-secure-aggregation", "false"], {"FEDSE_REQUIRE_SECURE_AGGREGATION": "true"})
+
+
+def test_a_client_with_mtls_files_refuses_a_secure_run_whose_keys_are_not_signed():
+    from services.client_agent.federation import InsecureRun, refuse_insecure
+
+    unsigned = fpb.RunConfig(run_id="t", secure_aggregation=True, secure_signed=False)
+    with pytest.raises(InsecureRun, match="unsigned keys, and this client, with its mTLS files"):
+        refuse_insecure(False, unsigned, signs=True)
+    refuse_insecure(False, unsigned, signs=False)  # without a certificate there is nothing to sign with
+    refuse_insecure(True, fpb.RunConfig(run_id="t", secure_aggregation=True, secure_signed=True), signs=True)

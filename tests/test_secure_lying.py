@@ -144,7 +144,7 @@ def test_a_client_told_it_is_alone_masks_nothing(tmp_path):
         assert_published(parties[1], mean_of(parties[1:]))
 
 
-@pytest.mark.parametrize("threshold, min_threshold, need", [(2, 0.5, "3 to 5"), (3, 0.67, "4 to 5")])
+@pytest.mark.parametrize("threshold, min_threshold, need", [(2, 0.5, "3 to 5"), (3, 0.66, "4 to 5")])
 def test_a_threshold_below_the_client_s_own_floor_is_refused(tmp_path, threshold, min_threshold, need):
     """A threshold of 2 lets two groups, shown different uploader lists, reveal both seeds of one client.
     The client's floor is its own setting: a majority at least, more where its organisation says so."""
@@ -396,8 +396,8 @@ def test_a_client_that_revealed_takes_part_in_no_other_attempt_of_the_round(tmp_
     book.mark("t", 0)
     assert ReleaseBook(tmp_path / "released.json").has("t", 0)  # a restarted client remembers
     assert not book.has("t", 1) and not book.has("other-run", 0)
-    with federation(tmp_path, 2, parties={0: {"protection": Protection(book=ReleaseBook(tmp_path / "released.json"))}}) \
-            as (agg, liar, parties):
+    remembered = Protection(book=ReleaseBook(tmp_path / "released.json"))
+    with federation(tmp_path, 2, parties={0: {"protection": remembered}}) as (agg, liar, parties):
         parties[0].start().join(30)
         assert refused(parties[0].result, "already revealed shares", "round 0")
         assert parties[0].steps == []
@@ -477,5 +477,59 @@ def test_parts_and_floor():
     assert secagg.parts(["a", "b", "c", "d"], graph) == [["a", "b", "c"], ["d"]]
     assert secagg.parts(["a", "c"], graph) == [["a"], ["c"]]
     assert [secagg.floor(n, 0.5) for n in (3, 4, 5)] == [2, 3, 3]
-    assert [secagg.floor(n, 0.67) for n in (3, 5, 20)] == [3, 4, 14]
+    assert [secagg.floor(n, 0.66) for n in (3, 5, 20, 100)] == [2, 4, 14, 67]
+    assert all(secagg.floor(n, 0.66) <= secagg.threshold(0, n, signed=True) for n in range(2, 1025))
     assert secagg.threshold(0, 5, signed=True) == 4 and secagg.threshold(0, 5) == 3
+
+
+# ---- a real client agent process -------------------------------------------------------------------
+def test_a_client_agent_process_told_it_is_alone_masks_nothing(tmp_path):
+    """The attack on a client agent as organisations run it (`fedse client`, the tiny model, a maze env
+    server): it trains, is told nobody else shared keys, uploads nothing, says why in its log and goes
+    on; the two other members' round closes with their mean."""
+    import os
+    import subprocess
+    import sys
+
+    from services.client_agent import model as mdl
+    from services.env_server.server import EnvServerConfig, create_server
+    from fedse.tinymodel import TINY_MODEL_NAME
+
+    peft = mdl.add_lora(mdl.load_base(TINY_MODEL_NAME, "cpu", seed=0)[0])
+    base = {k: v.detach().clone() for k, v in mdl.get_adapter_state(peft).items()}
+    schema = ad.Schema.of(base, mdl.adapter_config_json(peft))
+
+    def alone(cid, sr):
+        if cid == "org-a" and at_least(fpb.SECURE_STAGE_UPLOADING)(sr):
+            sr.ClearField("shared")
+            sr.shared.append("org-a")
+            own = [s for s in sr.inbound if s.client_id == "org-a"]
+            sr.ClearField("inbound")
+            sr.inbound.extend(own)
+
+    env, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
+    env.start()
+    try:
+        with lying_aggregator(tmp_path / "agg", start_clients=3, min_clients=3) as (agg, port, run_dir, liar):
+            liar.secure_lies.append(alone)
+            target = f"127.0.0.1:{port}"
+            parties = [Party(target, f"org-{i}", 100 + i, schema=schema, base=base).join() for i in range(2)]
+            threads = [p.start() for p in parties]
+            out = subprocess.run(
+                [sys.executable, "-m", "apps.cli", "client", "--client-id", "org-a", "--env", "maze",
+                 "--aggregator", target, "--env-server", f"127.0.0.1:{env_port}", "--state-dir", str(tmp_path / "c"),
+                 "--metrics-port", "-1", "--address", "127.0.0.1:0", "--expert-demos", "1", "--explore-tasks", "0",
+                 "--eval-tasks", "1", "--epochs", "1", "--torch-threads", "1"],
+                capture_output=True, text=True, timeout=240, env={**os.environ})
+            for t in threads:
+                t.join(60)
+            assert out.returncode == 0, out.stderr[-3000:]
+            log = out.stdout + out.stderr
+            assert "sits this round out of secure aggregation" in log and "fewer than the threshold of 2" in log
+            assert "org-a" not in liar.uploaders and "org-a" not in liar.unmasked_by
+            assert [p.result for p in parties] == [True, True]
+            assert_published(parties[0], mean_of(parties))
+            for p in parties:
+                p.close()
+    finally:
+        env.stop(0)

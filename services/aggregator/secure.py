@@ -193,9 +193,8 @@ class SecureDesk:
             assert self.verifier is not None
             try:
                 cert = self.verifier.certificate(certificate, client_id)
-                self.verifier.signature(cert, signatures.advertisement(a.context, client_id, encryption_key, masking_key,
-                                                                       self_commitment), signature,
-                                        f"{client_id}'s signature of its keys")
+                signed = signatures.advertisement(a.context, client_id, encryption_key, masking_key, self_commitment)
+                self.verifier.signature(cert, signed, signature, f"{client_id}'s signature of its keys")
             except SignatureError as exc:
                 raise ValueError(f"{exc}: this run signs keys (RunConfig.secure_signed); sign the advertisement "
                                  "with the key of your mTLS certificate and send that certificate") from None

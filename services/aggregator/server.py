@@ -61,7 +61,8 @@ class AggregatorConfig(Security):
                                             "needs 2 clients or more; run it over mTLS, which says who takes part)")
     secure_threshold: int = field(0, "secure aggregation: clients whose shares rebuild a dropped client's masks, "
                                      "the fewest that may finish a round (0 = a majority of those who advertised "
-                                     "keys, at least 2)")
+                                     "keys, more than two thirds over mTLS; never below a majority, which "
+                                     "clients refuse; at least 2)")
     secure_neighbours: int = field(0, "secure aggregation: each client's neighbours, with whom it shares seeds "
                                       "and masks (0 = everyone); for large federations (e.g. 40 for 1,000 "
                                       "clients), the threshold then counts among neighbours")
@@ -150,7 +151,8 @@ class AggregatorConfig(Security):
             heartbeat_interval_s=self.heartbeat_interval_s, params=self.strategy_params(),
             secure=self.secure_aggregation, secure_threshold=self.secure_threshold,
             secure_neighbours=self.secure_neighbours,
-            secure_stage_timeout_s=self.secure_stage_timeout_s, secure_ca=self.tls_ca if self.secure_aggregation else "",
+            secure_stage_timeout_s=self.secure_stage_timeout_s,
+            secure_ca=self.tls_ca if self.secure_aggregation else "",
             secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta,
         )
 

@@ -199,8 +199,9 @@ class ClientAgent:
         joined = self.fed.join(cfg.env, cfg.base_model, schema)
         self.run_config, self.schema = joined.config, schema
         # Before anything is trained or uploaded: a client that requires secure aggregation ends here,
-        # with one line (InsecureRun), when the run has none.
-        refuse_insecure(cfg.require_secure_aggregation, joined.config)
+        # with one line (InsecureRun), when the run has none, and one with mTLS files when its keys
+        # would not be signed.
+        refuse_insecure(cfg.require_secure_aggregation, joined.config, cfg.signs_keys)
         num_rounds = joined.config.num_rounds
         self.heartbeat.interval_s = (cfg.heartbeat_interval_s or joined.config.heartbeat_interval_s
                                      or DEFAULT_HEARTBEAT_INTERVAL_S)
@@ -390,8 +391,9 @@ class ClientAgent:
                 self.fed.upload(p.round, data, num_examples=p.num_examples, num_successes=p.num_successes,
                                 adapter_config_json=mdl.adapter_config_json(self.model),
                                 transport_dtype=p.transport_dtype, sha256=p.sha256)  # checked by saved_upload
-        except SecureError as exc:  # an adapter a masked vector cannot carry: this round goes on without it
-            log.error("our adapter cannot take part in secure aggregation this round",
+        except SecureError as exc:  # an adapter a masked vector cannot carry, or an aggregator asking for what
+            # this client's protection refuses: the round goes on without it
+            log.error("this client sits this round out of secure aggregation",
                       extra=log_fields(round=p.round, reason=str(exc)))
             metrics["upload_refused"] = 1.0
             return False
@@ -421,8 +423,8 @@ class ClientAgent:
                                     p.num_successes)
         layout = secagg.Layout.of(self.schema, cfg.strategy)
         mine = self.cfg
-        protection = Protection.of(mine.secure_min_threshold, mine.tls_ca, mine.tls_cert, mine.tls_key,
-                                   ReleaseBook(self.state.path / "secure_released.json"))
+        protection = Protection.of(mine.secure_min_threshold, mine.tls_ca if mine.signs_keys else "", mine.tls_cert,
+                                   mine.tls_key, ReleaseBook(self.state.path / "secure_released.json"))
         secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s, protection)
         return secure.take_part(p.round, contribution, lambda step: log.info(
             "secure aggregation", extra=log_fields(round=p.round, step=step)))

@@ -91,7 +91,7 @@ class ClientConfig(Security):
                                                     "secure is refused at join, and nothing is uploaded to it")
     secure_min_threshold: float = field(0.5, "secure aggregation: the least threshold this client accepts, as a share "
                                              "of its neighbourhood; it takes part only where the threshold is above "
-                                             "it (0.5: a majority; 0.67 keeps its adapter hidden from an aggregator "
+                                             "it (0.5: a majority; 0.66 keeps its adapter hidden from an aggregator "
                                              "that lies with up to a third of the neighbourhood colluding)")
     log_level: str = field("INFO", "log level")
     env_server_plain: bool = field(False, "talk to the env server without TLS or token (e.g. one in the same pod "
@@ -148,6 +148,11 @@ class ClientConfig(Security):
         if self.history not in HISTORY_MODES:
             raise ConfigError(f"--history must be 'cumulative' (the paper) or 'round' (no history), "
                               f"got {self.history!r}")
+
+    @property
+    def signs_keys(self) -> bool:
+        """With its mTLS files this client signs its keys in secure rounds and requires everyone's signed."""
+        return bool(self.tls_ca and self.tls_cert and self.tls_key)
 
     def env_list(self) -> list[str]:
         """The environments this client holds, in the order given."""

@@ -60,20 +60,30 @@ class StaleRound(RuntimeError):
 
 
 class InsecureRun(RuntimeError):
-    """A run without secure aggregation, which this client refuses (--require-secure-aggregation): an
-    organisation decides its own protection, whatever the aggregator offers. The client agent ends with
-    this line and exit status 2; fedse doctor fails its admission check with it."""
+    """A run without the protection this client requires: no secure aggregation where it requires it
+    (--require-secure-aggregation), or secure aggregation with unsigned keys where it has mTLS files
+    (it then requires signed keys). An organisation decides its own protection, whatever the aggregator
+    offers. The client agent ends with this line and exit status 2; fedse doctor fails its admission
+    check with it."""
 
-    def __init__(self, run_id: str):
-        super().__init__(f"the aggregator's run {run_id} is not secure (no secure aggregation) and this client "
-                         "requires it (--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION); nothing "
-                         "was uploaded")
+    def __init__(self, run_id: str, unsigned: bool = False):
+        if unsigned:
+            super().__init__(f"the aggregator's run {run_id} has secure aggregation with unsigned keys, and this "
+                             "client, with its mTLS files (--tls-ca, --tls-cert, --tls-key), requires them signed "
+                             "(the aggregator signs keys when it runs mTLS with --tls-ca); nothing was uploaded")
+        else:
+            super().__init__(f"the aggregator's run {run_id} is not secure (no secure aggregation) and this client "
+                             "requires it (--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION); nothing "
+                             "was uploaded")
 
 
-def refuse_insecure(required: bool, run: fpb.RunConfig) -> None:
-    """Raises InsecureRun where this client requires secure aggregation and the run has none."""
+def refuse_insecure(required: bool, run: fpb.RunConfig, signs: bool = False) -> None:
+    """Raises InsecureRun where this client requires secure aggregation and the run has none, or where
+    it signs its keys (`signs`: it has mTLS files) and the run's secure aggregation does not."""
     if required and not run.secure_aggregation:
         raise InsecureRun(run.run_id)
+    if signs and run.secure_aggregation and not run.secure_signed:
+        raise InsecureRun(run.run_id, unsigned=True)
 
 
 @dataclasses.dataclass(frozen=True)

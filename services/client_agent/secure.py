@@ -109,8 +109,8 @@ class Protection:
         book = book or ReleaseBook()
         if not (tls_ca and tls_cert and tls_key):
             return Protection(min_threshold, book=book)
-        return Protection(min_threshold, Signer(pathlib.Path(tls_cert).read_bytes(), pathlib.Path(tls_key).read_bytes()),
-                          Verifier(pathlib.Path(tls_ca).read_bytes()), book)
+        signer = Signer(pathlib.Path(tls_cert).read_bytes(), pathlib.Path(tls_key).read_bytes())
+        return Protection(min_threshold, signer, Verifier(pathlib.Path(tls_ca).read_bytes()), book)
 
 
 @dataclasses.dataclass
