@@ -261,7 +261,7 @@ def split_ring(agg, k: int):
     return hold, chosen
 
 
-RINGS = [(2, 8), (4, 12)]  # (neighbours, clients): every survivor keeps the threshold; only the split is wrong
+RINGS = [(2, 8), (4, 10)]  # (neighbours, clients): every survivor keeps the threshold; only the split is wrong
 
 
 @pytest.mark.parametrize("k, n", RINGS)
