@@ -31,7 +31,7 @@ from fedse import masking, secagg, signatures
 from fedse.config import ConfigError
 from fedse.v1 import federation_pb2 as fpb
 from lying_aggregator import at_least, lying_aggregator
-from secure_party import Party, base_adapter, close_to
+from secure_party import Party, close_to
 from services.aggregator import metrics
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.secure import Protection, ReleaseBook
@@ -124,19 +124,23 @@ def test_the_aggregator_refuses_keys_signed_by_another_or_not_signed(tmp_path, p
 
 
 # ---- the attacks -------------------------------------------------------------------------------------
+def told_alone(victim: str):
+    """A lie: the victim is shown that nobody but itself shared keys (and only its own shares)."""
+    def lie(cid, sr):
+        if cid == victim and at_least(fpb.SECURE_STAGE_UPLOADING)(sr):
+            sr.ClearField("shared")
+            sr.shared.append(victim)
+            own = [s for s in sr.inbound if s.client_id == victim]
+            sr.ClearField("inbound")
+            sr.inbound.extend(own)
+    return lie
+
+
 def test_a_client_told_it_is_alone_masks_nothing(tmp_path):
     """The aggregator tells org-0 alone that nobody else shared keys: org-0 would mask with its self mask
     only, whose shares the others would then reveal. It refuses; the others' round goes on without it."""
-    def alone(cid, sr):
-        if cid == "org-0" and at_least(fpb.SECURE_STAGE_UPLOADING)(sr):
-            sr.ClearField("shared")
-            sr.shared.append("org-0")
-            own = [s for s in sr.inbound if s.client_id == "org-0"]
-            sr.ClearField("inbound")
-            sr.inbound.extend(own)
-
     with federation(tmp_path, 4) as (agg, liar, parties):
-        liar.secure_lies.append(alone)
+        liar.secure_lies.append(told_alone("org-0"))
         results = finish(parties)
         assert refused(results[0], "1 of this client's neighbourhood shared keys", "fewer than the threshold of 3")
         assert results[1:] == [True] * 3
@@ -499,19 +503,11 @@ def test_a_client_agent_process_told_it_is_alone_masks_nothing(tmp_path):
     base = {k: v.detach().clone() for k, v in mdl.get_adapter_state(peft).items()}
     schema = ad.Schema.of(base, mdl.adapter_config_json(peft))
 
-    def alone(cid, sr):
-        if cid == "org-a" and at_least(fpb.SECURE_STAGE_UPLOADING)(sr):
-            sr.ClearField("shared")
-            sr.shared.append("org-a")
-            own = [s for s in sr.inbound if s.client_id == "org-a"]
-            sr.ClearField("inbound")
-            sr.inbound.extend(own)
-
     env, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
     env.start()
     try:
         with lying_aggregator(tmp_path / "agg", start_clients=3, min_clients=3) as (agg, port, run_dir, liar):
-            liar.secure_lies.append(alone)
+            liar.secure_lies.append(told_alone("org-a"))
             target = f"127.0.0.1:{port}"
             parties = [Party(target, f"org-{i}", 100 + i, schema=schema, base=base).join() for i in range(2)]
             threads = [p.start() for p in parties]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import BinaryIO, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from fedse import masking
 from fedse import secagg
