@@ -338,10 +338,14 @@ def test_a_sum_that_does_not_decode_closes_the_round_without_an_update_and_no_se
         "advertising", "sharing", "uploading", "consistency", "unmasking")) == aborted
 
 
-def test_a_restart_while_unmasking_closes_the_round_without_an_update(tmp_path):
+@pytest.mark.parametrize("mean_saved", [False, True])
+def test_a_restart_while_unmasking_never_starts_another_attempt(tmp_path, mean_saved):
+    """Stopped after it began removing masks: the round closes with phi_0 unchanged, or, where the
+    unmasked mean was saved before the stop, with that mean; never with a new attempt."""
     from services.aggregator.server import create_server
 
     from lying_aggregator import secure_settings
+    from secure_party import trained
 
     cfg = AggregatorConfig(address="127.0.0.1:0", metrics_port=-1, state_dir=str(tmp_path), run_id="t",
                            torch_threads=0, **secure_settings(start_clients=2, num_rounds=2))
@@ -354,12 +358,16 @@ def test_a_restart_while_unmasking_closes_the_round_without_an_update(tmp_path):
     with keeper._cond:  # the state it saves just before it removes a round's masks
         keeper.run.released = keeper.run.round
         keeper._persist_locked()
-    phi0 = bytes(keeper.globals.get(0)[0])
+    mean = ad.encode(trained(7))
+    if mean_saved:
+        keeper.globals.save(1, mean, keeper.run.adapter_config())
+    want = mean if mean_saved else bytes(keeper.globals.get(0)[0])
     agg.stop(0)
     again, _ = create_server(cfg)
     try:
         st = again.federation.status()
-        assert st.round == 1 and bytes(again.federation.globals.get(1)[0]) == phi0
+        assert st.round == 1 and st.state.value == "open"
+        assert bytes(again.federation.globals.get(1)[0]) == bytes(want)
     finally:
         again.stop(0)
 

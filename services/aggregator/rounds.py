@@ -101,7 +101,11 @@ class RoundKeeper:
                                   (lambda: self.layout().nbytes) if settings.secure else None)
         if self.secure is not None and self.run.state is State.OPEN:
             with self._cond:  # keys and shares were only in memory: the round's secure stages start again
-                if self.run.released == self.run.round:
+                if self.run.released == self.run.round and self.globals.has(self.run.round + 1):
+                    # It stopped after saving the unmasked mean, before the next round opened: publish it.
+                    self.secure.end()
+                    self._close_locked(self.run.round, "the unmasked mean was saved before a restart", 0, 0.0)
+                elif self.run.released == self.run.round:
                     # It stopped while unmasking: a new attempt would give a second sum of this round.
                     self._withhold_locked(self.run.round, "the aggregator restarted while unmasking the round")
                 else:
