@@ -2,6 +2,7 @@
 
 import json
 import struct
+import time
 
 import grpc
 import pytest
@@ -401,3 +402,35 @@ def test_clients_waiting_on_watch_round_do_not_starve_the_next_join(tmp_path, pe
                 w.cancel()
             for c in clients:
                 c.close()
+
+
+def test_one_client_cannot_hold_every_watch_round_thread(tmp_path):
+    """Each WatchRound holds a server thread: one client id may hold 8 at once; a 9th is refused with
+    RESOURCE_EXHAUSTED and a reason, another client is not affected, and a stream closed frees its place."""
+    from services.aggregator.servicer import WATCHES_PER_CLIENT
+
+    with aggregator_in_process(tmp_path) as (_agg, port, _), grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = fpb_grpc.FederationServiceStub(ch)
+
+        def watch(cid):
+            stream = stub.WatchRound(fpb.RoundStatusRequest(client_id=cid), timeout=30)
+            next(stream)  # open, and holding its server thread
+            return stream
+
+        held = [watch("org-a") for _ in range(WATCHES_PER_CLIENT)]
+        with pytest.raises(grpc.RpcError) as err:
+            watch("org-a")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"already holds {WATCHES_PER_CLIENT} WatchRound streams" in err.value.details()
+        other = watch("org-b")
+        held.pop().cancel()
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the cancel within its 1 s poll
+            try:
+                held.append(watch("org-a"))
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.2)
+        for s in held + [other]:
+            s.cancel()

@@ -130,7 +130,8 @@ class FederationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRound(self, request, context):
-        """A stream of round statuses: the current one, then one at every change, until the run ends.
+        """A stream of round statuses: the current one, then one at every change, until the run ends. One
+        client_id may hold at most 8 such streams at once: more is RESOURCE_EXHAUSTED (close one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from typing import Callable, Iterator
 
 import grpc
@@ -70,6 +72,10 @@ _STAGE = {
     Stage.UNMASKING: fpb.SECURE_STAGE_UNMASKING,
 }
 _KIND = {fpb.SHARE_KIND_SELF_MASK: Kind.SELF_MASK, fpb.SHARE_KIND_MASKING: Kind.MASKING}
+# WatchRound streams one client id may hold at once. A client follows the round with one; a few more
+# cover a reconnect that overlaps the stream it replaces. Each stream holds a worker thread, so without
+# a cap one client could hold them all and leave everyone else's calls queued.
+WATCHES_PER_CLIENT = 8
 
 
 def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
@@ -99,6 +105,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
         self.fed = federation
         self.chunk_bytes = chunk_bytes
         self.identity = identity
+        self._watching: collections.Counter[str] = collections.Counter()
+        self._watch_lock = threading.Lock()
         CLIENTS_ALIVE.set_function(federation.clients_alive)
         self._observe(federation.status())
 
@@ -146,17 +154,29 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
 
     def WatchRound(self, request, context) -> Iterator[fpb.RoundStatus]:
         try:
-            self._client(context, request.client_id)
+            client = self._client(context, request.client_id)
         except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
             ERRORS.abort(context, exc)
-        st = self.fed.status()
-        yield status_to_proto(st)
-        while context.is_active() and st.state is not State.FINISHED:
-            new = self.fed.wait_for_change(st.version, timeout=1.0)
-            if new.version != st.version:
-                st = new
-                self._observe(st)
-                yield status_to_proto(st)
+        with self._watch_lock:
+            if self._watching[client] >= WATCHES_PER_CLIENT:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"client {shown(client)} already holds {WATCHES_PER_CLIENT} WatchRound streams, the most "
+                              "one client may: close one (a client follows the round with one)")
+            self._watching[client] += 1
+        try:
+            st = self.fed.status()
+            yield status_to_proto(st)
+            while context.is_active() and st.state is not State.FINISHED:
+                new = self.fed.wait_for_change(st.version, timeout=1.0)
+                if new.version != st.version:
+                    st = new
+                    self._observe(st)
+                    yield status_to_proto(st)
+        finally:
+            with self._watch_lock:
+                self._watching[client] -= 1
+                if not self._watching[client]:
+                    del self._watching[client]
 
     def DownloadAdapter(self, request, context) -> Iterator[fpb.AdapterChunk]:
         try:
