@@ -331,7 +331,7 @@ def test_a_sum_that_does_not_decode_closes_the_round_without_an_update_and_no_se
         glob1 = parties[0].fed.download(1).data
         assert bytes(glob1) == bytes(parties[0].fed.download(0).data), "the global adapter is unchanged"
         assert len({n for n in nonces if n}) == 1, "one attempt only"
-        assert sorted(liar.unmasked_by) == ["org-0", "org-1", "org-2"]
+        assert len(set(liar.unmasked_by)) >= 2  # the threshold revealed: the sum was unmasked
         assert not list((tmp_path / "agg" / "t").glob("uploads/round_0000/*.masked"))
     assert metrics.SECURE_ROUNDS_WITHHELD._value.get() == withheld + 1
     assert sum(metrics.SECURE_ATTEMPTS_ABORTED.labels(s)._value.get() for s in (
