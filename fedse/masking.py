@@ -9,8 +9,8 @@ HKDF's info, so no mask is ever used twice. Every info, commitment and associate
 (`frame`: each part preceded by its length), so no two different lists of parts read alike. Noise
 for differential privacy is drawn from the ChaCha20 stream of a random key (`gaussian`).
 
-Nothing here logs, stores or prints a secret; `Secret` keeps a seed in a bytearray that `wipe()` zeroes (Python cannot promise more: copies made by the
-libraries it calls are theirs to free).
+Nothing here logs, stores or prints a secret; `Secret` keeps a seed in a bytearray that `wipe()`
+zeroes (Python cannot promise more: copies made by the libraries it calls are theirs to free).
 """
 
 from __future__ import annotations

@@ -145,6 +145,19 @@ def aggregator_in_process(state_dir: pathlib.Path, **settings) -> Iterator[tuple
         agg.stop(0)
 
 
+@contextlib.contextmanager
+def env_server_in_process(envs: str = "maze") -> Iterator[str]:
+    """A real env server for `envs` on a free port: its target address."""
+    from services.env_server.server import EnvServerConfig, create_server as create_env_server
+
+    server, port = create_env_server(EnvServerConfig(address="127.0.0.1:0", envs=envs, metrics_port=-1))
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
 def kustomize(path: pathlib.Path) -> list[dict]:
     """The objects `kubectl kustomize path` renders."""
     proc = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60)

@@ -31,7 +31,7 @@ from services.client_agent.federation import (
     upload_chunks,
 )
 from services.client_agent.heartbeat import Heartbeat
-from support import FakeAggregator, serve_fake
+from support import FakeAggregator, env_server_in_process, serve_fake
 
 
 # ---- progress.json -------------------------------------------------------------------------------
@@ -342,12 +342,8 @@ class Crash(Exception):
 
 @pytest.fixture(scope="module")
 def env_target():
-    from services.env_server.server import EnvServerConfig, create_server
-
-    server, port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
+    with env_server_in_process() as target:
+        yield target
 
 
 def agent_config(env_target: str, agg_target: str, state_dir, **kw) -> ClientConfig:

@@ -19,7 +19,7 @@ from fedse.config import parse
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from services.client_agent.config import ClientConfig
-from support import aggregator_in_process
+from support import aggregator_in_process, env_server_in_process
 
 REFUSAL = ("refused: the aggregator's run t is not secure (no secure aggregation) and this client requires it "
            "(--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION); nothing was uploaded")
@@ -27,12 +27,8 @@ REFUSAL = ("refused: the aggregator's run t is not secure (no secure aggregation
 
 @pytest.fixture(scope="module")
 def env_server():
-    from services.env_server.server import EnvServerConfig, create_server
-
-    server, port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
+    with env_server_in_process() as target:
+        yield target
 
 
 def test_a_client_that_requires_it_refuses_a_plain_run(tmp_path, env_server):

@@ -35,7 +35,7 @@ from secure_party import Party, close_to
 from services.aggregator import metrics
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.secure import Protection, ReleaseBook
-from support import Pki
+from support import Pki, env_server_in_process
 
 
 @pytest.fixture(scope="module")
@@ -504,36 +504,31 @@ def test_a_client_agent_process_told_it_is_alone_masks_nothing(tmp_path):
     import sys
 
     from services.client_agent import model as mdl
-    from services.env_server.server import EnvServerConfig, create_server
     from fedse.tinymodel import TINY_MODEL_NAME
 
     peft = mdl.add_lora(mdl.load_base(TINY_MODEL_NAME, "cpu", seed=0)[0])
     base = {k: v.detach().clone() for k, v in mdl.get_adapter_state(peft).items()}
     schema = ad.Schema.of(base, mdl.adapter_config_json(peft))
 
-    env, env_port = create_server(EnvServerConfig(address="127.0.0.1:0", envs="maze", metrics_port=-1))
-    env.start()
-    try:
-        with lying_aggregator(tmp_path / "agg", start_clients=3, min_clients=3) as (agg, port, run_dir, liar):
-            liar.secure_lies.append(told_alone("org-a"))
-            target = f"127.0.0.1:{port}"
-            parties = [Party(target, f"org-{i}", 100 + i, schema=schema, base=base).join() for i in range(2)]
-            threads = [p.start() for p in parties]
-            out = subprocess.run(
-                [sys.executable, "-m", "apps.cli", "client", "--client-id", "org-a", "--env", "maze",
-                 "--aggregator", target, "--env-server", f"127.0.0.1:{env_port}", "--state-dir", str(tmp_path / "c"),
-                 "--metrics-port", "-1", "--address", "127.0.0.1:0", "--expert-demos", "1", "--explore-tasks", "0",
-                 "--eval-tasks", "1", "--epochs", "1", "--torch-threads", "1"],
-                capture_output=True, text=True, timeout=240, env={**os.environ})
-            for t in threads:
-                t.join(60)
-            assert out.returncode == 0, out.stderr[-3000:]
-            log = out.stdout + out.stderr
-            assert "sits this round out of secure aggregation" in log and "fewer than the threshold of 2" in log
-            assert "org-a" not in liar.uploaders and "org-a" not in liar.unmasked_by
-            assert [p.result for p in parties] == [True, True]
-            assert_published(parties[0], mean_of(parties))
-            for p in parties:
-                p.close()
-    finally:
-        env.stop(0)
+    with env_server_in_process() as env_target, \
+            lying_aggregator(tmp_path / "agg", start_clients=3, min_clients=3) as (agg, port, run_dir, liar):
+        liar.secure_lies.append(told_alone("org-a"))
+        target = f"127.0.0.1:{port}"
+        parties = [Party(target, f"org-{i}", 100 + i, schema=schema, base=base).join() for i in range(2)]
+        threads = [p.start() for p in parties]
+        out = subprocess.run(
+            [sys.executable, "-m", "apps.cli", "client", "--client-id", "org-a", "--env", "maze",
+             "--aggregator", target, "--env-server", env_target, "--state-dir", str(tmp_path / "c"),
+             "--metrics-port", "-1", "--address", "127.0.0.1:0", "--expert-demos", "1", "--explore-tasks", "0",
+             "--eval-tasks", "1", "--epochs", "1", "--torch-threads", "1"],
+            capture_output=True, text=True, timeout=240, env={**os.environ})
+        for t in threads:
+            t.join(60)
+        assert out.returncode == 0, out.stderr[-3000:]
+        log = out.stdout + out.stderr
+        assert "sits this round out of secure aggregation" in log and "fewer than the threshold of 2" in log
+        assert "org-a" not in liar.uploaders and "org-a" not in liar.unmasked_by
+        assert [p.result for p in parties] == [True, True]
+        assert_published(parties[0], mean_of(parties))
+        for p in parties:
+            p.close()

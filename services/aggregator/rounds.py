@@ -91,6 +91,7 @@ class RoundKeeper:
         self._rule = Rule(settings.min_clients, settings.wait_after_min_s, settings.heartbeat_timeout_s)
         self._layout: secagg.Layout | None = None
         self.run = restore(settings, store, clock())
+        metrics.serve_privacy(self.privacy)
         self.globals = GlobalAdapters(store)
         # A secure round needs two uploads or more: the mean of one is that client's adapter.
         self.secure = SecureDesk(settings.run_id, settings.secure_threshold, settings.secure_stage_timeout_s,
@@ -132,6 +133,13 @@ class RoundKeeper:
             global_sha256=sha, version=self._version, round_nonce=run.nonce,
             secure_stage=self.secure.stage() if self.secure is not None and run.state is State.OPEN else None,
         )
+
+    def privacy(self) -> tuple[float, float, int]:
+        """(epsilon of one round, epsilon so far, releases) at the run's delta; the epsilons are +Inf where
+        the run is not differentially private. Every completed round is one release. Read without the
+        lock (for a scrape too): a list's length is read atomically."""
+        releases = len(self.run.round_seconds)
+        return (*(self.settings.dp_epsilons(releases) or (math.inf, math.inf)), releases)
 
     def wait_for_change(self, version: int, timeout: float) -> Status:
         """Blocks until the status version differs from `version` or the timeout passes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 from typing import Callable, Iterator
 
@@ -265,10 +266,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
 
     def GetRunStatus(self, request, context):
         st, views, seconds, base_model = self.fed.run_view()
-        # Each completed round published one adapter: a release for the privacy accounting.
-        dp = self.fed.settings.dp_epsilons(len(seconds))
-        privacy = dict(dp_accounted=True, dp_epsilon_round=dp[0], dp_epsilon_total=dp[1],
-                       dp_releases=len(seconds)) if dp is not None else {}
+        eps_round, eps_total, releases = self.fed.privacy()
+        privacy = dict(dp_accounted=True, dp_epsilon_round=eps_round, dp_epsilon_total=eps_total,
+                       dp_releases=releases) if math.isfinite(eps_total) else {}
         return fpb.RunStatus(
             config=self.config_proto(), round=status_to_proto(st), round_seconds=seconds, base_model=base_model,
             clients=[fpb.ClientStatus(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 from typing import Any
 
 from fedse import accounting
@@ -20,7 +19,6 @@ from fedse import adapter as ad
 from fedse.inputs import shown
 from fedse.serving import log_fields
 
-from . import metrics
 from .errors import NotJoined
 from .store import Store, config_with_base
 from .strategies import StrategyParams
@@ -156,21 +154,7 @@ class RunState:
 
 def restore(settings: RunSettings, store: Store, now: float) -> RunState:
     """The run the store holds (with the accepted uploads of its open round), or a new one. A run
-    saved with other settings that decide its result is refused (ValueError saying what to do).
-    Its privacy account is served as metrics from then on."""
-    run = _load(settings, store, now)
-
-    def privacy() -> tuple[float, float, int]:
-        # Read at a scrape, without the round keeper's lock: a list's length is read atomically, and a
-        # round's duration is appended in the same step that opens the next round.
-        releases = len(run.round_seconds)
-        return (*(settings.dp_epsilons(releases) or (math.inf, math.inf)), releases)
-
-    metrics.serve_privacy(privacy)
-    return run
-
-
-def _load(settings: RunSettings, store: Store, now: float) -> RunState:
+    saved with other settings that decide its result is refused (ValueError saying what to do)."""
     saved = store.load_state()
     if saved is None:
         return RunState()

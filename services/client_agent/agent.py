@@ -423,8 +423,8 @@ class ClientAgent:
                                     p.num_successes)
         layout = secagg.Layout.of(self.schema, cfg.strategy)
         mine = self.cfg
-        protection = Protection.of(mine.secure_min_threshold, mine.tls_ca if mine.signs_keys else "", mine.tls_cert,
-                                   mine.tls_key, ReleaseBook(self.state.path / "secure_released.json"))
+        protection = Protection.of(mine.secure_min_threshold, mine.tls_ca, mine.tls_cert, mine.tls_key,
+                                   ReleaseBook(self.state.path / "secure_released.json"))
         secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s, protection)
         return secure.take_part(p.round, contribution, lambda step: log.info(
             "secure aggregation", extra=log_fields(round=p.round, step=step)))
