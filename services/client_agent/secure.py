@@ -209,7 +209,7 @@ class SecureRound:
             try:
                 sr = self._before_reveal(round_, nonce, me, view, shared, held, on_step)
                 if sr is not None:
-                    revealed = self._reveal(me.client_id, sr, view, held)
+                    revealed = self._reveal(sr, held)
                     self.protection.book.mark(self.run_id, round_)  # before a share leaves
                     self._call(lambda: self.fed.unmask(round_, nonce, revealed))
                     on_step("unmasked")
@@ -312,8 +312,8 @@ class SecureRound:
                               f"{', '.join(str(len(p)) for p in pieces)}): unmasking would give each piece's sum; "
                               "this client reveals nothing")
 
-    def _reveal(self, me: str, sr: fpb.SecureRound, view: _View,
-                held: dict[str, tuple[bytes, bytes]]) -> list[fpb.RevealedShare]:
+    @staticmethod
+    def _reveal(sr: fpb.SecureRound, held: dict[str, tuple[bytes, bytes]]) -> list[fpb.RevealedShare]:
         """The shares the unmasking needs: of each neighbour that shared, its self-mask share if it
         uploaded, else its masking share; never both of one client."""
         uploaded = set(sr.uploaded)
