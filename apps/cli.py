@@ -256,6 +256,13 @@ def format_status(st) -> str:
         stage = fpb.SecureStage.Name(r.secure_stage).removeprefix("SECURE_STAGE_").lower()
         steps = ", ".join(f"{cl.client_id} {cl.secure_step}" for cl in st.clients if cl.secure_step) or "none yet"
         lines.append(f"secure aggregation: attempt {r.round_nonce[:8]} at {stage}; {steps}")
+    if st.HasField("selection"):
+        sel = st.selection
+        lines.append(f"selection ({c.selector}) of round {sel.round}: {', '.join(sel.chosen) or 'nobody'} by "
+                     f"{sel.policy}; selector fallbacks so far: {st.selector_fallbacks}")
+        if sel.fallback_reason:
+            lines.append(f"  fallback: {sel.fallback_reason}")
+        lines.extend(f"  {step}" for step in sel.reasoning)
     if st.round_seconds:
         lines.append("round durations: " + ", ".join(f"{s:.1f}s" for s in st.round_seconds))
     if st.dp_accounted:
@@ -273,6 +280,8 @@ def format_status(st) -> str:
         seen = f"{now - cl.last_seen_unix:.0f}s" if cl.last_seen_unix else "-"
         lines.append(f"{cl.client_id:<20} {cl.env:<10} {'yes' if cl.alive else 'NO':<5} {seen:>6} {phase:<18} "
                      f"{upload:<12} {f'r{cl.metrics_round}: ' + metrics if cl.metrics_round >= 0 else '-'}")
+        if st.HasField("selection"):
+            lines.append(f"{'':<20} {'chosen' if cl.selected else 'not chosen'}: {cl.selection_reason}")
     return "\n".join(lines)
 
 

@@ -63,6 +63,10 @@ class RunConfig:
     base_model: str = setting(ClientConfig, "base_model")
     strategy: str = setting(AggregatorConfig, "strategy")
     secure_aggregation: bool = setting(AggregatorConfig, "secure_aggregation")
+    selector: str = setting(AggregatorConfig, "selector")
+    clients_per_round: int = setting(AggregatorConfig, "clients_per_round")
+    selection_fraction: float = setting(AggregatorConfig, "selection_fraction")
+    fairness_rounds: int = setting(AggregatorConfig, "fairness_rounds")
     expert_demos: int = setting(ClientConfig, "expert_demos")
     explore_tasks: int = setting(ClientConfig, "explore_tasks")
     topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "

@@ -75,7 +75,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta")
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta", "selector", "clients_per_round", "selection_fraction", "fairness_rounds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,10 @@ class RunConfig(_message.Message):
     SECURE_SIGNED_FIELD_NUMBER: _ClassVar[int]
     SECURE_MAX_ROSTER_FIELD_NUMBER: _ClassVar[int]
     DP_DELTA_FIELD_NUMBER: _ClassVar[int]
+    SELECTOR_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    FAIRNESS_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_rounds: int
     min_clients: int
@@ -112,7 +116,11 @@ class RunConfig(_message.Message):
     secure_signed: bool
     secure_max_roster: int
     dp_delta: float
-    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ...) -> None: ...
+    selector: str
+    clients_per_round: int
+    selection_fraction: float
+    fairness_rounds: int
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ..., selector: _Optional[str] = ..., clients_per_round: _Optional[int] = ..., selection_fraction: _Optional[float] = ..., fairness_rounds: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "current_round")
@@ -129,7 +137,7 @@ class RoundStatusRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256", "round_nonce", "secure_stage")
+    __slots__ = ("run_id", "round", "state", "num_rounds", "joined", "uploaded", "deadline_unix", "global_sha256", "round_nonce", "secure_stage", "selective", "selected")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +148,8 @@ class RoundStatus(_message.Message):
     GLOBAL_SHA256_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     SECURE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SELECTIVE_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     state: RoundState
@@ -150,7 +160,9 @@ class RoundStatus(_message.Message):
     global_sha256: str
     round_nonce: str
     secure_stage: SecureStage
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ..., round_nonce: _Optional[str] = ..., secure_stage: _Optional[_Union[SecureStage, str]] = ...) -> None: ...
+    selective: bool
+    selected: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundState, str]] = ..., num_rounds: _Optional[int] = ..., joined: _Optional[_Iterable[str]] = ..., uploaded: _Optional[_Iterable[str]] = ..., deadline_unix: _Optional[float] = ..., global_sha256: _Optional[str] = ..., round_nonce: _Optional[str] = ..., secure_stage: _Optional[_Union[SecureStage, str]] = ..., selective: _Optional[bool] = ..., selected: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("round", "offset", "sha256", "transport_dtype")
@@ -268,7 +280,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClientStatus(_message.Message):
-    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics", "secure_step")
+    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics", "secure_step", "selected", "selection_reason")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +299,8 @@ class ClientStatus(_message.Message):
     METRICS_ROUND_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SECURE_STEP_FIELD_NUMBER: _ClassVar[int]
+    SELECTED_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_REASON_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     env: str
     uploaded: bool
@@ -298,10 +312,26 @@ class ClientStatus(_message.Message):
     metrics_round: int
     metrics: _containers.ScalarMap[str, float]
     secure_step: str
-    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secure_step: _Optional[str] = ...) -> None: ...
+    selected: bool
+    selection_reason: str
+    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secure_step: _Optional[str] = ..., selected: _Optional[bool] = ..., selection_reason: _Optional[str] = ...) -> None: ...
+
+class SelectionRecord(_message.Message):
+    __slots__ = ("round", "policy", "chosen", "reasoning", "fallback_reason")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    policy: str
+    chosen: _containers.RepeatedScalarFieldContainer[str]
+    reasoning: _containers.RepeatedScalarFieldContainer[str]
+    fallback_reason: str
+    def __init__(self, round: _Optional[int] = ..., policy: _Optional[str] = ..., chosen: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Iterable[str]] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "round", "clients", "round_seconds", "base_model", "dp_accounted", "dp_epsilon_round", "dp_epsilon_total", "dp_releases")
+    __slots__ = ("config", "round", "clients", "round_seconds", "base_model", "dp_accounted", "dp_epsilon_round", "dp_epsilon_total", "dp_releases", "selection", "selector_fallbacks")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +341,8 @@ class RunStatus(_message.Message):
     DP_EPSILON_ROUND_FIELD_NUMBER: _ClassVar[int]
     DP_EPSILON_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DP_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
+    SELECTOR_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     round: RoundStatus
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
@@ -320,7 +352,9 @@ class RunStatus(_message.Message):
     dp_epsilon_round: float
     dp_epsilon_total: float
     dp_releases: int
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ..., dp_accounted: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_total: _Optional[float] = ..., dp_releases: _Optional[int] = ...) -> None: ...
+    selection: SelectionRecord
+    selector_fallbacks: int
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ..., dp_accounted: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_total: _Optional[float] = ..., dp_releases: _Optional[int] = ..., selection: _Optional[_Union[SelectionRecord, _Mapping]] = ..., selector_fallbacks: _Optional[int] = ...) -> None: ...
 
 class StageAck(_message.Message):
     __slots__ = ()

@@ -228,5 +228,6 @@ class UploadDesk:
         if nonce != run.nonce:
             raise StaleRound(f"the upload's round nonce does not match round {round_}'s: an upload is bound "
                              "to the run and round it was made for; take the nonce from the current RoundStatus")
+        run.check_selected(client_id)
         if self.secure is not None:
             self.secure.check_upload(client_id)

@@ -16,6 +16,10 @@ class StaleRound(FederationError):
     pass
 
 
+class NotSelected(FederationError):
+    """The client is not among the clients the open round takes (RunConfig.selector)."""
+
+
 class SchemaMismatch(FederationError):
     pass
 

@@ -35,6 +35,13 @@ SECURE_ROUNDS_WITHHELD = prometheus_client.Counter(
     "fedse_aggregator_secure_rounds_withheld",
     "Secure rounds closed without an update after their sum was unmasked (it did not decode, or the aggregator "
     "restarted while unmasking): a round's sum is released once and never tried again.")
+SELECTED = prometheus_client.Gauge(
+    "fedse_aggregator_selected_clients",
+    "Clients chosen to take part in the open round (--selector other than all; every client otherwise).")
+SELECTOR_FALLBACKS = prometheus_client.Counter(
+    "fedse_aggregator_selector_fallbacks",
+    "Rounds whose selection is not the selector's own answer (an agent's answer failed its check, or the "
+    "selector failed): its fallback chose instead.")
 for _stage in ("advertising", "sharing", "uploading", "consistency", "unmasking"):
     SECURE_STAGE_SECONDS.labels(_stage)
     SECURE_ATTEMPTS_ABORTED.labels(_stage)

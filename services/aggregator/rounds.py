@@ -36,7 +36,8 @@ from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
 from .secure import Attempt, SecureDesk, Stage, mask_keys
-from .state import Client, Member, RunSettings, State, restore
+from .selection import All, ClientHistory, Selection, SelectionInput
+from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, restore
 from .store import Store
 from .strategies import Update, aggregate, validate_params
 from .uploads import Accepted, UploadHeader
@@ -60,6 +61,7 @@ class Status:
     version: int
     round_nonce: str
     secure_stage: Stage | None = None
+    selected: tuple[str, ...] | None = None  # who takes part in the open round (None: every client)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,8 @@ class ClientView:
     metrics_round: int
     metrics: dict[str, float]
     secure_step: str = ""
+    selected: bool = True
+    selection_reason: str = ""
 
 
 class RoundKeeper:
@@ -90,7 +94,10 @@ class RoundKeeper:
         self._version = 0
         self._rule = Rule(settings.min_clients, settings.wait_after_min_s, settings.heartbeat_timeout_s)
         self._layout: secagg.Layout | None = None
+        self.policy = settings.selection.policy() if settings.selection.selective else None
         self.run = restore(settings, store, clock())
+        # At least two uploads close a secure round; min_clients close a plain one early.
+        self._minimum = max(2, settings.min_clients) if settings.secure else settings.min_clients
         metrics.serve_privacy(self.privacy)
         self.globals = GlobalAdapters(store)
         # A secure round needs two uploads or more: the mean of one is that client's adapter.
@@ -132,6 +139,7 @@ class RoundKeeper:
             joined=tuple(sorted(run.members)), uploaded=tuple(run.uploaded()), deadline_unix=run.deadline,
             global_sha256=sha, version=self._version, round_nonce=run.nonce,
             secure_stage=self.secure.stage() if self.secure is not None and run.state is State.OPEN else None,
+            selected=run.selection.chosen if run.selection is not None and run.state is not State.FINISHED else None,
         )
 
     def privacy(self) -> tuple[float, float, int]:
@@ -167,9 +175,22 @@ class RoundKeeper:
             now = self.clock()
             views = [ClientView(cid, m.client.env, m.accepted is not None, self._rule.alive(m.last_seen, now),
                                 m.last_seen, m.phase_round, m.phase, self.uploads.partial_bytes(m), m.metrics_round,
-                                dict(m.metrics), self.secure.step_of(cid) if self.secure is not None else "")
+                                dict(m.metrics), self.secure.step_of(cid) if self.secure is not None else "",
+                                *self._selected_view(cid))
                      for cid, m in sorted(self.run.members.items())]
             return self._status_locked(), views, list(self.run.round_seconds), self.run.base_model or ""
+
+    def selection(self) -> tuple[Selection | None, int]:
+        """The open round's selection (None in a run without one, or once it finished) and the selector's
+        fallbacks so far."""
+        with self._cond:
+            run = self.run
+            return (run.selection if run.state is not State.FINISHED else None), run.selector_fallbacks
+
+    def _selected_view(self, client_id: str) -> tuple[bool, str]:
+        if self.run.state is State.FINISHED:
+            return True, ""
+        return self.run.selected(client_id), self.run.selection_reason(client_id)
 
     def clients_alive(self) -> int:
         with self._cond:
@@ -279,6 +300,8 @@ class RoundKeeper:
         self._reported.add((client_id, round_))
         m = self.run.members.get(client_id)
         if m is not None and round_ >= m.metrics_round:
+            if round_ > m.metrics_round and "test_success" in m.metrics:
+                m.previous_success = m.metrics["test_success"]
             m.metrics_round, m.metrics = round_, dict(values)
 
     def tick(self) -> None:
@@ -303,6 +326,7 @@ class RoundKeeper:
             if self.run.state is not State.OPEN or round_ != self.run.round or nonce != self.run.nonce:
                 raise StaleRound(f"a call for round {round_} with another round nonce: round {self.run.round} is "
                                  f"{self.run.state.value} with a new attempt; read RoundStatus and follow it")
+            self.run.check_selected(client_id)
             m.last_seen = self.clock()
             out = call(self.secure)
             due = self._due_locked() is not None
@@ -331,16 +355,21 @@ class RoundKeeper:
             return None
         now = self.clock()
         accepted = {cid: m.accepted.accepted_unix for cid, m in run.uploaded().items()}
-        last_seen = {cid: m.last_seen for cid, m in run.members.items()}
+        # A selective round is over its chosen clients alone: the others take no part in it.
+        last_seen = {cid: m.last_seen for cid, m in run.members.items() if run.selected(cid)}
+        rule = self._rule
+        if run.selection is not None:  # fewer chosen than min_clients: every one of them alive
+            rule = dataclasses.replace(rule, min_clients=max(1, min(rule.min_clients, len(run.selection.chosen))))
         if self.secure is not None:
             busy = self.uploads.receiving() and now - self.uploads.progress_at <= self._rule.heartbeat_timeout_s
             return self.secure.due(last_seen, accepted, busy, run.deadline, now)
-        return close_reason(self._rule, OpenRound(last_seen=last_seen, accepted=accepted,
+        return close_reason(rule, OpenRound(last_seen=last_seen, accepted=accepted,
                                                   receiving=self.uploads.receiving(),
                                                   progress_at=self.uploads.progress_at, deadline=run.deadline), now)
 
     def close_if_due(self) -> None:
         with self._cond:
+            self._reselect_if_stalled_locked()
             reason = self._due_locked()
             if reason is None:
                 return
@@ -381,6 +410,14 @@ class RoundKeeper:
 
     def _close_locked(self, round_: int, reason: str, uploads: int, took: float) -> None:
         """phi_{round+1} is saved: the round is over, the next one opens."""
+        run = self.run
+        for cid, m in run.members.items():  # each member's record, which selectors read
+            if m.accepted is not None:
+                m.rounds_uploaded.append(round_)
+                m.upload_seconds = (m.upload_seconds + [round(max(0.0, m.accepted.accepted_unix - run.opened_at),
+                                                              3)])[-UPLOAD_TIMES:]
+            elif run.selection is not None and cid in run.selection.chosen:
+                m.dropouts += 1
         duration = self.clock() - self.run.opened_at
         self.run.round_seconds.append(round(duration, 3))
         metrics.ROUND_SECONDS.observe(duration)
@@ -474,10 +511,76 @@ class RoundKeeper:
             run.state, run.deadline = State.OPEN, run.opened_at + self.settings.round_deadline_s
             run.nonce = secrets.token_hex(16)
             log.info("round opened", extra=log_fields(round=round_, clients=len(run.members)))
+        run.selection = None
+        if self.policy is not None and run.state is State.OPEN:
+            self._select_locked(round_)
         if self.secure is not None:
             if run.state is State.OPEN:
                 self.secure.begin(run.nonce, run.opened_at)
             else:
                 self.secure.end()
+        self._persist_locked()
+        self._changed_locked()
+
+    # ---- selection (settings.selection: who takes part in a round) -----------------------------------
+    def _history_locked(self, now: float) -> list[ClientHistory]:
+        """Each member's record as a selector reads it."""
+        out = []
+        for cid, m in self.run.members.items():
+            success = m.metrics.get("test_success")
+            durations = [d for d in m.upload_seconds if d > 0]
+            out.append(ClientHistory(
+                cid, alive=self._rule.alive(m.last_seen, now), heartbeat_age_s=max(0.0, now - m.last_seen),
+                rounds_selected=tuple(m.rounds_selected), rounds_uploaded=tuple(m.rounds_uploaded),
+                last_success=success,
+                success_gain=None if success is None or m.previous_success is None else success - m.previous_success,
+                last_loss=m.metrics.get("train_loss"),
+                mean_round_s=sum(durations) / len(durations) if durations else None, dropouts=m.dropouts,
+                buffer_size=int(m.metrics["buffer"]) if math.isfinite(m.metrics.get("buffer", math.nan)) else None))
+        return out
+
+    def _select_locked(self, round_: int, why: str = "") -> None:
+        """Chooses who takes part in the open round (the policy's answer; every alive client where the
+        policy fails, counted as a fallback) and records it: the run state, each member's record, the
+        selections log and the metrics."""
+        assert self.policy is not None
+        run, now = self.run, self.clock()
+        inp = SelectionInput(self.settings.run_id, round_, self.settings.seed, tuple(self._history_locked(now)),
+                             minimum=self._minimum, memory=run.selector_memory)
+        try:
+            sel = self.policy.select(inp)
+        except Exception as exc:  # noqa: BLE001 - a selector that fails must not stop the run
+            log.exception("the selector failed; every alive client takes part", extra=log_fields(round=round_))
+            sel = dataclasses.replace(All().select(inp), fallback_reason=f"the selector failed: {exc}")
+        if sel.fallback_reason:
+            run.selector_fallbacks += 1
+            metrics.SELECTOR_FALLBACKS.inc()
+        if why:
+            sel = dataclasses.replace(sel, reasoning=(f"chosen again: {why}", *sel.reasoning))
+        run.selection, run.selector_memory = sel, dict(sel.memory)
+        for cid in sel.chosen:
+            m = run.members[cid]
+            if not m.rounds_selected or m.rounds_selected[-1] != round_:
+                m.rounds_selected.append(round_)
+        self.store.append_selection(sel.to_dict())
+        metrics.SELECTED.set(len(sel.chosen))
+        log.info("round selection", extra=log_fields(round=round_, policy=sel.policy, chosen=list(sel.chosen),
+                                                     of=len(run.members), fallback=sel.fallback_reason or None))
+
+    def _reselect_if_stalled_locked(self) -> None:
+        """Chooses again when no client of the open round's selection is alive and none has uploaded:
+        the round could not close otherwise. A secure round starts a new attempt with the new choice."""
+        run, now = self.run, self.clock()
+        if run.selection is None or run.state is not State.OPEN or run.uploaded() or self.uploads.receiving():
+            return
+        if any(self._rule.alive(run.members[cid].last_seen, now) for cid in run.selection.chosen):
+            return
+        if not any(self._rule.alive(m.last_seen, now) for m in run.members.values()):
+            return  # nobody to choose
+        for cid in run.selection.chosen:  # chosen, and gone without an upload
+            run.members[cid].dropouts += 1
+        self._select_locked(run.round, "no chosen client was alive")
+        if self.secure is not None:
+            self._new_attempt_locked("the round's clients were chosen again")
         self._persist_locked()
         self._changed_locked()

@@ -93,8 +93,12 @@ class SelectionInput:
     round: int
     seed: int
     clients: tuple[ClientHistory, ...]
+    minimum: int = 1  # the fewest clients the round needs (min_clients; 2 with secure aggregation)
+    memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what an agent kept (JSON types)
 
     def __post_init__(self) -> None:
+        if not _integer(self.minimum) or self.minimum < 1:
+            raise ValueError(f"minimum must be an integer >= 1, got {self.minimum!r}")
         clients = tuple(sorted(self.clients, key=lambda c: c.client_id))
         ids = [c.client_id for c in clients]
         twice = sorted({i for i in ids if ids.count(i) > 1})
@@ -116,22 +120,35 @@ class Selection:
     chosen: tuple[str, ...]
     reasons: dict[str, str]
     policy: str
+    reasoning: tuple[str, ...] = ()  # an agent's steps, one a line (what `fedse status` shows)
+    memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # an agent's memory after it
+    fallback_reason: str = ""  # why the selector's own answer was replaced ("" when it was used)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chosen", tuple(sorted(self.chosen)))
+        object.__setattr__(self, "reasoning", tuple(str(r) for r in self.reasoning))
         missing = sorted(set(self.chosen) - set(self.reasons))
         if missing:
             raise ValueError(f"selection of round {self.round}: no reason for chosen client(s) {', '.join(missing)}")
 
     def to_dict(self) -> dict[str, Any]:
         """The run state's record of it (JSON types only)."""
-        return {"round": self.round, "policy": self.policy, "chosen": list(self.chosen),
-                "reasons": dict(sorted(self.reasons.items()))}
+        out = {"round": self.round, "policy": self.policy, "chosen": list(self.chosen),
+               "reasons": dict(sorted(self.reasons.items()))}
+        if self.reasoning:
+            out["reasoning"] = list(self.reasoning)
+        if self.memory:
+            out["memory"] = dict(self.memory)
+        if self.fallback_reason:
+            out["fallback_reason"] = self.fallback_reason
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Selection:
         return cls(round=int(d["round"]), chosen=tuple(str(c) for c in d["chosen"]),
-                   reasons={str(k): str(v) for k, v in d["reasons"].items()}, policy=str(d["policy"]))
+                   reasons={str(k): str(v) for k, v in d["reasons"].items()}, policy=str(d["policy"]),
+                   reasoning=tuple(d.get("reasoning", ())), memory=dict(d.get("memory", {})),
+                   fallback_reason=str(d.get("fallback_reason", "")))
 
 
 class Policy:
@@ -151,8 +168,17 @@ class Policy:
         unexplained = sorted({c.client_id for c in inp.clients} - set(reasons))
         if unexplained:
             raise RuntimeError(f"policy {self.name} gave no reason for {', '.join(unexplained)}")
+        chosen, reasons = set(chosen), dict(reasons)
+        need = min(inp.minimum, len(alive))
+        for c in _draw(inp, "minimum", [c for c in inp.alive() if c.client_id not in chosen])[:max(0, need - len(chosen))]:
+            chosen.add(c.client_id)  # the round could not close with fewer
+            reasons[c.client_id] = f"added: the round needs {inp.minimum} clients ({reasons[c.client_id]})"
         return Selection(inp.round, tuple(chosen), {c.client_id: reasons[c.client_id] for c in inp.clients},
-                         self.name)
+                         self.name, *self._after(inp, chosen))
+
+    def _after(self, inp: SelectionInput, chosen: set[str]) -> tuple[tuple[str, ...], Mapping[str, Any]]:
+        """(reasoning, memory) the selection keeps: an agent's; none for a plain policy."""
+        return (), {}
 
     def config(self) -> dict[str, Any]:
         """Its name and parameters, as `make_policy` takes them back (for the run's settings fingerprint)."""
@@ -348,6 +374,7 @@ class FairnessFloor(Policy):
 
 BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (All, Sample, Available, Utility)}
 POLICIES: dict[str, str] = {name: p.description for name, p in BY_NAME.items()}
+COUNTED = ("sample", "utility")  # the policies that must be told how many clients a round takes
 """The policy names `make_policy` accepts, each with a one-line description."""
 
 def make_policy(name: str = DEFAULT_POLICY, every_f_rounds: int | None = None, **params: Any) -> Policy:
@@ -363,6 +390,53 @@ def make_policy(name: str = DEFAULT_POLICY, every_f_rounds: int | None = None, *
         raise ValueError(f"selection policy {name!r} does not take {', '.join(extra)}: it takes {takes}")
     policy = BY_NAME[name](**params)
     return policy if every_f_rounds is None else FairnessFloor(policy, every_f_rounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionSettings:
+    """The aggregator's selection settings (--selector, --clients-per-round, --selection-fraction,
+    --fairness-rounds); `policy()` is the policy they name. Zero means "not set"."""
+
+    selector: str = DEFAULT_POLICY
+    clients_per_round: int = 0
+    fraction: float = 0.0
+    fairness_rounds: int = 0
+
+    @property
+    def selective(self) -> bool:
+        """Whether rounds take only the clients chosen (every policy but `all`, or `all` under a floor,
+        which changes nothing and is refused)."""
+        return self.selector != DEFAULT_POLICY
+
+    def policy(self) -> Policy:
+        """The policy; ValueError saying which flag to change where the settings do not fit it."""
+        name = self.selector
+        if name not in BY_NAME:
+            raise ValueError(f"--selector {name!r} is unknown: use one of {', '.join(BY_NAME)}")
+        takes = inspect.signature(BY_NAME[name]).parameters
+        params: dict[str, Any] = {}
+        for flag, key, value in (("--clients-per-round", "clients_per_round", self.clients_per_round),
+                                 ("--selection-fraction", "fraction", self.fraction)):
+            if value and key not in takes:
+                raise ValueError(f"--selector {name} does not take {flag}: it chooses how many clients take part "
+                                 "itself; leave the flag out, or use --selector sample or utility")
+            if value:
+                params[key] = value
+        if "clients_per_round" in takes and params.keys() == {"clients_per_round", "fraction"}:
+            raise ValueError("give one of --clients-per-round and --selection-fraction, not both")
+        if not params and name in COUNTED:
+            raise ValueError(f"--selector {name} needs --clients-per-round N or --selection-fraction F (how many "
+                             "clients a round takes)")
+        if self.fairness_rounds < 0:
+            raise ValueError(f"--fairness-rounds must be 0 (no floor) or more, got {self.fairness_rounds}")
+        if self.fairness_rounds and name == DEFAULT_POLICY:
+            raise ValueError("--fairness-rounds with --selector all changes nothing: every alive client takes part "
+                             "in every round; leave it out, or choose another selector")
+        return make_policy(name, self.fairness_rounds or None, **params)
+
+    def config(self) -> dict[str, Any]:
+        """What the run's settings fingerprint keeps (a restart must not change who is chosen)."""
+        return self.policy().config()
 
 
 # ---- internals ---------------------------------------------------------------------------------

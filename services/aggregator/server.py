@@ -17,6 +17,7 @@ from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import RoundKeeper
+from .selection import POLICIES, SelectionSettings
 from .servicer import FederationServicer
 from .state import RunSettings
 from .store import Store
@@ -75,6 +76,14 @@ class AggregatorConfig(Security):
                                              "--secure-max-roster (a sparser ring would split often)")
     dp_delta: float = field(1e-5, "differential privacy: the delta of the (epsilon, delta) reported per round "
                                   "and in total (with --clip-norm and --noise-multiplier)")
+    selector: str = field("all", "who takes part in each round: " + "; ".join(
+        f"{name}: {text}" for name, text in POLICIES.items()))
+    clients_per_round: int = field(0, "clients a round takes, for --selector sample or utility (0 = use "
+                                      "--selection-fraction)")
+    selection_fraction: float = field(0.0, "the share of alive clients a round takes, for --selector sample or "
+                                           "utility (0 = use --clients-per-round)")
+    fairness_rounds: int = field(0, "with a selector other than all: every alive client takes part at least once "
+                                    "every this many rounds (0 = no such floor)")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -107,6 +116,13 @@ class AggregatorConfig(Security):
             self._check_secure()
         if not 0 < self.dp_delta < 1:
             raise ConfigError(f"--dp-delta must lie strictly between 0 and 1 (e.g. 1e-5), got {self.dp_delta}")
+        try:
+            self.selection().policy()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.secure_aggregation and self.clients_per_round == 1:
+            raise ConfigError("--clients-per-round 1 cannot work with --secure-aggregation: the mean of one upload "
+                              "is that client's adapter; give 2 or more")
 
     def _check_secure(self) -> None:
         """Secure aggregation's preconditions: what a masked sum can give, and enough clients to hide one."""
@@ -153,8 +169,11 @@ class AggregatorConfig(Security):
             secure_neighbours=self.secure_neighbours,
             secure_stage_timeout_s=self.secure_stage_timeout_s,
             secure_ca=self.tls_ca if self.secure_aggregation else "",
-            secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta,
+            secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta, selection=self.selection(),
         )
+
+    def selection(self) -> SelectionSettings:
+        return SelectionSettings(self.selector, self.clients_per_round, self.selection_fraction, self.fairness_rounds)
 
     def strategy_params(self) -> StrategyParams:
         return StrategyParams(trim_fraction=self.trim_fraction, clip_norm=self.clip_norm,

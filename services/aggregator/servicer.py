@@ -46,6 +46,7 @@ _RULES: list[tuple[type[Exception], grpc.StatusCode, str]] = [
     (IdentityMismatch, grpc.StatusCode.PERMISSION_DENIED, "identity_mismatch"),
     (errors.NotJoined, grpc.StatusCode.FAILED_PRECONDITION, "not_joined"),
     (errors.StaleRound, grpc.StatusCode.FAILED_PRECONDITION, "stale_round"),
+    (errors.NotSelected, grpc.StatusCode.FAILED_PRECONDITION, "not_selected"),
     (errors.RunFinished, grpc.StatusCode.FAILED_PRECONDITION, "run_finished"),
     (errors.SchemaMismatch, grpc.StatusCode.FAILED_PRECONDITION, "schema_mismatch"),
     (errors.ResumeMismatch, grpc.StatusCode.FAILED_PRECONDITION, "resume_mismatch"),
@@ -84,6 +85,7 @@ def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
         run_id=st.run_id, round=st.round, state=_STATE[st.state], num_rounds=st.num_rounds,
         joined=list(st.joined), uploaded=list(st.uploaded), deadline_unix=st.deadline_unix,
         global_sha256=st.global_sha256, round_nonce=st.round_nonce, secure_stage=_STAGE[st.secure_stage],
+        selective=st.selected is not None, selected=list(st.selected or ()),
     )
 
 
@@ -137,7 +139,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              clip_norm=s.params.clip_norm if s.secure else 0.0,
                              noise_multiplier=s.params.noise_multiplier if s.secure else 0.0,
                              secure_signed=s.secure_signed, secure_max_roster=s.secure_max_roster if s.secure else 0,
-                             dp_delta=s.dp_delta)
+                             dp_delta=s.dp_delta, selector=s.selection.selector,
+                             clients_per_round=s.selection.clients_per_round,
+                             selection_fraction=s.selection.fraction, fairness_rounds=s.selection.fairness_rounds)
 
     @ERRORS.wrap
     def Join(self, request, context):
@@ -267,16 +271,21 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def GetRunStatus(self, request, context):
         st, views, seconds, base_model = self.fed.run_view()
         eps_round, eps_total, releases = self.fed.privacy()
-        privacy = dict(dp_accounted=True, dp_epsilon_round=eps_round, dp_epsilon_total=eps_total,
+        extra = dict(dp_accounted=True, dp_epsilon_round=eps_round, dp_epsilon_total=eps_total,
                        dp_releases=releases) if math.isfinite(eps_total) else {}
-        return fpb.RunStatus(
+        sel, fallbacks = self.fed.selection()
+        if sel is not None:
+            extra["selection"] = fpb.SelectionRecord(round=sel.round, policy=sel.policy, chosen=list(sel.chosen),
+                                                       reasoning=list(sel.reasoning),
+                                                       fallback_reason=sel.fallback_reason)
+        return fpb.RunStatus(selector_fallbacks=fallbacks,
             config=self.config_proto(), round=status_to_proto(st), round_seconds=seconds, base_model=base_model,
             clients=[fpb.ClientStatus(
                 client_id=v.client_id, env=v.env, uploaded=v.uploaded, alive=v.alive,
                 last_seen_unix=v.last_seen_unix, phase_round=v.phase_round, phase=v.phase,
                 partial_upload_bytes=v.partial_upload_bytes, metrics_round=v.metrics_round, metrics=v.metrics,
-                secure_step=v.secure_step)
-                for v in views], **privacy)
+                secure_step=v.secure_step, selected=v.selected, selection_reason=v.selection_reason)
+                for v in views], **extra)
 
     # ---- secure aggregation's stages ---------------------------------------------------------------
     def _stage(self, context: grpc.ServicerContext, request, call):

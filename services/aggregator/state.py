@@ -19,7 +19,8 @@ from fedse import adapter as ad
 from fedse.inputs import shown
 from fedse.serving import log_fields
 
-from .errors import NotJoined
+from .errors import NotJoined, NotSelected
+from .selection import Selection, SelectionSettings
 from .store import Store, config_with_base
 from .strategies import StrategyParams
 from .uploads import Accepted, Stream
@@ -57,6 +58,7 @@ class RunSettings:
     secure_ca: str = ""  # the federation CA's PEM file (mTLS): clients sign their keys and the uploader list
     secure_max_roster: int = 1024  # the most members of an attempt's roster
     dp_delta: float = 1e-5  # the delta of the (epsilon, delta) reported
+    selection: SelectionSettings = SelectionSettings()  # who takes part in each round
 
     @property
     def secure_signed(self) -> bool:
@@ -69,6 +71,8 @@ class RunSettings:
                "params": dataclasses.asdict(self.params)}
         if self.secure:
             out["secure"] = True
+        if self.selection.selective:
+            out["selection"] = self.selection.config()
         return out
 
     def dp_epsilons(self, releases: int) -> tuple[float, float] | None:
@@ -101,9 +105,26 @@ class Member:
     accepted: Accepted | None = None  # its upload of the open round, accepted
     metrics_round: int = -1
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    previous_success: float | None = None  # the held-out success it reported before its latest
+    # Its part in the run so far (persisted; what a selector reads): the rounds it was selected for
+    # (selective runs only), the rounds whose upload was accepted and how long after the round opened
+    # (the latest UPLOAD_TIMES), and the rounds it was selected for and did not upload.
+    rounds_selected: list[int] = dataclasses.field(default_factory=list)
+    rounds_uploaded: list[int] = dataclasses.field(default_factory=list)
+    upload_seconds: list[float] = dataclasses.field(default_factory=list)
+    dropouts: int = 0
 
     def new_round(self) -> None:
         self.stream = self.accepted = None
+
+    def record(self) -> dict[str, Any]:
+        """What run.json keeps of it."""
+        return {"env": self.client.env, "base_model": self.client.base_model,
+                "rounds_selected": self.rounds_selected, "rounds_uploaded": self.rounds_uploaded,
+                "upload_seconds": self.upload_seconds, "dropouts": self.dropouts}
+
+
+UPLOAD_TIMES = 16  # the upload durations a member's record keeps
 
 
 @dataclasses.dataclass
@@ -122,6 +143,28 @@ class RunState:
     # Secure aggregation: the round whose masks the aggregator began to remove (-1: none). Saved before
     # the sum is unmasked: that round never starts another attempt, even after a restart.
     released: int = -1
+    # Selective runs: the open round's selection, the selector's memory (an agent's, carried from round to
+    # round) and how often the selector's answer was replaced by its fallback.
+    selection: Selection | None = None
+    selector_memory: dict[str, Any] = dataclasses.field(default_factory=dict)
+    selector_fallbacks: int = 0
+
+    def selected(self, client_id: str) -> bool:
+        """Whether the client takes part in the open round (every client does in a run without selection)."""
+        return self.selection is None or client_id in self.selection.chosen
+
+    def selection_reason(self, client_id: str) -> str:
+        """Why the client is or is not in the open round's selection."""
+        if self.selection is None:
+            return "every client takes part"
+        return self.selection.reasons.get(client_id, f"joined after round {self.selection.round}'s selection")
+
+    def check_selected(self, client_id: str) -> None:
+        """Raises NotSelected, saying why, unless the client takes part in the open round."""
+        if not self.selected(client_id):
+            raise NotSelected(f"client {client_id} does not take part in round {self.round} "
+                              f"({self.selection_reason(client_id)}): wait for a later round; RoundStatus.selected "
+                              "names the clients of each round")
 
     def member(self, client_id: str) -> Member:
         """The joined client's Member; NotJoined if it has not joined."""
@@ -144,11 +187,12 @@ class RunState:
         return {
             "version": STATE_VERSION, "run_id": settings.run_id, "settings": settings.fingerprint(),
             "schema": self.schema.to_dict() if self.schema else None, "base_model": self.base_model,
-            "clients": {cid: {"env": m.client.env, "base_model": m.client.base_model}
-                        for cid, m in self.members.items()},
+            "clients": {cid: m.record() for cid, m in self.members.items()},
             "round": self.round, "state": self.state.value if self.state is not State.AGGREGATING else "open",
             "round_nonce": self.nonce, "deadline_unix": self.deadline, "opened_unix": self.opened_at,
             "round_seconds": self.round_seconds, "released_round": self.released,
+            "selection": self.selection.to_dict() if self.selection is not None else None,
+            "selector_memory": self.selector_memory, "selector_fallbacks": self.selector_fallbacks,
         }
 
 
@@ -167,11 +211,18 @@ def restore(settings: RunSettings, store: Store, now: float) -> RunState:
         schema=ad.Schema.from_dict(saved["schema"]) if saved.get("schema") else None,
         base_model=saved.get("base_model"),
         # A restart is not the clients' fault: everyone known counts as alive until proven otherwise.
-        members={cid: Member(Client(cid, c["env"], c["base_model"]), last_seen=now)
+        members={cid: Member(Client(cid, c["env"], c["base_model"]), last_seen=now,
+                             rounds_selected=[int(r) for r in c.get("rounds_selected", [])],
+                             rounds_uploaded=[int(r) for r in c.get("rounds_uploaded", [])],
+                             upload_seconds=[float(x) for x in c.get("upload_seconds", [])],
+                             dropouts=int(c.get("dropouts", 0)))
                  for cid, c in saved["clients"].items()},
         round=int(saved["round"]), state=State(saved["state"]), nonce=saved.get("round_nonce", ""),
         deadline=float(saved.get("deadline_unix", 0.0)), opened_at=float(saved.get("opened_unix", now)),
-        round_seconds=list(saved.get("round_seconds", [])), released=int(saved.get("released_round", -1)))
+        round_seconds=list(saved.get("round_seconds", [])), released=int(saved.get("released_round", -1)),
+        selection=Selection.from_dict(saved["selection"]) if saved.get("selection") else None,
+        selector_memory=dict(saved.get("selector_memory") or {}),
+        selector_fallbacks=int(saved.get("selector_fallbacks", 0)))
     if run.state is State.OPEN:
         for cid, record in store.accepted_uploads(run.round).items():
             run.members[cid].accepted = Accepted.from_dict(record)

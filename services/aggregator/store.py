@@ -8,7 +8,8 @@ Layout under <state_dir>/<run_id>/ (a Kubernetes volume can hold it):
   uploads/round_0002/<client_id>.safetensors + .json    an accepted upload; the .json is its commit record
                                                         (.masked with secure aggregation, deleted once
                                                         its round is unmasked)
-  metrics.jsonl
+  metrics.jsonl                                         the clients' metrics reports, one a line
+  selections.jsonl                                      the selector's choice of each round (--selector)
 
 Every write that an acknowledgement depends on is fsynced and atomic (temp file, then rename), so
 an aggregator killed at any point restarts with each acknowledged upload and round transition kept.
@@ -165,9 +166,27 @@ class Store:
 
     # ---- metrics -----------------------------------------------------------------------------
     def append_metrics(self, client_id: str, round_: int, metrics: dict[str, float]) -> None:
-        line = json.dumps({"ts": time.time(), "client_id": client_id, "round": round_, "metrics": metrics})
-        with self._lock, open(self.root / "metrics.jsonl", "a") as fh:
-            fh.write(line + "\n")
+        self._append("metrics.jsonl", {"ts": time.time(), "client_id": client_id, "round": round_, "metrics": metrics})
+
+    def append_selection(self, selection: dict[str, Any]) -> None:
+        """Appends a round's selection (its record, `Selection.to_dict`) to selections.jsonl, the log of
+        every choice the selector made (a round chosen again has two lines)."""
+        self._append("selections.jsonl", {"ts": time.time(), **selection})
+
+    def selections(self) -> list[dict[str, Any]]:
+        """Every recorded selection, in order (a torn last line ignored)."""
+        path = self.root / "selections.jsonl"
+        out = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def _append(self, name: str, entry: dict[str, Any]) -> None:
+        with self._lock, open(self.root / name, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 

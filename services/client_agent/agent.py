@@ -58,7 +58,7 @@ from . import model as mdl
 from .buffer import Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient, EnvInfo
-from .federation import FederationClient, InsecureRun, StaleRound, refuse_insecure
+from .federation import FederationClient, InsecureRun, StaleRound, refuse_insecure, selected
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
 from .metrics import BUFFER, KEPT, LOSS, PHASE_SECONDS, ROUND, TRAIN_SECONDS, init_client
 from .playing import Player
@@ -225,10 +225,16 @@ class ClientAgent:
             while True:
                 ROUND.set(round_)
                 final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= num_rounds
-                self.play_round(round_, done, final, tasks)
+                if final or done or selected(st, cfg.client_id):
+                    self.play_round(round_, done, final, tasks)
+                else:  # the aggregator chose other clients for this round: wait for the next
+                    log.info("not selected for this round; waiting for the next",
+                             extra=log_fields(round=round_, selected=len(st.selected), joined=len(st.joined)))
+                    self.heartbeat.set(RoundPhase.NOT_SELECTED, round_)
                 if final:
                     break
-                self.heartbeat.set(RoundPhase.WAITING, round_)
+                if self.heartbeat.phase[1] != RoundPhase.NOT_SELECTED.value:
+                    self.heartbeat.set(RoundPhase.WAITING, round_)
                 with PHASE_SECONDS.labels("wait").time():
                     st = self.fed.wait_until(
                         lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),

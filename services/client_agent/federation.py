@@ -59,6 +59,23 @@ class StaleRound(RuntimeError):
                          f"({state}): {detail}")
 
 
+BEFORE_UPLOAD = "the round is over"  # what a status checked before an upload says when the round is over
+
+
+class NotSelected(StaleRound):
+    """This client does not take part in the open round (RunConfig.selector chose others; RoundStatus
+    says so, or the aggregator refused a call): the round goes on without it, as for one that closed."""
+
+    def __init__(self, round_: int, status: fpb.RoundStatus, detail: str = ""):
+        super().__init__(round_, status, detail or f"the aggregator chose {len(status.selected)} other client(s) "
+                                                   "for this round; this client waits for a later one")
+
+
+def selected(status: fpb.RoundStatus, client_id: str) -> bool:
+    """Whether the client takes part in the status's round (always in a run without selection)."""
+    return not status.selective or client_id in status.selected
+
+
 class InsecureRun(RuntimeError):
     """A run without the protection this client requires: no secure aggregation where it requires it
     (--require-secure-aggregation), or secure aggregation with unsigned keys where it has mTLS files
@@ -356,6 +373,8 @@ class FederationClient:
         st = self.status()
         if st.state in (fpb.ROUND_STATE_AGGREGATING, fpb.ROUND_STATE_FINISHED) or st.round > round_:
             raise StaleRound(round_, st, detail)
+        if st.round == round_ and not selected(st, self.client_id):
+            raise NotSelected(round_, st, "" if detail == BEFORE_UPLOAD else detail)
         return st
 
     def upload(self, round_: int, data: bytes, num_examples: int, num_successes: int,
@@ -374,7 +393,7 @@ class FederationClient:
             ad.check_transport_dtype(self.transport_dtype if transport_dtype is None else transport_dtype)
         sha = sha256 or ad.sha256_hex(data)  # a wrong one costs only a refused upload
         if not round_nonce:
-            round_nonce = self._check_round(round_, "the round is over").round_nonce
+            round_nonce = self._check_round(round_, BEFORE_UPLOAD).round_nonce
         offset, budget = 0, RetryBudget(self.retries)
         while True:
             header = fpb.AdapterHeader(

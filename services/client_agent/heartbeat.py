@@ -27,6 +27,7 @@ class RoundPhase(enum.Enum):
     TRAINING = "training"
     UPLOADING = "uploading"
     WAITING = "waiting"
+    NOT_SELECTED = "not selected"  # the aggregator chose other clients for the open round
     DONE = "done"
 
 

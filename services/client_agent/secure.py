@@ -38,7 +38,7 @@ from fedse.serving import log_fields
 from fedse.signatures import SignatureError, Signer, Verifier
 from fedse.v1 import federation_pb2 as fpb
 
-from .federation import FederationClient, StaleRound
+from .federation import FederationClient, NotSelected, StaleRound, selected
 
 log = logging.getLogger("client_agent.secure")
 
@@ -157,6 +157,8 @@ class SecureRound:
                 continue
             if st.round != round_ or st.state not in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_AGGREGATING):
                 raise StaleRound(round_, st, "the round is over")
+            if not selected(st, self.fed.client_id):
+                raise NotSelected(round_, st, "the aggregator chose other clients for this round")
             if self.protection.book.has(self.run_id, round_):
                 raise SecureError(f"the aggregator started another attempt of round {round_} after this client "
                                   "revealed shares for its sum: this client takes part in no other attempt of it")
