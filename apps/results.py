@@ -152,6 +152,9 @@ def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...
      "mean_test_success": [per round from 0, micro-averaged over all test tasks, while every
                            environment has reported: a round that a failed client did not report
                            has no mean, as it would average fewer environments than round 0's],
+     "final_test_success": the same micro-average for the last global adapter phi_T (null if an
+                           environment did not report it); with a selector, rounds where clients sat
+                           out have no mean, but every client evaluates phi_T,
      "complete": every client finished every round (no client failed, the run was not stopped),
      "failed_clients": [Failure as a dict: client_id, process, envs, exit_code, reason, last_round
                         (the last round it reported, null if none), error, last_lines, log],
@@ -166,7 +169,8 @@ def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...
         mean.append(m)
     return {"config": dataclasses.asdict(cfg), "topology": cfg.topology, "base_model": cfg.base_model,
             "strategy": cfg.strategy, "rounds": cfg.rounds, "wall_s": round(wall_s, 1), "envs": envs,
-            "mean_test_success": mean, "complete": not failed and not stopped,
+            "mean_test_success": mean, "final_test_success": round_mean(envs, cfg.env_list(), cfg.rounds),
+            "complete": not failed and not stopped,
             "failed_clients": [dataclasses.asdict(f) for f in failed], "stopped": stopped}
 
 
@@ -206,7 +210,11 @@ def closing_words(results: dict[str, Any]) -> list[str]:
                      f"round {len(mean) - 1}")
     elif mean:
         lines.append(f"\nmean held-out success before round 1: {100 * mean[0]:.1f}%")
-    if mean and len(mean) <= results["rounds"]:
+    final = results.get("final_test_success")
+    if len(mean) <= results["rounds"] and final is not None:  # clients sat rounds out (a selector)
+        lines.append(f"\nmean held-out success after round {results['rounds']}: {100 * final:.1f}% (rounds where "
+                     "clients sat out have no mean)")
+    elif mean and len(mean) <= results["rounds"]:
         lines.append(f"no mean after round {len(mean) - 1}: an environment did not report it")
     if not results["complete"]:
         lines.append(f"\nthe run did not finish: {shortfall(results)}")

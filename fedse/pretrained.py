@@ -31,9 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fedse.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 MARKER_NAME = "fedse-model.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -123,6 +126,47 @@ def check_base_model(name_or_path: str, flag: str = "--base-model") -> None:
         what = "does not exist"
     raise ConfigError(f"{flag} {name_or_path!r} {what}: give '{TINY_MODEL_NAME}' or a local Hugging Face model "
                       f"directory; `make model` makes one ({hint})")
+
+
+def pick_device(device: str | None = None) -> "torch.device":
+    """The requested device, else CUDA when available, else CPU."""
+    import torch
+
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_base(name_or_path: str, device: str | None = None, seed: int = 0):
+    """(model, tokenizer) with every base parameter frozen, in eval mode, on `device`.
+
+    `name_or_path` is TINY_MODEL_NAME ("fedse-tiny", built in code from `seed`) or a local Hugging
+    Face model directory (never downloaded: local_files_only), e.g. one `fedse model smollm2` wrote.
+    Real models load in bf16 on CUDA and fp32 on CPU; the tiny model is always fp32. Anything else
+    raises ConfigError naming the path (transformers would say it is no valid model identifier on
+    the Hub, which is beside the point offline).
+    """
+    import torch
+
+    from fedse.tinymodel import build_tiny_model
+
+    dev = pick_device(device)
+    if name_or_path == TINY_MODEL_NAME:
+        model, tokenizer = build_tiny_model(seed)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        check_base_model(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.to(dev)
+    model.eval()
+    return model, tokenizer
 
 
 def sha256_file(path: pathlib.Path) -> str:

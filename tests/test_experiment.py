@@ -67,6 +67,17 @@ def test_table_has_the_papers_layout_with_spread_and_paired_gains():
         "| w/o history | 70.0 ± 0.0 | 10.0 ± 14.1 | 40.0 ± 7.1 | +0.0 ± 7.1 ≈ | 2.00 |"]
 
 
+def test_the_selectors_have_their_own_table_beside_fedse():
+    cfg = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse,sample")
+    runs = {("fedse", 0): results_of({"maze": [(0.0, 10), (0.6, 10)]}),
+            ("sample", 0): results_of({"maze": [(0.0, 10), (0.5, 10)]})}
+    summary = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0], runs)
+    lines = summary["table"].splitlines()
+    at = lines.index("| Selector | maze | Avg. | Δ vs Fed-SE | MB sent / client / round |")
+    assert lines[at + 2:] == ["| Fed-SE (all) | 60.0 | 60.0 | - | 2.00 |",
+                              "| sample half | 50.0 | 50.0 | -10.0 | 2.00 |"]
+
+
 def test_settings_come_from_the_budget_unless_given():
     cfg = ex.ExperimentConfig(budget="quick", rounds=7, eval_tasks=0)
     assert cfg.setting("rounds") == 7 and cfg.setting("eval_tasks") == 0
@@ -85,7 +96,12 @@ def test_settings_come_from_the_budget_unless_given():
     assert real.run_config(ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 2e-3
     assert ex.ExperimentConfig(budget="cpu-real", methods="fedse", lr=5e-4).run_config(
         ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 5e-4
-    assert len(ex.ExperimentConfig().method_keys()) == len(ex.METHODS)  # quick: every method
+    # quick: the paper's methods and ablations; the selectors when asked for, beside Fed-SE
+    assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS if m.group != "selection"]
+    assert ex.ExperimentConfig(methods="selectors").method_keys() == ["fedse", "sample", "utility", "agent-tools",
+                                                                      "agent-llm"]
+    sampled = ex.ExperimentConfig(methods="selectors").run_config(ex.BY_KEY["agent-tools"], 0, pathlib.Path("x"))
+    assert (sampled.selector, sampled.selection_fraction) == ("agent-tools", 0.5)
     with pytest.raises(ConfigError, match="--lr must be positive"):
         ex.ExperimentConfig(lr=0.0)
 

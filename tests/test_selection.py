@@ -247,12 +247,14 @@ def test_fairness_floor_forces_in_a_client_left_out_for_f_rounds():
 def test_make_policy_rebuilds_a_policy_from_its_config():
     for policy in (make_policy("all"), make_policy("sample", fraction=0.5), make_policy("available", late_after_s=9),
                    make_policy("utility", clients_per_round=2, epsilon=0.5, alpha=1),
-                   make_policy("sample", clients_per_round=2, every_f_rounds=4)):
+                   make_policy("sample", clients_per_round=2, every_f_rounds=4),
+                   make_policy("agent-tools", clients_per_round=3), make_policy("agent-tools", every_f_rounds=2),
+                   make_policy("agent-llm", fraction=0.5)):
         config = json.loads(json.dumps(policy.config()))
         again = make_policy(**config)
         assert type(again) is type(policy) and again.config() == config
         assert again.select(inp()) == policy.select(inp())
-    assert set(POLICIES) == {"all", "sample", "available", "utility"}
+    assert set(POLICIES) == {"all", "sample", "available", "utility", "agent-tools", "agent-llm"}
     assert all(POLICIES.values())
 
 
@@ -263,6 +265,8 @@ def test_make_policy_rebuilds_a_policy_from_its_config():
     {"name": "available"}, {"name": "utility", "clients_per_round": 2},
     {"name": "utility", "fraction": 0.2, "epsilon": 1.0},
     {"name": "sample", "clients_per_round": 1, "every_f_rounds": 2},
+    {"name": "agent-tools"}, {"name": "agent-tools", "clients_per_round": 2},
+    {"name": "agent-llm", "fraction": 0.5},  # no base model in the input: the tools' plan, a fallback
 ])
 def test_no_policy_chooses_a_client_not_alive_nor_nobody(config):
     policy = make_policy(**config)

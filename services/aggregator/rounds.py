@@ -546,7 +546,7 @@ class RoundKeeper:
         assert self.policy is not None
         run, now = self.run, self.clock()
         inp = SelectionInput(self.settings.run_id, round_, self.settings.seed, tuple(self._history_locked(now)),
-                             minimum=self._minimum, memory=run.selector_memory)
+                             minimum=self._minimum, memory=run.selector_memory, base_model=run.base_model or "")
         try:
             sel = self.policy.select(inp)
         except Exception as exc:  # noqa: BLE001 - a selector that fails must not stop the run

@@ -2,13 +2,14 @@
 
 When round t opens, the round keeper calls `policy.select(SelectionInput)` and saves the `Selection`
 it returns in its run state (`Selection.to_dict`, JSON). Policies are pure: everything one needs is in
-its input (each client's history as the round keeper measured it, the run's seed), they keep no state
-between calls, and the same input gives the same selection, whatever the order of its clients. After
-a restart the round keeper reuses the saved selection of the open round rather than choosing again:
-a restart makes everyone alive (and heartbeats fresh) again, so the input it would build differs.
+its input (each client's history as the round keeper measured it, the run's seed, and the memory an
+agent left in the previous round's Selection), they keep no state between calls, and the same input
+gives the same selection, whatever the order of its clients. After a restart the round keeper reuses
+the saved selection of the open round rather than choosing again: a restart makes everyone alive
+(and heartbeats fresh) again, so the input it would build differs.
 
-The policies (`make_policy(name, **params)`; names and descriptions, what a `--selection` flag would
-accept, in `POLICIES`):
+The policies (`make_policy(name, **params)`; names and descriptions, what --selector accepts, in
+`POLICIES`):
 
 - all: every alive client (the Fed-SE paper's setting; the default).
 - sample: M of the N alive clients, uniformly at random: `clients_per_round` M, or `fraction`
@@ -20,6 +21,8 @@ accept, in `POLICIES`):
 - utility: Oort's guided selection (Lai et al., OSDI 2021, "Oort: Efficient Federated Learning via
   Guided Participant Selection"): the top K(1 - epsilon) clients by statistical utility times a
   system factor, and the other epsilon K slots for clients never tried (see `Utility`).
+- agent-tools, agent-llm: selector agents that decide K too, with their reasoning and memory
+  (`selector_agents`).
 
 Any of them can be wrapped in `FairnessFloor` (`every_f_rounds`), which adds every alive client left
 out for F rounds, so that no organisation is starved by sampling or by a low utility.
@@ -95,6 +98,7 @@ class SelectionInput:
     clients: tuple[ClientHistory, ...]
     minimum: int = 1  # the fewest clients the round needs (min_clients; 2 with secure aggregation)
     memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what an agent kept (JSON types)
+    base_model: str = ""  # the run's base model (what agent-llm reasons with unless given another)
 
     def __post_init__(self) -> None:
         if not _integer(self.minimum) or self.minimum < 1:
@@ -151,6 +155,18 @@ class Selection:
                    fallback_reason=str(d.get("fallback_reason", "")))
 
 
+@dataclasses.dataclass
+class Choice:
+    """What a policy's `_choose` returns: who and why, and for an agent its reasoning, its memory after
+    this round and, where its own answer was not used, why (a fallback)."""
+
+    chosen: set[str]
+    reasons: dict[str, str]
+    reasoning: tuple[str, ...] = ()
+    memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fallback_reason: str = ""
+
+
 class Policy:
     """One selection policy. Subclasses say who they choose and why (`_choose`); `select` checks the
     guarantees of the module doc on every result, so a policy cannot break them by mistake."""
@@ -159,7 +175,9 @@ class Policy:
     description = ""  # one line, for --help and the docs
 
     def select(self, inp: SelectionInput) -> Selection:
-        chosen, reasons = self._choose(inp)
+        out = self._choose(inp)
+        choice = out if isinstance(out, Choice) else Choice(*out)
+        chosen, reasons = choice.chosen, choice.reasons
         alive = {c.client_id for c in inp.alive()}
         if not chosen <= alive:
             raise RuntimeError(f"policy {self.name} chose client(s) not alive: {', '.join(sorted(chosen - alive))}")
@@ -174,17 +192,13 @@ class Policy:
             chosen.add(c.client_id)  # the round could not close with fewer
             reasons[c.client_id] = f"added: the round needs {inp.minimum} clients ({reasons[c.client_id]})"
         return Selection(inp.round, tuple(chosen), {c.client_id: reasons[c.client_id] for c in inp.clients},
-                         self.name, *self._after(inp, chosen))
-
-    def _after(self, inp: SelectionInput, chosen: set[str]) -> tuple[tuple[str, ...], Mapping[str, Any]]:
-        """(reasoning, memory) the selection keeps: an agent's; none for a plain policy."""
-        return (), {}
+                         self.name, choice.reasoning, choice.memory, choice.fallback_reason)
 
     def config(self) -> dict[str, Any]:
         """Its name and parameters, as `make_policy` takes them back (for the run's settings fingerprint)."""
         return {"name": self.name}
 
-    def _choose(self, inp: SelectionInput) -> tuple[set[str], dict[str, str]]:
+    def _choose(self, inp: SelectionInput) -> tuple[set[str], dict[str, str]] | Choice:
         raise NotImplementedError
 
 
@@ -354,9 +368,10 @@ class FairnessFloor(Policy):
     def config(self) -> dict[str, Any]:
         return {**self.policy.config(), "every_f_rounds": self.every_f_rounds}
 
-    def _choose(self, inp: SelectionInput) -> tuple[set[str], dict[str, str]]:
+    def _choose(self, inp: SelectionInput) -> Choice:
         inner = self.policy.select(inp)
         chosen, reasons = set(inner.chosen), dict(inner.reasons)
+        added = []
         f, t = self.every_f_rounds, inp.round
         for c in inp.alive():
             if c.client_id in chosen:
@@ -369,13 +384,10 @@ class FairnessFloor(Policy):
             else:
                 continue
             chosen.add(c.client_id)
-        return chosen, reasons
+            added.append(c.client_id)
+        floor = (f"fairness floor ({f} rounds): added {', '.join(added)}",) if added else ()
+        return Choice(chosen, reasons, inner.reasoning + floor, inner.memory, inner.fallback_reason)
 
-
-BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (All, Sample, Available, Utility)}
-POLICIES: dict[str, str] = {name: p.description for name, p in BY_NAME.items()}
-COUNTED = ("sample", "utility")  # the policies that must be told how many clients a round takes
-"""The policy names `make_policy` accepts, each with a one-line description."""
 
 def make_policy(name: str = DEFAULT_POLICY, every_f_rounds: int | None = None, **params: Any) -> Policy:
     """The policy `name` with its parameters, under a `FairnessFloor` when every_f_rounds is given.
@@ -401,6 +413,7 @@ class SelectionSettings:
     clients_per_round: int = 0
     fraction: float = 0.0
     fairness_rounds: int = 0
+    model: str = ""  # agent-llm's model ("" = the run's base model)
 
     @property
     def selective(self) -> bool:
@@ -422,8 +435,12 @@ class SelectionSettings:
                                  "itself; leave the flag out, or use --selector sample or utility")
             if value:
                 params[key] = value
-        if "clients_per_round" in takes and params.keys() == {"clients_per_round", "fraction"}:
+        if {"clients_per_round", "fraction"} <= params.keys():
             raise ValueError("give one of --clients-per-round and --selection-fraction, not both")
+        if self.model:
+            if name != "agent-llm":
+                raise ValueError(f"--selector-model is agent-llm's model; --selector {name} takes none: leave it out")
+            params["model"] = self.model
         if not params and name in COUNTED:
             raise ValueError(f"--selector {name} needs --clients-per-round N or --selection-fraction F (how many "
                              "clients a round takes)")
@@ -493,3 +510,12 @@ def _integer(x: Any) -> bool:
 
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+# The registry, last: the agents (selector_agents) build on the policies above.
+from .selector_agents import AGENTS  # noqa: E402
+
+BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (All, Sample, Available, Utility, *AGENTS)}
+POLICIES: dict[str, str] = {name: p.description for name, p in BY_NAME.items()}
+"""The policy names `make_policy` accepts, each with a one-line description."""
+COUNTED = ("sample", "utility")  # the policies that must be told how many clients a round takes

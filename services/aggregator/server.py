@@ -84,6 +84,8 @@ class AggregatorConfig(Security):
                                            "utility (0 = use --clients-per-round)")
     fairness_rounds: int = field(0, "with a selector other than all: every alive client takes part at least once "
                                     "every this many rounds (0 = no such floor)")
+    selector_model: str = field("", "--selector agent-llm: the model it asks, 'fedse-tiny' or a local Hugging Face "
+                                    "model directory (empty = the run's base model)")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -173,7 +175,8 @@ class AggregatorConfig(Security):
         )
 
     def selection(self) -> SelectionSettings:
-        return SelectionSettings(self.selector, self.clients_per_round, self.selection_fraction, self.fairness_rounds)
+        return SelectionSettings(self.selector, self.clients_per_round, self.selection_fraction, self.fairness_rounds,
+                                 self.selector_model)
 
     def strategy_params(self) -> StrategyParams:
         return StrategyParams(trim_fraction=self.trim_fraction, clip_norm=self.clip_norm,

@@ -17,21 +17,13 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 
 from fedse import adapter as ad
 from fedse.machine import cpu_has_native_bf16
-from fedse.pretrained import check_base_model
-from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from fedse.pretrained import load_base, pick_device  # noqa: F401 - the client's model, loaded in fedse
 
 from .prompts import is_tiny
 
 
 class AdapterMismatch(ValueError):
     """An adapter state that does not fit the model: missing or unexpected keys, or wrong shapes."""
-
-
-def pick_device(device: str | None = None) -> torch.device:
-    """The requested device, else CUDA when available, else CPU."""
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def autocast(precision: str, device: torch.device):
@@ -86,34 +78,6 @@ def pick_precision(precision: str, model, device: torch.device) -> str:
     if precision != "auto":
         return precision
     return "bf16" if device.type == "cpu" and not is_tiny(model) and cpu_has_native_bf16() else "fp32"
-
-
-def load_base(name_or_path: str, device: str | None = None, seed: int = 0):
-    """(model, tokenizer) with every base parameter frozen, in eval mode, on `device`.
-
-    `name_or_path` is TINY_MODEL_NAME ("fedse-tiny", built in code from `seed`) or a local Hugging
-    Face model directory (never downloaded: local_files_only), e.g. one `fedse model smollm2` wrote.
-    Real models load in bf16 on CUDA and fp32 on CPU; the tiny model is always fp32. Anything else
-    raises ConfigError naming the path (transformers would say it is no valid model identifier on
-    the Hub, which is beside the point offline).
-    """
-    dev = pick_device(device)
-    if name_or_path == TINY_MODEL_NAME:
-        model, tokenizer = build_tiny_model(seed)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        check_base_model(name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.to(dev)
-    model.eval()
-    return model, tokenizer
 
 
 def add_lora(model, r: int = 8, alpha: int = 16, dropout: float = 0.0,
