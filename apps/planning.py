@@ -67,6 +67,11 @@ class RunConfig:
     clients_per_round: int = setting(AggregatorConfig, "clients_per_round")
     selection_fraction: float = setting(AggregatorConfig, "selection_fraction")
     fairness_rounds: int = setting(AggregatorConfig, "fairness_rounds")
+    selector_model: str = setting(AggregatorConfig, "selector_model")
+    mode: str = setting(AggregatorConfig, "mode")
+    async_concurrency: int = setting(AggregatorConfig, "async_concurrency")
+    async_buffer: int = setting(AggregatorConfig, "async_buffer")
+    async_max_staleness: int = setting(AggregatorConfig, "async_max_staleness")
     expert_demos: int = setting(ClientConfig, "expert_demos")
     explore_tasks: int = setting(ClientConfig, "explore_tasks")
     topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "

@@ -75,7 +75,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta", "selector", "clients_per_round", "selection_fraction", "fairness_rounds")
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta", "selector", "clients_per_round", "selection_fraction", "fairness_rounds", "mode", "async_concurrency", "async_buffer", "async_max_staleness")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,10 @@ class RunConfig(_message.Message):
     CLIENTS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     SELECTION_FRACTION_FIELD_NUMBER: _ClassVar[int]
     FAIRNESS_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_rounds: int
     min_clients: int
@@ -120,7 +124,11 @@ class RunConfig(_message.Message):
     clients_per_round: int
     selection_fraction: float
     fairness_rounds: int
-    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ..., selector: _Optional[str] = ..., clients_per_round: _Optional[int] = ..., selection_fraction: _Optional[float] = ..., fairness_rounds: _Optional[int] = ...) -> None: ...
+    mode: str
+    async_concurrency: int
+    async_buffer: int
+    async_max_staleness: int
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ..., selector: _Optional[str] = ..., clients_per_round: _Optional[int] = ..., selection_fraction: _Optional[float] = ..., fairness_rounds: _Optional[int] = ..., mode: _Optional[str] = ..., async_concurrency: _Optional[int] = ..., async_buffer: _Optional[int] = ..., async_max_staleness: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "current_round")

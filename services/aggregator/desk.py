@@ -145,7 +145,7 @@ class UploadDesk:
             earlier = self._accepted_earlier(client_id, round_, sha256)
             if earlier is not None:
                 return earlier.size, True
-            if round_ == self.run.round:
+            if round_ == self.run.round or self.settings.asynchronous:
                 if m.accepted is not None and m.accepted.sha256 == sha256:
                     return m.accepted.size, True
                 _, meta = self.store.partial(round_, client_id)
@@ -176,7 +176,7 @@ class UploadDesk:
             self._check_round(h.client_id, h.round, h.round_nonce)
             m = self.run.members[h.client_id]
             if m.accepted is None:
-                record = Accepted.of(h, self.clock())
+                record = Accepted.of(h, self.clock(), self._collecting() if self.settings.asynchronous else -1)
                 self.store.accept_upload(h.round, h.client_id, record.to_dict())
                 m.accepted = record
                 log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
@@ -212,6 +212,29 @@ class UploadDesk:
         record = self.store.accepted_uploads(round_).get(client_id)
         return Accepted.from_dict(record) if record is not None and record["sha256"] == sha256 else None
 
+    def _collecting(self) -> int:
+        """Asynchronous rounds: the version whose buffer an upload accepted now goes into (the next one
+        while the current buffer is being folded)."""
+        return self.run.round + (1 if self.run.state is State.AGGREGATING else 0)
+
+    def _check_version(self, client_id: str, base: int, nonce: str) -> None:
+        """Asynchronous rounds: raises unless an upload trained from version `base` may land now."""
+        run, stale = self.run, self.settings.async_max_staleness
+        if nonce != run.nonce:
+            raise StaleRound("the upload's round nonce is not this run's: take it from the current RoundStatus")
+        if base > run.round:
+            raise StaleRound(f"an upload trained from version {base}, which is not published (version {run.round} "
+                             "is the newest): download the newest and train from it")
+        behind = self._collecting() - base
+        if behind > stale:
+            raise StaleRound(f"an upload trained from version {base} is {behind} versions behind the buffer it would "
+                             f"join (version {self._collecting()}); this run takes updates at most {stale} behind "
+                             f"(--async-max-staleness): download version {run.round} and train again")
+        pending = run.members[client_id].accepted
+        if pending is not None and pending.base != base:
+            raise DuplicateUpload(f"client {client_id}'s upload trained from version {pending.base} is still in the "
+                                  "buffer: one upload of a client is folded at a time; wait for the next version")
+
     def _check_round(self, client_id: str, round_: int, nonce: str) -> None:
         """Raises unless an upload of `client_id` for `round_` with `nonce` may land now."""
         self.run.member(client_id)
@@ -220,6 +243,8 @@ class UploadDesk:
             raise RunFinished(f"run {self.settings.run_id} finished after {self.settings.num_rounds} rounds")
         if run.state is State.WAITING_FOR_CLIENTS:
             raise StaleRound("round 0 has not opened yet: wait for the round status to show OPEN")
+        if self.settings.asynchronous:
+            return self._check_version(client_id, round_, nonce)
         if round_ != run.round or run.state is State.AGGREGATING:
             nxt = run.round + 1 if run.state is State.AGGREGATING else run.round
             raise StaleRound(f"upload for round {round_}, but round {run.round} is "

@@ -38,6 +38,13 @@ SECURE_ROUNDS_WITHHELD = prometheus_client.Counter(
 SELECTED = prometheus_client.Gauge(
     "fedse_aggregator_selected_clients",
     "Clients chosen to take part in the open round (--selector other than all; every client otherwise).")
+ASYNC_STALENESS = prometheus_client.Histogram(
+    "fedse_aggregator_async_staleness",
+    "Asynchronous rounds: how many versions behind each folded update was trained (0 = from the version "
+    "it was folded into).", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
+BUFFER_FILL = prometheus_client.Gauge(
+    "fedse_aggregator_async_buffer_fill",
+    "Asynchronous rounds: the updates waiting in the open version's buffer (it folds at --async-buffer).")
 SELECTOR_FALLBACKS = prometheus_client.Counter(
     "fedse_aggregator_selector_fallbacks",
     "Rounds whose selection is not the selector's own answer (an agent's answer failed its check, or the "

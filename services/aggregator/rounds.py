@@ -37,9 +37,9 @@ from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
 from .secure import Attempt, SecureDesk, Stage, mask_keys
 from .selection import All, ClientHistory, Selection, SelectionInput
-from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, restore
+from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, buffered, restore
 from .store import Store
-from .strategies import Update, aggregate, validate_params
+from .strategies import Update, aggregate, fedbuff, validate_params
 from .uploads import Accepted, UploadHeader
 
 log = logging.getLogger("aggregator.rounds")
@@ -139,8 +139,18 @@ class RoundKeeper:
             joined=tuple(sorted(run.members)), uploaded=tuple(run.uploaded()), deadline_unix=run.deadline,
             global_sha256=sha, version=self._version, round_nonce=run.nonce,
             secure_stage=self.secure.stage() if self.secure is not None and run.state is State.OPEN else None,
-            selected=run.selection.chosen if run.selection is not None and run.state is not State.FINISHED else None,
+            selected=self._selected_locked(),
         )
+
+    def _selected_locked(self) -> tuple[str, ...] | None:
+        """Who takes part now: the chosen clients of a selective round, the slot holders of asynchronous
+        rounds, None where every client does."""
+        run = self.run
+        if run.state is State.FINISHED:
+            return None
+        if self.settings.asynchronous:
+            return tuple(sorted(cid for cid, m in run.members.items() if m.slot_since is not None))
+        return run.selection.chosen if run.selection is not None else None
 
     def privacy(self) -> tuple[float, float, int]:
         """(epsilon of one round, epsilon so far, releases) at the run's delta; the epsilons are +Inf where
@@ -188,9 +198,18 @@ class RoundKeeper:
             return (run.selection if run.state is not State.FINISHED else None), run.selector_fallbacks
 
     def _selected_view(self, client_id: str) -> tuple[bool, str]:
-        if self.run.state is State.FINISHED:
+        run = self.run
+        if run.state is State.FINISHED:
             return True, ""
-        return self.run.selected(client_id), self.run.selection_reason(client_id)
+        if self.settings.asynchronous:
+            m = run.members[client_id]
+            if m.slot_since is not None:
+                return True, f"training from version {m.slot_version}"
+            if m.accepted is not None:
+                return False, f"its update from version {m.accepted.base} waits in the buffer"
+            return False, (f"trained from version {m.slot_version}; waits for the next" if m.slot_version >= run.round
+                           else "waits for a free training slot")
+        return run.selected(client_id), run.selection_reason(client_id)
 
     def clients_alive(self) -> int:
         with self._cond:
@@ -242,6 +261,8 @@ class RoundKeeper:
                     len(run.members) >= (self.settings.start_clients or self.settings.min_clients):
                 self._open_locked(0)
             else:
+                if self.settings.asynchronous:
+                    self._grant_locked()  # a slot may be free for it
                 self._persist_locked()
             self._changed_locked()
             return self._status_locked()
@@ -263,6 +284,13 @@ class RoundKeeper:
         """Completes and stores the upload (UploadDesk.finish); the round closes if that made it due."""
         self.uploads.finish(h, generation)
         with self._cond:
+            if self.settings.asynchronous:
+                m = self.run.members[h.client_id]
+                if m.slot_since is not None:
+                    m.slot_since = None  # its slot goes to a client waiting
+                    self._grant_locked()
+                    self._persist_locked()
+                metrics.BUFFER_FILL.set(len(self._buffer_locked()))
             status = self._status_locked()
             due = self._due_locked() is not None
         if due:  # aggregate beside the acknowledgement, not before it
@@ -353,6 +381,8 @@ class RoundKeeper:
         run = self.run
         if run.state is not State.OPEN:
             return None
+        if self.settings.asynchronous:
+            return self._fold_due_locked()
         now = self.clock()
         accepted = {cid: m.accepted.accepted_unix for cid, m in run.uploaded().items()}
         # A selective round is over its chosen clients alone: the others take no part in it.
@@ -370,6 +400,8 @@ class RoundKeeper:
     def close_if_due(self) -> None:
         with self._cond:
             self._reselect_if_stalled_locked()
+            if self.settings.asynchronous:
+                self._grant_locked()
             reason = self._due_locked()
             if reason is None:
                 return
@@ -386,7 +418,8 @@ class RoundKeeper:
             self.run.state = State.AGGREGATING
             self._changed_locked()
             round_ = self.run.round
-            records = [(cid, m.accepted) for cid, m in self.run.uploaded().items()]  # accepted: never None
+            records = [(cid, m.accepted) for cid, m in self._buffer_locked().items()] if self.settings.asynchronous \
+                else [(cid, m.accepted) for cid, m in self.run.uploaded().items()]  # accepted: never None
         # Aggregating outside the lock: status, heartbeats and downloads go on meanwhile.
         started = time.perf_counter()
         if unmasking is not None:
@@ -395,7 +428,9 @@ class RoundKeeper:
                 return
         else:
             try:
-                image = self._aggregate(round_, records)
+                # A buffer of updates all trained from this version is a synchronous round's: the strategy.
+                stale = [a.base for _, a in records if a.base not in (-1, round_)]
+                image = self._fold(round_, records) if stale else self._aggregate(round_, records)
                 self.globals.save(round_ + 1, image, self.run.adapter_config())
             except Exception:  # noqa: BLE001 - a failed aggregation must not end the run
                 with self._cond:
@@ -411,8 +446,11 @@ class RoundKeeper:
     def _close_locked(self, round_: int, reason: str, uploads: int, took: float) -> None:
         """phi_{round+1} is saved: the round is over, the next one opens."""
         run = self.run
+        folded = self._buffer_locked() if self.settings.asynchronous else run.uploaded()
         for cid, m in run.members.items():  # each member's record, which selectors read
-            if m.accepted is not None:
+            if cid in folded and m.accepted is not None:
+                if self.settings.asynchronous:
+                    metrics.ASYNC_STALENESS.observe(round_ - m.accepted.base)
                 m.rounds_uploaded.append(round_)
                 m.upload_seconds = (m.upload_seconds + [round(max(0.0, m.accepted.accepted_unix - run.opened_at),
                                                               3)])[-UPLOAD_TIMES:]
@@ -463,6 +501,15 @@ class RoundKeeper:
             self.secure.end()
         self._close_locked(round_, "withheld: " + why, 0, 0.0)
 
+    def _fold(self, version: int, records: list[tuple[str, Accepted]]) -> bytearray:
+        """phi_{version+1}'s file image: the buffer's updates, each weighted by its staleness (FedBuff)."""
+        assert self.run.schema is not None
+        image, views = allocate(self.run.schema)
+        updates = [(AdapterFile(self.store.upload_path(a.base, cid)), AdapterFile(self.store.global_path(a.base)),
+                    version - a.base) for cid, a in records]
+        fedbuff(AdapterFile(self.store.global_path(version)), updates, out=views)
+        return image
+
     def _aggregate(self, round_: int, records: list[tuple[str, Accepted]]) -> bytearray:
         """phi_{t+1}'s file image: the strategy over the round's accepted uploads."""
         updates = [Update(cid, AdapterFile(self.store.upload_path(round_, cid)), a.num_examples, a.num_successes)
@@ -502,15 +549,26 @@ class RoundKeeper:
         run = self.run
         run.round = round_
         for m in run.members.values():
-            m.new_round()
+            if self.settings.asynchronous:
+                m.accepted = None  # folded; a stream under way goes on into the next buffer
+            else:
+                m.new_round()
         run.opened_at = self.clock()
         if round_ >= self.settings.num_rounds:
             run.state, run.deadline, run.nonce = State.FINISHED, 0.0, ""
+            for m in run.members.values():
+                m.slot_since = None
             log.info("run finished", extra=log_fields(rounds=round_))
         else:
             run.state, run.deadline = State.OPEN, run.opened_at + self.settings.round_deadline_s
-            run.nonce = secrets.token_hex(16)
+            # Asynchronous rounds keep the run's nonce: an upload may come from an earlier version.
+            run.nonce = run.nonce if self.settings.asynchronous and run.nonce else secrets.token_hex(16)
             log.info("round opened", extra=log_fields(round=round_, clients=len(run.members)))
+        if self.settings.asynchronous and run.state is State.OPEN:
+            for cid, accepted in buffered(self.settings, self.store, round_).items():
+                run.members[cid].accepted = accepted  # accepted while the previous buffer was folded
+            self._grant_locked()
+            metrics.BUFFER_FILL.set(len(self._buffer_locked()))
         run.selection = None
         if self.policy is not None and run.state is State.OPEN:
             self._select_locked(round_)
@@ -521,6 +579,57 @@ class RoundKeeper:
                 self.secure.end()
         self._persist_locked()
         self._changed_locked()
+
+    # ---- asynchronous rounds (settings.mode "async": FedBuff) ------------------------------------------
+    def _buffer_locked(self) -> dict[str, Member]:
+        """The members whose upload waits in the open version's buffer."""
+        return {cid: m for cid, m in sorted(self.run.members.items())
+                if m.accepted is not None and m.accepted.collected == self.run.round}
+
+    def _buffer_size(self) -> int:
+        s = self.settings
+        return s.async_buffer or s.async_concurrency or max(1, len(self.run.members))
+
+    def _fold_due_locked(self) -> str | None:
+        """Why the open version's buffer folds now: it is full, or no client could add to it."""
+        pending = len(self._buffer_locked())
+        if not pending:
+            return None
+        if pending >= self._buffer_size():
+            return "buffer full"
+        now = self.clock()
+        training = any(m.slot_since is not None and self._rule.alive(m.last_seen, now) for m in self.run.members.values())
+        if not training and not self._eligible_locked(now) and not self.uploads.receiving():
+            return "no client left to fill the buffer"
+        return None
+
+    def _eligible_locked(self, now: float) -> list[Member]:
+        """Alive clients that may be given a slot: none held, nothing in the buffer, and not yet trained
+        from the open version; the longest without a slot first."""
+        run = self.run
+        return sorted((m for m in run.members.values() if m.slot_since is None and m.accepted is None
+                       and m.slot_version < run.round and self._rule.alive(m.last_seen, now)),
+                      key=lambda m: (m.slot_version, m.client.client_id))
+
+    def _grant_locked(self) -> None:
+        """Frees the slots of clients that died, and gives the free slots (async_concurrency; every
+        joined client when 0) to eligible clients."""
+        run, now = self.run, self.clock()
+        if run.state is not State.OPEN:
+            return
+        for m in run.members.values():
+            if m.slot_since is not None and not self._rule.alive(m.last_seen, now):
+                m.slot_since = None
+                m.dropouts += 1
+        held = sum(m.slot_since is not None for m in run.members.values())
+        free = (self.settings.async_concurrency or len(run.members)) - held
+        granted = self._eligible_locked(now)[:max(0, free)]
+        for m in granted:
+            m.slot_since, m.slot_version = now, run.round
+            m.rounds_selected.append(run.round)
+        if granted:
+            self._changed_locked()
+        metrics.SELECTED.set(held + len(granted))
 
     # ---- selection (settings.selection: who takes part in a round) -----------------------------------
     def _history_locked(self, now: float) -> list[ClientHistory]:

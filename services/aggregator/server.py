@@ -32,7 +32,7 @@ WORKERS = MAX_CLIENTS + 64
 
 @dataclasses.dataclass(frozen=True)
 class AggregatorConfig(Security):
-    """The Fed-SE aggregator: synchronous rounds over LoRA adapters."""
+    """The Fed-SE aggregator: rounds over LoRA adapters, synchronous or buffered asynchronous."""
 
     address: str = field("0.0.0.0:50060", "gRPC listen address (port 0 picks a free port)")
     metrics_port: int = field(9100, "Prometheus /metrics port (0 picks one, -1 disables)")
@@ -86,6 +86,14 @@ class AggregatorConfig(Security):
                                     "every this many rounds (0 = no such floor)")
     selector_model: str = field("", "--selector agent-llm: the model it asks, 'fedse-tiny' or a local Hugging Face "
                                     "model directory (empty = the run's base model)")
+    mode: str = field("sync", "'sync' (rounds: every selected client from one global adapter) or 'async' (FedBuff: "
+                              "clients train when they can, and every --async-buffer uploads fold into a new "
+                              "version, stale ones weighted down; --num-rounds counts versions)")
+    async_concurrency: int = field(0, "--mode async: clients training at once (0 = every joined client)")
+    async_buffer: int = field(0, "--mode async: uploads folded into each new version (0 = --async-concurrency's, "
+                                 "else every joined client)")
+    async_max_staleness: int = field(8, "--mode async: the most versions behind an upload may be trained from; "
+                                        "a staler one is refused and its client trains again from the newest")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -122,9 +130,37 @@ class AggregatorConfig(Security):
             self.selection().policy()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"--mode must be sync or async, got {self.mode!r}")
+        if self.mode == "async":
+            self._check_async()
         if self.secure_aggregation and self.clients_per_round == 1:
             raise ConfigError("--clients-per-round 1 cannot work with --secure-aggregation: the mean of one upload "
                               "is that client's adapter; give 2 or more")
+
+    def _check_async(self) -> None:
+        """What asynchronous rounds can do: FedBuff's staleness-weighted mean of plain updates."""
+        if self.secure_aggregation:
+            raise ConfigError(
+                "--mode async cannot work with --secure-aggregation: a buffer mixes updates trained from different "
+                "versions, each weighted by its staleness, while a masked sum needs one cohort that advertises keys, "
+                "shares seeds and uploads together for one version; use --mode sync with secure aggregation")
+        if self.strategy != "fedavg":
+            raise ConfigError(f"--mode async folds updates with FedBuff's staleness-weighted mean: use --strategy "
+                              f"fedavg, not {self.strategy}")
+        if self.clip_norm > 0 or self.noise_multiplier > 0:
+            raise ConfigError("--mode async does not clip or add noise: leave --clip-norm and --noise-multiplier at 0, "
+                              "or use --mode sync")
+        if self.selector != "all":
+            raise ConfigError(f"--mode async gives training slots to clients as they free up (--async-concurrency); "
+                              f"--selector {self.selector} chooses whole rounds: leave it at all, or use --mode sync")
+        for name in ("async_concurrency", "async_buffer", "async_max_staleness"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        if self.async_concurrency and self.async_buffer > self.async_concurrency:
+            raise ConfigError(f"--async-buffer {self.async_buffer} is more than --async-concurrency "
+                              f"{self.async_concurrency}: a buffer that more clients must fill than may train at once "
+                              "waits for stragglers; give a buffer of at most the concurrency")
 
     def _check_secure(self) -> None:
         """Secure aggregation's preconditions: what a masked sum can give, and enough clients to hide one."""
@@ -172,6 +208,8 @@ class AggregatorConfig(Security):
             secure_stage_timeout_s=self.secure_stage_timeout_s,
             secure_ca=self.tls_ca if self.secure_aggregation else "",
             secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta, selection=self.selection(),
+            mode=self.mode, async_concurrency=self.async_concurrency, async_buffer=self.async_buffer,
+            async_max_staleness=self.async_max_staleness,
         )
 
     def selection(self) -> SelectionSettings:

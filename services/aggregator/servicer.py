@@ -141,7 +141,9 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              secure_signed=s.secure_signed, secure_max_roster=s.secure_max_roster if s.secure else 0,
                              dp_delta=s.dp_delta, selector=s.selection.selector,
                              clients_per_round=s.selection.clients_per_round,
-                             selection_fraction=s.selection.fraction, fairness_rounds=s.selection.fairness_rounds)
+                             selection_fraction=s.selection.fraction, fairness_rounds=s.selection.fairness_rounds,
+                             mode=s.mode, async_concurrency=s.async_concurrency, async_buffer=s.async_buffer,
+                             async_max_staleness=s.async_max_staleness if s.asynchronous else 0)
 
     @ERRORS.wrap
     def Join(self, request, context):

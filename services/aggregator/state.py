@@ -59,6 +59,18 @@ class RunSettings:
     secure_max_roster: int = 1024  # the most members of an attempt's roster
     dp_delta: float = 1e-5  # the delta of the (epsilon, delta) reported
     selection: SelectionSettings = SelectionSettings()  # who takes part in each round
+    # Asynchronous buffered rounds (FedBuff): `round` counts global versions; at most
+    # async_concurrency clients train at once (0: every joined client), every async_buffer uploads
+    # (0: async_concurrency's) fold into the next version, and an upload trained from a version more
+    # than async_max_staleness behind is refused.
+    mode: str = "sync"
+    async_concurrency: int = 0
+    async_buffer: int = 0
+    async_max_staleness: int = 8
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode == "async"
 
     @property
     def secure_signed(self) -> bool:
@@ -73,6 +85,9 @@ class RunSettings:
             out["secure"] = True
         if self.selection.selective:
             out["selection"] = self.selection.config()
+        if self.asynchronous:
+            out["async"] = {"concurrency": self.async_concurrency, "buffer": self.async_buffer,
+                            "max_staleness": self.async_max_staleness}
         return out
 
     def dp_epsilons(self, releases: int) -> tuple[float, float] | None:
@@ -113,15 +128,22 @@ class Member:
     rounds_uploaded: list[int] = dataclasses.field(default_factory=list)
     upload_seconds: list[float] = dataclasses.field(default_factory=list)
     dropouts: int = 0
+    # Asynchronous rounds: since when it holds a training slot (None: it holds none) and the latest
+    # version it was given a slot for (it trains from a version once).
+    slot_since: float | None = None
+    slot_version: int = -1
 
     def new_round(self) -> None:
         self.stream = self.accepted = None
 
     def record(self) -> dict[str, Any]:
         """What run.json keeps of it."""
-        return {"env": self.client.env, "base_model": self.client.base_model,
-                "rounds_selected": self.rounds_selected, "rounds_uploaded": self.rounds_uploaded,
-                "upload_seconds": self.upload_seconds, "dropouts": self.dropouts}
+        out = {"env": self.client.env, "base_model": self.client.base_model,
+               "rounds_selected": self.rounds_selected, "rounds_uploaded": self.rounds_uploaded,
+               "upload_seconds": self.upload_seconds, "dropouts": self.dropouts}
+        if self.slot_version >= 0:
+            out.update(slot=self.slot_since is not None, slot_version=self.slot_version)
+        return out
 
 
 UPLOAD_TIMES = 16  # the upload durations a member's record keeps
@@ -215,7 +237,8 @@ def restore(settings: RunSettings, store: Store, now: float) -> RunState:
                              rounds_selected=[int(r) for r in c.get("rounds_selected", [])],
                              rounds_uploaded=[int(r) for r in c.get("rounds_uploaded", [])],
                              upload_seconds=[float(x) for x in c.get("upload_seconds", [])],
-                             dropouts=int(c.get("dropouts", 0)))
+                             dropouts=int(c.get("dropouts", 0)),
+                             slot_since=now if c.get("slot") else None, slot_version=int(c.get("slot_version", -1)))
                  for cid, c in saved["clients"].items()},
         round=int(saved["round"]), state=State(saved["state"]), nonce=saved.get("round_nonce", ""),
         deadline=float(saved.get("deadline_unix", 0.0)), opened_at=float(saved.get("opened_unix", now)),
@@ -223,9 +246,24 @@ def restore(settings: RunSettings, store: Store, now: float) -> RunState:
         selection=Selection.from_dict(saved["selection"]) if saved.get("selection") else None,
         selector_memory=dict(saved.get("selector_memory") or {}),
         selector_fallbacks=int(saved.get("selector_fallbacks", 0)))
-    if run.state is State.OPEN:
+    if run.state is State.OPEN and settings.asynchronous:
+        for cid, accepted in buffered(settings, store, run.round).items():
+            run.members[cid].accepted = accepted
+    elif run.state is State.OPEN:
         for cid, record in store.accepted_uploads(run.round).items():
             run.members[cid].accepted = Accepted.from_dict(record)
     log.info("run resumed", extra=log_fields(run_id=settings.run_id, round=run.round, state=run.state.value,
                                              clients=len(run.members), uploads=len(run.uploaded())))
     return run
+
+
+def buffered(settings: RunSettings, store: Store, version: int) -> dict[str, Accepted]:
+    """Asynchronous rounds: the uploads collected for `version`'s buffer (trained from any version it
+    still takes), by client id, as their records on disk say."""
+    out = {}
+    for base in range(max(0, version - settings.async_max_staleness), version + 1):
+        for cid, record in store.accepted_uploads(base).items():
+            accepted = Accepted.from_dict(record)
+            if accepted.collected == version:
+                out[cid] = accepted
+    return out

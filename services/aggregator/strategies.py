@@ -183,6 +183,29 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
     return {name: result[name] for name in names}
 
 
+def staleness_weight(tau: int) -> float:
+    """FedBuff's weight of an update trained from a version tau behind: 1 / sqrt(1 + tau)."""
+    return 1.0 / math.sqrt(1.0 + tau)
+
+
+def fedbuff(current: Mapping[str, torch.Tensor], updates: Sequence[tuple[Mapping[str, torch.Tensor],
+                                                                        Mapping[str, torch.Tensor], int]],
+            out: Mapping[str, torch.Tensor]) -> Adapter:
+    """A buffer of asynchronous updates folded into the next version (FedBuff, Nguyen et al. 2022):
+    phi_{v+1} = phi_v + (1/n) sum_i w(tau_i) (x_i - phi_{v_i}), each update x_i with the version phi_{v_i}
+    it was trained from and its staleness tau_i = v - v_i (`updates`: (x_i, phi_{v_i}, tau_i)), in float64,
+    tensor by tensor, written into `out` (phi_{v+1}'s views, e.g. `adapter_files.allocate`'s)."""
+    if not updates:
+        raise ValueError("nothing to fold: the buffer is empty")
+    n = len(updates)
+    for name in current:
+        acc = current[name].to(_F64, copy=True)
+        for adapter, base, tau in updates:
+            acc.add_(adapter[name].to(_F64) - base[name].to(_F64), alpha=staleness_weight(tau) / n)
+        out[name].copy_(acc)
+    return {name: out[name] for name in current}
+
+
 # ---- internals ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

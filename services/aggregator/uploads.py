@@ -75,18 +75,27 @@ class Accepted:
     num_examples: int
     num_successes: int
     accepted_unix: float
+    # Asynchronous rounds only (-1 otherwise): the global version it was trained from (the header's
+    # round) and the version whose buffer it went into (folded into the next one).
+    base: int = -1
+    collected: int = -1
 
     @staticmethod
-    def of(h: UploadHeader, now: float) -> "Accepted":
-        return Accepted(h.sha256, h.size, h.transport, int(h.num_examples), int(h.num_successes), now)
+    def of(h: UploadHeader, now: float, collected: int = -1) -> "Accepted":
+        return Accepted(h.sha256, h.size, h.transport, int(h.num_examples), int(h.num_successes), now,
+                        h.round if collected >= 0 else -1, collected)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.collected < 0:  # a synchronous round's record, as it always was
+            del out["base"], out["collected"]
+        return out
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Accepted":
         return Accepted(str(d["sha256"]), int(d["size"]), str(d.get("transport", "")), int(d["num_examples"]),
-                        int(d["num_successes"]), float(d.get("accepted_unix", 0.0)))
+                        int(d["num_successes"]), float(d.get("accepted_unix", 0.0)), int(d.get("base", -1)),
+                        int(d.get("collected", -1)))
 
 
 @dataclasses.dataclass

@@ -222,32 +222,65 @@ class ClientAgent:
             plan = decide_resume(self.progress, self.run_id, st.round)
             self.resume(plan, tasks)
             round_, done = plan.round, plan.phase
-            while True:
-                ROUND.set(round_)
-                final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= num_rounds
-                if final or done or selected(st, cfg.client_id):
-                    self.play_round(round_, done, final, tasks)
-                else:  # the aggregator chose other clients for this round: wait for the next
-                    log.info("not selected for this round; waiting for the next",
-                             extra=log_fields(round=round_, selected=len(st.selected), joined=len(st.joined)))
-                    self.heartbeat.set(RoundPhase.NOT_SELECTED, round_)
-                if final:
-                    break
-                if self.heartbeat.phase[1] != RoundPhase.NOT_SELECTED.value:
-                    self.heartbeat.set(RoundPhase.WAITING, round_)
-                with PHASE_SECONDS.labels("wait").time():
-                    st = self.fed.wait_until(
-                        lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
-                        timeout_s=cfg.round_timeout_s)
-                if st.round > round_ + 1 and st.state == fpb.ROUND_STATE_OPEN:
-                    log.warning("catching up", extra=log_fields(last_round=round_, open_round=st.round))
-                round_, done = st.round, ""
+            if joined.config.mode == "async":
+                self.fed.max_staleness = joined.config.async_max_staleness
+                self.run_async(round_, done, tasks)
+            else:
+                self.run_rounds(round_, done, st, tasks)
         except BaseException:
             self.heartbeat.stop(timeout_s=1.0)
             raise
         self.heartbeat.set(RoundPhase.DONE)
         self.heartbeat.stop()
         return self.history
+
+    def run_rounds(self, round_: int, done: str, st: fpb.RoundStatus, tasks: list[EnvTasks]) -> None:
+        """Synchronous rounds: plays each round from `round_` (after phase `done`) to the final evaluation,
+        sitting out a round the aggregator chose other clients for (RoundStatus.selected)."""
+        while True:
+            ROUND.set(round_)
+            final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= self.run_config.num_rounds
+            if final or done or selected(st, self.cfg.client_id):
+                self.play_round(round_, done, final, tasks)
+            else:  # the aggregator chose other clients for this round: wait for the next
+                log.info("not selected for this round; waiting for the next",
+                         extra=log_fields(round=round_, selected=len(st.selected), joined=len(st.joined)))
+                self.heartbeat.set(RoundPhase.NOT_SELECTED, round_)
+            if final:
+                break
+            if self.heartbeat.phase[1] != RoundPhase.NOT_SELECTED.value:
+                self.heartbeat.set(RoundPhase.WAITING, round_)
+            with PHASE_SECONDS.labels("wait").time():
+                st = self.fed.wait_until(
+                    lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
+                    timeout_s=self.cfg.round_timeout_s)
+            if st.round > round_ + 1 and st.state == fpb.ROUND_STATE_OPEN:
+                log.warning("catching up", extra=log_fields(last_round=round_, open_round=st.round))
+            round_, done = st.round, ""
+
+    def run_async(self, round_: int, done: str, tasks: list[EnvTasks]) -> None:
+        """Asynchronous rounds (RunConfig.mode "async"): whenever the aggregator gives this client a
+        training slot (RoundStatus.selected) on a version newer than the last it trained from, it plays
+        that version as a round (download, evaluate, explore, train, upload); once the run finished, it
+        evaluates the final version. `round_`, `done`: where the resumed progress stands."""
+        me, last = self.cfg.client_id, -1
+        if done:  # a version under way before a restart: finish it (an upload may still be taken)
+            final = round_ >= self.run_config.num_rounds
+            self.play_round(round_, done, final, tasks)
+            if final:
+                return
+            last = round_
+        while True:
+            self.heartbeat.set(RoundPhase.WAITING, last)
+            with PHASE_SECONDS.labels("wait").time():
+                st = self.fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_OPEN and s.round > last
+                                         and selected(s, me), timeout_s=self.cfg.round_timeout_s)
+            ROUND.set(st.round)
+            if st.state == fpb.ROUND_STATE_FINISHED:
+                self.play_round(st.round, "", True, tasks)
+                return
+            self.play_round(st.round, "", False, tasks)
+            last = st.round
 
     def play_round(self, round_: int, done: str, final: bool, tasks: list[EnvTasks]) -> None:
         """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported":

@@ -196,6 +196,9 @@ class FederationClient:
         self.channel = channel(target, self.security)
         self.stub = fpb_grpc.FederationServiceStub(self.channel)
         self.chunk_bytes = ad.CHUNK_BYTES
+        # Asynchronous rounds (RunConfig.mode "async"): how many versions behind an upload may be; None
+        # in synchronous rounds, where an upload is for the open round only.
+        self.max_staleness: int | None = None
 
     def close(self) -> None:
         self.channel.close()
@@ -371,6 +374,11 @@ class FederationClient:
     def _check_round(self, round_: int, detail: str) -> fpb.RoundStatus:
         """A fresh status; raises StaleRound unless `round_` is still the open round."""
         st = self.status()
+        if self.max_staleness is not None:  # asynchronous rounds: an upload may come from an earlier version
+            behind = st.round + (st.state == fpb.ROUND_STATE_AGGREGATING) - round_
+            if st.state == fpb.ROUND_STATE_FINISHED or behind > self.max_staleness:
+                raise StaleRound(round_, st, detail)
+            return st
         if st.state in (fpb.ROUND_STATE_AGGREGATING, fpb.ROUND_STATE_FINISHED) or st.round > round_:
             raise StaleRound(round_, st, detail)
         if st.round == round_ and not selected(st, self.client_id):

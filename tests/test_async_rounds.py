@@ -1,0 +1,129 @@
+"""Asynchronous buffered rounds (--mode async, FedBuff) on a hand-driven clock: training slots, the
+buffer folding into versions, staleness weights and refusals, a restart, and K = B = every client
+giving the synchronous result byte for byte."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedse import adapter as ad
+from services.aggregator.errors import StaleRound
+from services.aggregator.rounds import RoundKeeper
+from services.aggregator.state import State
+from services.aggregator.store import Store
+from services.aggregator.uploads import UploadHeader
+from test_rounds import A, B, Clock, adapter_bytes, federation, join, settings, settle
+
+
+def asynchronous(tmp_path, clock, **kw) -> RoundKeeper:
+    return federation(tmp_path, clock, mode="async", **kw)
+
+
+def send(fed: RoundKeeper, client: str, base: int, value: float) -> None:
+    """`client` uploads an adapter of `value`s trained from version `base`."""
+    data = adapter_bytes(value)
+    h = UploadHeader(client, base, fed.status().round_nonce, ad.sha256_hex(data), len(data))
+    done, _, gen = fed.begin_upload(h)
+    if not done:
+        fed.receive(h, gen, 0, data)
+        fed.finish_upload(h, gen)
+        fed.end_stream(h, gen)
+    settle(fed)
+
+
+def version(tmp_path, v: int) -> dict[str, torch.Tensor]:
+    return ad.decode(Store(tmp_path, "r").load_global(v))
+
+
+def test_every_client_every_version_is_the_synchronous_run_byte_for_byte(tmp_path):
+    clients = ("a", "b", "c")
+    values = {0: (1.0, 2.0, 4.0), 1: (-1.0, 0.5, 3.0), 2: (0.25, 0.125, 8.0)}
+    runs = {}
+    for mode in ("sync", "async"):
+        clock = Clock()
+        fed = federation(tmp_path / mode, clock, mode=mode, start_clients=3)
+        join(fed, *clients)
+        for v, vals in values.items():
+            assert fed.status().round == v
+            for cid, value in zip(clients, vals):
+                send(fed, cid, v, value)
+        assert fed.status().state is State.FINISHED
+        runs[mode] = [Store(tmp_path / mode, "r").load_global(v) for v in range(4)]
+    assert runs["async"] == runs["sync"]
+
+
+def test_slots_go_to_waiting_clients_and_a_client_trains_once_from_a_version(tmp_path):
+    clock = Clock()
+    fed = asynchronous(tmp_path, clock, start_clients=3, async_concurrency=2, async_buffer=2)
+    join(fed, "a", "b", "c")
+    assert fed.status().selected == ("a", "b")  # two slots: the first two in order
+    send(fed, "a", 0, 1.0)
+    assert fed.status().selected == ("b", "c")  # a's slot went to c; a waits for a newer version
+    _, views, _, _ = fed.run_view()
+    assert {v.client_id: v.selection_reason for v in views}["a"] == "its update from version 0 waits in the buffer"
+    send(fed, "c", 0, 3.0)  # the buffer of two is full: version 1, and a is given a slot again
+    st = fed.status()
+    assert st.round == 1 and st.selected == ("a", "b")  # b still trains from version 0; a waited longest
+    assert torch.equal(version(tmp_path, 1)[A], torch.full((2, 3), 2.0))  # every update from version 0: the mean
+
+
+def test_a_stale_update_is_weighted_down_and_one_too_stale_is_refused(tmp_path):
+    clock = Clock()
+    fed = asynchronous(tmp_path, clock, start_clients=3, async_concurrency=3, async_buffer=1, async_max_staleness=1)
+    join(fed, "a", "b", "c")
+    phi0 = version(tmp_path, 0)
+    send(fed, "a", 0, 1.0)  # version 1 = a's adapter
+    send(fed, "b", 0, 3.0)  # one version behind: version 2 = phi_1 + (x_b - phi_0) / sqrt(2)
+    assert fed.status().round == 2
+    expected = {k: (version(tmp_path, 1)[k].double() + (torch.full_like(phi0[k], 3.0).double() - phi0[k].double())
+                    / math.sqrt(2)).float() for k in (A, B)}
+    got = version(tmp_path, 2)
+    assert all(torch.allclose(got[k], expected[k]) for k in (A, B))
+    with pytest.raises(StaleRound, match="trained from version 0 is 2 versions behind .* at most 1 behind "
+                                         "\\(--async-max-staleness\\): download version 2 and train again"):
+        send(fed, "c", 0, 5.0)
+    assert fed.status().round == 2  # nothing folded
+
+
+def test_a_restart_keeps_the_buffer_and_the_slots(tmp_path):
+    clock = Clock()
+    kw = dict(mode="async", start_clients=3, async_concurrency=3, async_buffer=2)
+    fed = federation(tmp_path, clock, **kw)
+    join(fed, "a", "b", "c")
+    send(fed, "a", 0, 1.0)
+    again = RoundKeeper(settings(**kw), Store(tmp_path, "r"), clock=clock)
+    assert again.status().selected == ("b", "c") and "a" in again._buffer_locked()
+    send(again, "a", 0, 1.0)  # a repeated upload is acknowledged, not counted twice
+    assert again.status().round == 0
+    send(again, "b", 0, 3.0)
+    assert again.status().round == 1 and torch.equal(version(tmp_path, 1)[A], torch.full((2, 3), 2.0))
+
+
+def test_a_buffer_nobody_can_fill_folds_with_what_it_has(tmp_path):
+    clock = Clock()
+    fed = asynchronous(tmp_path, clock, start_clients=2, async_concurrency=2, async_buffer=2)
+    join(fed, "a", "b")
+    send(fed, "a", 0, 1.0)
+    clock.now += 11  # b stops answering (10 s timeout); a has no newer version to train from
+    fed.seen("a", 0, "waiting")
+    fed.tick()
+    settle(fed)
+    assert fed.status().round == 1 and fed.run.members["b"].dropouts == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(secure_aggregation=True), "--mode async cannot work with --secure-aggregation: a buffer mixes updates"),
+    (dict(strategy="median"), "use --strategy fedavg, not median"),
+    (dict(selector="sample", clients_per_round=2), "leave it at all, or use --mode sync"),
+    (dict(async_concurrency=2, async_buffer=3), "--async-buffer 3 is more than --async-concurrency 2"),
+    (dict(clip_norm=1.0), "does not clip or add noise"),
+])
+def test_what_async_rounds_cannot_do_is_refused_at_start_up(flags, message):
+    from fedse.config import ConfigError
+    from services.aggregator.server import AggregatorConfig
+
+    with pytest.raises(ConfigError, match=message):
+        AggregatorConfig(mode="async", **flags)
