@@ -263,6 +263,10 @@ def format_status(st) -> str:
         if sel.fallback_reason:
             lines.append(f"  fallback: {sel.fallback_reason}")
         lines.extend(f"  {step}" for step in sel.reasoning)
+    if c.mode == "async":
+        training = [cl.client_id for cl in st.clients if cl.selected]
+        lines.append(f"asynchronous rounds: version {r.round}; training: {', '.join(training) or 'nobody'}; a buffer "
+                     f"of {c.async_buffer or c.async_concurrency or len(st.clients)} uploads makes the next version")
     if st.round_seconds:
         lines.append("round durations: " + ", ".join(f"{s:.1f}s" for s in st.round_seconds))
     if st.dp_accounted:
@@ -280,7 +284,7 @@ def format_status(st) -> str:
         seen = f"{now - cl.last_seen_unix:.0f}s" if cl.last_seen_unix else "-"
         lines.append(f"{cl.client_id:<20} {cl.env:<10} {'yes' if cl.alive else 'NO':<5} {seen:>6} {phase:<18} "
                      f"{upload:<12} {f'r{cl.metrics_round}: ' + metrics if cl.metrics_round >= 0 else '-'}")
-        if st.HasField("selection"):
+        if st.HasField("selection") or (c.mode == "async" and cl.selection_reason):
             lines.append(f"{'':<20} {'chosen' if cl.selected else 'not chosen'}: {cl.selection_reason}")
     return "\n".join(lines)
 

@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import pathlib
-import platform
 import shutil
 import subprocess
 import sys
@@ -57,7 +56,7 @@ from apps.processes import Proc  # noqa: E402
 from fedse import adapter as ad  # noqa: E402
 from fedse import certs  # noqa: E402
 from fedse import secagg, signatures  # noqa: E402
-from fedse.machine import cpu  # noqa: E402
+from fedse.machine import describe_cpu  # noqa: E402
 from fedse.security import Security  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.client_agent.federation import FederationClient  # noqa: E402
@@ -248,10 +247,7 @@ def main() -> None:
     pki = work / "pki"
     pki.mkdir()
     make_pki(pki, max(ks))
-    model, flags = cpu()
-    print(f"# {model or platform.machine()}, {os.cpu_count()} cores, "
-          f"{'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}"
-          f"{', AMX' if 'amx_tile' in flags else ''}", flush=True)
+    print(f"# {describe_cpu()}", flush=True)
     print("# secure: secure aggregation without TLS; signed: secure aggregation over mTLS (signed keys and the "
           "consistency stage); plain: plain uploads without TLS and over mTLS. One run each.")
     print(f"{'adapter':>8} {'K':>3} {'plain s':>8} {'secure s':>9} {'x plain':>8} {'mask/client s':>14} "

@@ -37,6 +37,17 @@ def cpu() -> tuple[str, set[str]]:
     return fields.get("model name", ""), set(fields.get("flags", "").split())
 
 
+def describe_cpu() -> str:
+    """The CPU in one line, for the figures a benchmark prints: model, cores, vector units."""
+    import os
+    import platform
+
+    model, flags = cpu()
+    return (f"{model or platform.machine()}, {os.cpu_count()} cores, "
+            f"{'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}"
+            f"{' (bf16)' if 'avx512_bf16' in flags else ''}{', AMX' if 'amx_tile' in flags else ''}")
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bfloat16 natively (AMX or AVX512-BF16), where bf16 matmuls run
     several times faster than fp32."""

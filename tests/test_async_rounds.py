@@ -5,11 +5,13 @@ giving the synchronous result byte for byte."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from fedse import adapter as ad
+from fedse.v1 import federation_pb2 as fpb
 from services.aggregator.errors import StaleRound
 from services.aggregator.rounds import RoundKeeper
 from services.aggregator.state import State
@@ -127,3 +129,77 @@ def test_what_async_rounds_cannot_do_is_refused_at_start_up(flags, message):
 
     with pytest.raises(ConfigError, match=message):
         AggregatorConfig(mode="async", **flags)
+
+
+def test_a_client_agent_whose_update_went_stale_trains_again_from_the_newest_version(tmp_path):
+    """A real client agent (org-a) and a scripted client (org-b), buffers of one, no staleness allowed:
+    org-b's upload makes version 1 while org-a trains from version 0, so org-a's upload is refused as
+    stale; org-a trains again from version 1, and its upload makes the final version 2."""
+    import json
+    import threading
+
+    from services.client_agent.agent import ClientAgent
+    from services.client_agent.federation import FederationClient
+    from support import aggregator_in_process, env_server_in_process
+    from test_client_progress import agent_config
+
+    with env_server_in_process() as env_target, aggregator_in_process(
+            tmp_path / "agg", min_clients=1, start_clients=2, mode="async", async_concurrency=2, async_buffer=1,
+            async_max_staleness=0) as (_agg, port, run_dir):
+        target = f"127.0.0.1:{port}"
+        agent = ClientAgent(agent_config(env_target, target, tmp_path / "clients", explore_tasks=2, eval_tasks=1,
+                                         expert_demos=2))
+        b = FederationClient(target, "org-b", retries=2, backoff_s=0.1)
+        real_train, training = agent.train, threading.Event()
+
+        def train(round_):  # version 0's training ends after org-b's upload made version 1
+            if round_ == 0:
+                training.set()
+                b.wait_until(lambda s: s.round >= 1, timeout_s=60)
+            return real_train(round_)
+        agent.train = train
+        out: list = []
+        runner = threading.Thread(target=lambda: out.append(agent.run()))
+        runner.start()
+        phi0 = None
+        for _ in range(600):  # org-a joined first: phi_0 exists, with the run's schema
+            try:
+                phi0 = b.download(0)
+                break
+            except Exception:  # noqa: BLE001 - not there yet
+                time.sleep(0.05)
+        b.join("maze", agent.cfg.base_model, ad.Schema.of(ad.decode(phi0.data), phi0.adapter_config_json))
+        assert training.wait(60)
+        b.upload(0, phi0.data, num_examples=1, num_successes=1)
+        runner.join(timeout=120)
+        agent.close()
+        history = out[0]
+        assert [int(r["round"]) for r in history] == [0, 1, 2]
+        assert history[0]["upload_stale"] == 1.0 and "upload_stale" not in history[1]
+        assert b.status().state == fpb.ROUND_STATE_FINISHED
+        accepted = {(json.loads(p.read_text())["base"], p.stem) for p in run_dir.glob("uploads/*/*.json")
+                    if not p.name.endswith(".part.json")}
+        assert accepted == {(0, "org-b"), (1, "org-a")}
+        b.close()
+
+
+def test_over_grpc_the_run_says_who_trains_and_fedse_status_shows_it(tmp_path):
+    from apps.cli import format_status
+    from services.client_agent.federation import FederationClient
+    from support import aggregator_in_process
+
+    state = {A: torch.zeros(2, 3), B: torch.zeros(3, 2)}
+    with aggregator_in_process(tmp_path, min_clients=1, start_clients=3, mode="async", async_concurrency=2,
+                               async_buffer=2, async_max_staleness=3) as (_agg, port, _):
+        clients = [FederationClient(f"127.0.0.1:{port}", cid, retries=2, backoff_s=0.1) for cid in ("x", "y", "z")]
+        for c in clients:
+            joined = c.join("maze", "fedse-tiny", ad.Schema.of(state, '{"r": 2}'))
+        assert (joined.config.mode, joined.config.async_concurrency, joined.config.async_buffer,
+                joined.config.async_max_staleness) == ("async", 2, 2, 3)
+        st = clients[0].status()
+        assert st.selective and list(st.selected) == ["x", "y"]
+        shown = format_status(clients[0].stub.GetRunStatus(fpb.RunStatusRequest()))
+        assert "asynchronous rounds: version 0; training: x, y; a buffer of 2 uploads makes the next version" in shown
+        assert "not chosen: waits for a free training slot" in shown
+        for c in clients:
+            c.close()
