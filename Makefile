@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-kernels images clean
+.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-kernels images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,7 +39,7 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: bench-env bench-aggregation bench-transfer bench-secure bench-kernels
+bench: bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-kernels
 
 bench-env: $(STAMP)
 	$(PY) bench/env_throughput.py
@@ -52,6 +52,9 @@ bench-transfer: $(STAMP)
 
 bench-secure: $(STAMP)
 	$(PY) bench/secure_round.py
+
+bench-selection: $(STAMP)
+	$(PY) bench/selection.py
 
 bench-kernels: $(STAMP)
 	$(PY) bench/kernel_lengths.py

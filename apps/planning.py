@@ -15,8 +15,7 @@ import pathlib
 from typing import Any, Sequence, TypeVar
 
 from fedse.config import SCORINGS, ConfigError, field, flags, parse
-from fedse.pretrained import check_base_model
-from fedse.tinymodel import TINY_MODEL_NAME, names_tiny_model
+from fedse.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.config import ClientConfig
 from services.env_server.server import EnvServerConfig

@@ -45,7 +45,8 @@ MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS_NAME, "tokenizer
                "chat_template.jinja")
 # transformers reads GGUF files with this package; pinned like everything else (requirements-test.txt).
 GGUF_REQUIREMENT = "gguf==0.19.0"
-# fedse.tinymodel.TINY_MODEL_NAME, spelt out here so that checking a --base-model does not import torch.
+# The embedded tiny model's name (fedse.tinymodel builds it); here, so that checking a --base-model
+# does not import torch.
 TINY_MODEL_NAME = "fedse-tiny"
 # fp32 weights saved and reloaded are the same numbers: any difference beyond float noise is a bug.
 LOGIT_TOLERANCE = 1e-4
@@ -109,6 +110,19 @@ def get_base(name: str) -> Base:
         return BASES[name]
     except KeyError:
         raise ConfigError(f"unknown model {name!r}: known are {', '.join(sorted(BASES))}") from None
+
+
+def names_tiny_model(base_model: str) -> bool:
+    """True for TINY_MODEL_NAME and for a directory export_tiny_model wrote (its config.json says
+    how to rebuild the model: "fedse_tiny"); False for anything else, existing or not."""
+    if base_model == TINY_MODEL_NAME:
+        return True
+    try:
+        with open(os.path.join(base_model, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "fedse_tiny" in config
 
 
 def check_base_model(name_or_path: str, flag: str = "--base-model") -> None:

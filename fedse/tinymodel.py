@@ -54,7 +54,9 @@ from typing import Any
 import torch
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
-TINY_MODEL_NAME = "fedse-tiny"
+# The model's name and how to tell it, where checking a --base-model needs no torch.
+from fedse.pretrained import TINY_MODEL_NAME
+
 
 # Architecture and initialisation; any of these can be overridden in build_tiny_model(**overrides).
 TINY_DEFAULTS: dict[str, Any] = {
@@ -246,19 +248,6 @@ def tiny_config_json(seed: int = 0, **overrides: Any) -> str:
     d["_name_or_path"] = TINY_MODEL_NAME
     d["fedse_tiny"] = {"seed": int(seed), **tiny_settings(**overrides)}
     return json.dumps(d, indent=2, sort_keys=True)
-
-
-def names_tiny_model(base_model: str) -> bool:
-    """True for TINY_MODEL_NAME and for a directory export_tiny_model wrote (its config.json says
-    how to rebuild the model: "fedse_tiny"); False for anything else, existing or not."""
-    if base_model == TINY_MODEL_NAME:
-        return True
-    try:
-        with open(os.path.join(base_model, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "fedse_tiny" in config
 
 
 def export_tiny_model(directory: str, seed: int = 0, **overrides: Any) -> str:

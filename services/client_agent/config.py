@@ -6,7 +6,7 @@ import dataclasses
 
 from fedse.config import SCORINGS, ConfigError, field
 from fedse.security import Security
-from fedse.tinymodel import TINY_MODEL_NAME
+from fedse.pretrained import TINY_MODEL_NAME
 
 # What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
 KEEP_MODES = ("successes", "all")
