@@ -335,3 +335,21 @@ def serve_fake(agg: FakeAggregator):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
+
+
+def join_with_phi0(client, env: str, base_model: str, timeout: float = 30.0):
+    """Joins `client` (a FederationClient) to a run another client joined first, with that run's adapter
+    schema as phi_0 shows it; returns phi_0 (services.client_agent.federation.GlobalAdapter)."""
+    from fedse import adapter as ad
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            phi0 = client.download(0)
+            break
+        except Exception:  # noqa: BLE001 - no adapter yet: the first client has not joined
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    client.join(env, base_model, ad.Schema.of(ad.decode(phi0.data), phi0.adapter_config_json))
+    return phi0

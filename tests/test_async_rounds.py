@@ -5,7 +5,6 @@ giving the synchronous result byte for byte."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -140,7 +139,7 @@ def test_a_client_agent_whose_update_went_stale_trains_again_from_the_newest_ver
 
     from services.client_agent.agent import ClientAgent
     from services.client_agent.federation import FederationClient
-    from support import aggregator_in_process, env_server_in_process
+    from support import aggregator_in_process, env_server_in_process, join_with_phi0
     from test_client_progress import agent_config
 
     with env_server_in_process() as env_target, aggregator_in_process(
@@ -161,14 +160,7 @@ def test_a_client_agent_whose_update_went_stale_trains_again_from_the_newest_ver
         out: list = []
         runner = threading.Thread(target=lambda: out.append(agent.run()))
         runner.start()
-        phi0 = None
-        for _ in range(600):  # org-a joined first: phi_0 exists, with the run's schema
-            try:
-                phi0 = b.download(0)
-                break
-            except Exception:  # noqa: BLE001 - not there yet
-                time.sleep(0.05)
-        b.join("maze", agent.cfg.base_model, ad.Schema.of(ad.decode(phi0.data), phi0.adapter_config_json))
+        phi0 = join_with_phi0(b, "maze", agent.cfg.base_model)  # org-a joined first
         assert training.wait(60)
         b.upload(0, phi0.data, num_examples=1, num_successes=1)
         runner.join(timeout=120)

@@ -4,7 +4,6 @@ upload, when such a round closes, what is recorded and what a restart keeps."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -195,7 +194,7 @@ def test_a_client_agent_sits_out_a_round_it_was_not_chosen_for_even_across_a_res
     from services.client_agent.agent import ClientAgent
     from services.client_agent.federation import FederationClient
     from services.client_agent.heartbeat import RoundPhase
-    from support import aggregator_in_process, env_server_in_process
+    from support import aggregator_in_process, env_server_in_process, join_with_phi0
     from test_client_progress import Crash, agent_config
 
     seed = _seed_where("t", "org-b", "org-a")
@@ -231,14 +230,7 @@ def test_a_client_agent_sits_out_a_round_it_was_not_chosen_for_even_across_a_res
 
         first = run(crash=True)
         b = FederationClient(target, "org-b", retries=2, backoff_s=0.1)
-        phi0 = None
-        for _ in range(600):  # org-a joined first: phi_0 exists, with the run's schema
-            try:
-                phi0 = b.download(0)
-                break
-            except Exception:  # noqa: BLE001 - not there yet
-                time.sleep(0.05)
-        b.join("maze", cfg.base_model, ad.Schema.of(ad.decode(phi0.data), phi0.adapter_config_json))
+        phi0 = join_with_phi0(b, "maze", cfg.base_model)  # org-a joined first
         first.join(timeout=60)
         assert runs == [None]  # killed while sitting round 0 out
         second = run(crash=False)  # it sits round 0 out again: no upload nor report of round 0 below

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from services.aggregator.selection import ClientHistory, SelectionInput, SelectionSettings, make_policy
+from services.aggregator.selection import SelectionInput, SelectionSettings, make_policy
 from services.aggregator.selector_agents import AnswerError, LLMAgent, ToolAgent, check_answer
 from test_selection import ALIVE, check, history, inp
 
