@@ -240,3 +240,19 @@ def test_an_adapter_out_of_the_fixed_point_range_sits_the_round_out(tmp_path):
         assert results[:2] == [True, True]
         assert isinstance(results[2], secagg.SecureError) and "within ±4096" in str(results[2])
         assert_equals_mean(published(parties[0]), mean_of(parties[:2]))
+
+
+def test_with_a_selector_only_the_chosen_clients_take_part_and_their_mean_is_published(tmp_path):
+    from services.client_agent.federation import NotSelected
+
+    with federation(tmp_path, 4, selector="sample", clients_per_round=2) as (agg, _, run_dir, parties):
+        chosen = set(parties[0].fed.status().selected)
+        assert len(chosen) == 2
+        threads = [p.start() for p in parties]
+        results = finish(parties, threads)
+        for p, result in zip(parties, results):
+            if p.client_id in chosen:
+                assert result is True
+            else:  # told at once, before any stage: it takes no part in the attempt
+                assert isinstance(result, NotSelected) and not p.steps
+        assert_equals_mean(published(parties[0]), mean_of([p for p in parties if p.client_id in chosen]))
