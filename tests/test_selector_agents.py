@@ -127,6 +127,8 @@ def test_selector_settings_refuse_what_does_not_fit():
         SelectionSettings("available", clients_per_round=2).policy()
     assert make_policy(**SelectionSettings("agent-llm", 3, model="fedse-tiny").policy().config()).model == \
         "fedse-tiny"
+    with pytest.raises(ValueError, match="max_seconds must be a number of seconds in"):
+        LLMAgent(max_seconds=0)
 
 
 def test_the_round_keeper_counts_fallbacks_and_keeps_the_agents_memory_across_a_restart(tmp_path):

@@ -215,17 +215,21 @@ class LLMAgent(Policy):
                    "checked, and agent-tools decides where it fails")
 
     def __init__(self, clients_per_round: int | None = None, fraction: float | None = None, model: str = "",
-                 max_new_tokens: int = 96) -> None:
+                 max_new_tokens: int = 96, max_seconds: float = 10.0) -> None:
         self.tools = ToolAgent(clients_per_round, fraction)
         if not isinstance(max_new_tokens, int) or not 8 <= max_new_tokens <= 1024:
             raise ValueError(f"max_new_tokens must be an integer from 8 to 1024, got {max_new_tokens!r}")
-        self.model, self.max_new_tokens = str(model), max_new_tokens
+        if not _number(max_seconds) or not 0 < max_seconds <= 600:
+            raise ValueError(f"max_seconds must be a number of seconds in (0, 600], got {max_seconds!r}")
+        # The round opens once the model answered: its answer is cut off after max_seconds.
+        self.model, self.max_new_tokens, self.max_seconds = str(model), max_new_tokens, float(max_seconds)
         self._loaded: tuple[str, Any, Any] | None = None
         self._lock = threading.Lock()
 
     def config(self) -> dict[str, Any]:
         count = self.tools.count.config() if self.tools.count is not None else {}
-        return {"name": self.name, **count, "model": self.model, "max_new_tokens": self.max_new_tokens}
+        return {"name": self.name, **count, "model": self.model, "max_new_tokens": self.max_new_tokens,
+                "max_seconds": self.max_seconds}
 
     def prompt(self, inp: SelectionInput, plan: Choice) -> str:
         """The question: the run's history and the tools' findings, as JSON, and the answer's form."""
@@ -257,7 +261,7 @@ class LLMAgent(Policy):
                                                  add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=self.max_new_tokens, do_sample=False,
+            out = model.generate(**ids, max_new_tokens=self.max_new_tokens, do_sample=False, max_time=self.max_seconds,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
