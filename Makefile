@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-kernels images clean
+.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,7 +39,7 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-kernels
+bench: bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels
 
 bench-env: $(STAMP)
 	$(PY) bench/env_throughput.py
@@ -55,6 +55,9 @@ bench-secure: $(STAMP)
 
 bench-selection: $(STAMP)
 	$(PY) bench/selection.py
+
+bench-ranks: $(STAMP)
+	$(PY) bench/mixed_ranks.py
 
 bench-kernels: $(STAMP)
 	$(PY) bench/kernel_lengths.py

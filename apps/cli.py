@@ -267,6 +267,9 @@ def format_status(st) -> str:
         training = [cl.client_id for cl in st.clients if cl.selected]
         lines.append(f"asynchronous rounds: version {r.round}; training: {', '.join(training) or 'nobody'}; a buffer "
                      f"of {c.async_buffer or c.async_concurrency or len(st.clients)} uploads makes the next version")
+    if c.max_lora_rank:
+        sizes = ", ".join(f"{cl.client_id} r{cl.lora_rank}" for cl in st.clients) or "no client yet"
+        lines.append(f"mixed LoRA ranks up to {c.max_lora_rank} ({c.strategy}): {sizes}")
     if st.round_seconds:
         lines.append("round durations: " + ", ".join(f"{s:.1f}s" for s in st.round_seconds))
     if st.dp_accounted:
@@ -286,7 +289,22 @@ def format_status(st) -> str:
                      f"{upload:<12} {f'r{cl.metrics_round}: ' + metrics if cl.metrics_round >= 0 else '-'}")
         if st.HasField("selection") or (c.mode == "async" and cl.selection_reason):
             lines.append(f"{'':<20} {'chosen' if cl.selected else 'not chosen'}: {cl.selection_reason}")
+        guarded = guardian_line(cl.metrics)
+        if guarded:
+            lines.append(f"{'':<20} {guarded}")
     return "\n".join(lines)
+
+
+def guardian_line(m) -> str:
+    """What a client's guardian chose and spent, from the metrics it reported ("" where it has none)."""
+    parts = []
+    if "guardian_rank" in m:
+        parts.append(f"guardian: rank {m['guardian_rank']:.0f}, {m['guardian_batch_tokens']:.0f} tokens a micro-batch, "
+                     f"{'bf16' if m.get('guardian_bf16') else 'fp32'} (needs {m.get('guardian_need_mb', 0):.0f} MB)")
+    if "privacy_epsilon_limit" in m:
+        parts.append(f"privacy: epsilon {m['privacy_epsilon_spent']:.3g} of {m['privacy_epsilon_limit']:.3g}, "
+                     f"{m.get('rounds_declined', 0):.0f} round(s) declined")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

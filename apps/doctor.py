@@ -170,6 +170,7 @@ def base_model(cfg: ClientConfig) -> str:
     """Loads the base model with this client's LoRA settings and compares it with the run's: its base
     model, and the schema of the run's global adapter (once the first client joined)."""
     from fedse import adapter as ad
+    from fedse import ranks
     from fedse.v1 import federation_pb2 as fpb
     from services.client_agent import model as mdl
     from services.client_agent.federation import FederationClient
@@ -187,9 +188,13 @@ def base_model(cfg: ClientConfig) -> str:
         if not run.base_model:
             return f"{cfg.base_model} loads ({len(ours.tensors)} LoRA tensors); no client has joined yet"
         theirs = ad.decode_transport(fed.download(-1).data)
+        top = run.config.max_lora_rank
         try:
-            ad.check_tensors(ours, {n: ad.TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                                    for n, t in theirs.items()}, dtypes=False, expected_by="this client's LoRA")
+            if top:  # mixed ranks: the run's adapter is at its maximum rank, ours at any rank up to it
+                ranks.check_fits(ad.Schema.of(theirs, ours.adapter_config_json), ours, top)
+            else:
+                ad.check_tensors(ours, {n: ad.TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                        for n, t in theirs.items()}, dtypes=False, expected_by="this client's LoRA")
         except ad.AdapterError as exc:
             raise Failed(f"this client's LoRA does not fit the run's adapter: {exc} (check --lora-r and "
                          "--target-modules against the other clients')") from None

@@ -1,5 +1,5 @@
 """`fedse experiment`: the Fed-SE paper's comparison and ablations, with seeds, in one command; and
-the client selectors compared the same way (--methods selectors).
+the client selectors and mixed LoRA ranks compared the same way (--methods selectors, ranks).
 
 Every method is a whole local federation (`apps.launcher.run`: real env servers, aggregator and
 client agents talking gRPC) that differs from Fed-SE only in the settings that define it:
@@ -15,6 +15,9 @@ the history (each round trains on the expert data and its own round's successes 
 weighted by successes, and LoRA rank 2, 4 and 16 (Fed-SE itself is rank 8; alpha = 2 x rank).
 The selectors (--methods selectors) are Fed-SE with half the clients taking part in each round, chosen
 by `sample`, `utility`, `agent-tools` or `agent-llm` (every client evaluates the final adapter).
+Mixed ranks (--methods ranks) are Fed-SE with the clients at LoRA ranks 4, 16 and 8 in turn (alpha =
+2 x rank), combined by `hlora` (the exact sum of the products, each client taking its best rank) and
+by `zero-pad` (HetLoRA's padded mean, the naive baseline), beside Fed-SE with every client at rank 8.
 
 All methods share seeds, tasks and budgets: for each seed the runs start from the same base model
 and phi_0 and see the same training and test tasks. The score of a run is the held-out success of
@@ -22,7 +25,7 @@ its last global adapter phi_T; an environment's average is micro-averaged over t
 method runs once per seed and the table shows mean +- sample standard deviation over seeds.
 
 Output in --results: table.md (the paper's layout), results.csv (every run, environment and
-round), methods.png, ablations.png and selectors.png (success per round per environment), bytes.png (adapter
+round), methods.png, ablations.png, selectors.png and ranks.png (success per round per environment), bytes.png (adapter
 bytes each client sends per round), and runs/<method>-seed<k>/ with each run's own results and
 logs. A run whose results.json exists with the same settings is not run again, so an interrupted
 experiment picks up where it stopped (--fresh runs everything again).
@@ -71,11 +74,16 @@ METHODS: tuple[Method, ...] = (
     Method("utility", "utility (Oort) half", "selection", {"selector": "utility", "selection_fraction": 0.5}),
     Method("agent-tools", "agent-tools half", "selection", {"selector": "agent-tools", "selection_fraction": 0.5}),
     Method("agent-llm", "agent-llm half", "selection", {"selector": "agent-llm", "selection_fraction": 0.5}),
+    # Fed-SE with clients at mixed LoRA ranks (4, 16, 8 in turn; Fed-SE itself: every client at rank 8).
+    Method("hlora", "hlora, ranks 4/16/8", "ranks", {"strategy": "hlora", "lora_ranks": "4,16,8"}),
+    Method("zero-pad", "zero-pad, ranks 4/16/8", "ranks", {"strategy": "zero-pad", "lora_ranks": "4,16,8"}),
+    Method("flexlora", "flexlora, ranks 4/16/8", "ranks", {"strategy": "flexlora", "lora_ranks": "4,16,8"}),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # What --methods accepts besides method keys.
-GROUPS = {"all": [m.key for m in METHODS if m.group != "selection"],
-          "selectors": ["fedse"] + [m.key for m in METHODS if m.group == "selection"]}
+GROUPS = {"all": [m.key for m in METHODS if m.group not in ("selection", "ranks")],
+          "selectors": ["fedse"] + [m.key for m in METHODS if m.group == "selection"],
+          "ranks": ["fedse", "hlora", "zero-pad"]}
 PRETRAINED = "Pre-trained"
 
 # Budgets: what a run of each method costs. "quick" is sized to finish every method for every seed
@@ -103,7 +111,8 @@ class ExperimentConfig:
                                  "hour) or 'full' (GPU machine, real model: all five environments, all test tasks)")
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                              + " ('all' = the paper's methods and ablations; 'selectors' = fedse and the client "
-                               "selectors, each taking half the clients a round; Pre-trained comes with fedse; "
+                               "selectors, each taking half the clients a round; 'ranks' = fedse at rank 8 beside "
+                               "hlora and zero-pad with clients at ranks 4, 16 and 8; Pre-trained comes with fedse; "
                                "'' = the budget's)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
@@ -124,7 +133,7 @@ class ExperimentConfig:
         unknown = [k for k in self.method_keys() if k not in BY_KEY]
         if unknown:
             raise ConfigError(f"--methods: unknown {', '.join(unknown)}; choose from "
-                              f"{', '.join(m.key for m in METHODS)}, 'all' or 'selectors'")
+                              f"{', '.join(m.key for m in METHODS)}, 'all', 'selectors' or 'ranks'")
         if not self.method_keys():
             raise ConfigError("--methods is empty: name at least one method, or 'all'")
         if self.lr != -1 and not self.lr > 0:
@@ -316,7 +325,8 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                      + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
     ref = scored.get("Fed-SE")
-    for group, head, fedse in (("ablation", "Variant", "Fed-SE (rank 8)"), ("selection", "Selector", "Fed-SE (all)")):
+    for group, head, fedse in (("ablation", "Variant", "Fed-SE (rank 8)"), ("selection", "Selector", "Fed-SE (all)"),
+                               ("ranks", "Mixed ranks", "Fed-SE (every client at rank 8)")):
         variants = [name for name, s in scored.items() if s["group"] == group]
         if not variants:
             continue
@@ -357,6 +367,9 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
     if any(s["group"] == "selection" for s in summary["methods"].values()):
         plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "selection"],
                     root / "selectors.png", "Fed-SE (every client a round) and the selectors (half)")
+    if any(s["group"] == "ranks" for s in summary["methods"].values()):
+        plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ranks"],
+                    root / "ranks.png", "Fed-SE (every client at rank 8) and mixed ranks 4/16/8")
     plot_bytes(summary, root / "bytes.png")
     (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
 

@@ -62,6 +62,8 @@ class RunConfig:
     base_model: str = setting(ClientConfig, "base_model")
     strategy: str = setting(AggregatorConfig, "strategy")
     secure_aggregation: bool = setting(AggregatorConfig, "secure_aggregation")
+    clip_norm: float = setting(AggregatorConfig, "clip_norm")
+    noise_multiplier: float = setting(AggregatorConfig, "noise_multiplier")
     selector: str = setting(AggregatorConfig, "selector")
     clients_per_round: int = setting(AggregatorConfig, "clients_per_round")
     selection_fraction: float = setting(AggregatorConfig, "selection_fraction")
@@ -80,6 +82,15 @@ class RunConfig:
     history: str = setting(ClientConfig, "history")
     lora_r: int = setting(ClientConfig, "lora_r")
     lora_alpha: int = setting(ClientConfig, "lora_alpha")
+    guardian: bool = setting(ClientConfig, "guardian")
+    memory_limit_mb: int = setting(ClientConfig, "memory_limit_mb")
+    privacy_epsilon: float = setting(ClientConfig, "privacy_epsilon")
+    lora_ranks: str = field("", "mixed LoRA ranks: ENV=RANK pairs, comma-separated: the client holding ENV trains that "
+                                "rank (the others --lora-r), or plain ranks given to the environments in turn (e.g. "
+                                "4,16,8); alpha keeps --lora-alpha/--lora-r's ratio; needs --strategy hlora, flexlora "
+                                "or zero-pad")
+    max_lora_rank: int = field(0, "with --strategy hlora, flexlora or zero-pad: the rank the run's adapter is held at "
+                                  "(0 = the largest rank a client trains)")
     eval_tasks: int = setting(ClientConfig, "eval_tasks")
     lr: float = setting(ClientConfig, "lr")
     policy: str = setting(ClientConfig, "policy")
@@ -103,8 +114,15 @@ class RunConfig:
         if self.secure_aggregation and (self.topology != "federated" or len(self.env_list()) < 2):
             raise ConfigError("--secure-aggregation needs --topology federated and two environments or more: "
                               "a secure round averages two clients' adapters or more")
-        for service in (ClientConfig, AggregatorConfig):  # the settings passed on, checked by their owners
-            service(**self.passed_on(service))
+        ranks = self.rank_pairs()
+        if ranks and not self.mixed_ranks():
+            raise ConfigError(f"--lora-ranks gives clients different ranks, which --strategy {self.strategy} cannot "
+                              "average: use --strategy hlora, flexlora or zero-pad")
+        if self.max_lora_rank and self.max_lora_rank < max([self.lora_r, *ranks.values()]):
+            raise ConfigError(f"--max-lora-rank {self.max_lora_rank} is below a rank a client trains "
+                              f"({max([self.lora_r, *ranks.values()])}): raise it, or give 0 (the largest)")
+        ClientConfig(**self.passed_on(ClientConfig))  # the settings passed on, checked by their owners
+        AggregatorConfig(**self.passed_on(AggregatorConfig), max_lora_rank=self.run_max_rank())
         specs = self.env_specs()
         from services.env_server import registry
 
@@ -132,6 +150,51 @@ class RunConfig:
         """This run's settings that every process of `service` takes, by their names there."""
         return {f.metadata["as"]: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.metadata.get("service") is service}
+
+    def mixed_ranks(self) -> bool:
+        """Whether the strategy combines clients of mixed LoRA ranks (hlora, flexlora, zero-pad)."""
+        from services.aggregator.strategies import BY_NAME
+
+        return self.strategy in BY_NAME and BY_NAME[self.strategy].mixed
+
+    def rank_pairs(self) -> dict[str, int]:
+        """--lora-ranks as {environment: rank}: ENV=RANK pairs, or plain ranks given to the environments in
+        order (cycled: "4,16,8"); ConfigError for a malformed one."""
+        parts = [p.strip() for p in self.lora_ranks.split(",") if p.strip()]
+        plain = parts and all("=" not in p for p in parts)
+        envs = list(self.env_specs())
+        pairs = [(env, parts[i % len(parts)]) for i, env in enumerate(envs)] if plain else \
+            [tuple(x.strip() for x in p.partition("=")[::2]) for p in parts]
+        out: dict[str, int] = {}
+        for env, rank in pairs:
+            if not env or not rank.isdigit() or int(rank) < 1:
+                raise ConfigError(f"--lora-ranks {self.lora_ranks!r}: write ENV=RANK pairs separated by commas (e.g. "
+                                  "maze=4,wordle=16), or ranks given to the environments in turn (e.g. 4,16,8), each "
+                                  "a positive integer")
+            out[env] = int(rank)
+        unknown = set(out) - set(envs)
+        if unknown:
+            raise ConfigError(f"--lora-ranks names {', '.join(sorted(unknown))}: this run's environments are "
+                              f"{', '.join(envs)}")
+        return out
+
+    def client_lora(self, envs: Sequence[str]) -> tuple[int, int]:
+        """(lora_r, lora_alpha) of the client holding `envs`: the largest rank --lora-ranks gives them (else
+        --lora-r), with alpha at --lora-alpha/--lora-r's ratio."""
+        given = self.rank_pairs()
+        r = max((given[e] for e in envs if e in given), default=self.lora_r)
+        if not r:  # --lora-r 0: the guardian chooses, alpha read as rank 8's
+            return r, self.lora_alpha
+        return r, max(1, round(r * self.lora_alpha / (self.lora_r or 8)))
+
+    def run_max_rank(self) -> int:
+        """The aggregator's --max-lora-rank: 0 for a strategy of one rank, else --max-lora-rank or the largest
+        rank a client trains."""
+        if not self.mixed_ranks():
+            return 0
+        from services.client_agent.guardian import DEFAULT_TOP_RANK
+
+        return self.max_lora_rank or max([self.lora_r, *self.rank_pairs().values()]) or DEFAULT_TOP_RANK
 
     def env_specs(self) -> dict[str, str]:
         """Each environment's name and its spec as the env server takes it (parsed only: __post_init__
@@ -238,7 +301,8 @@ def aggregator_config(cfg: RunConfig, fed: Federation, state: pathlib.Path) -> A
     to join; a round closes once every client still heard from has uploaded, so without one that
     died; the deadline alone cuts a healthy round short."""
     return service_config(AggregatorConfig, address=LOOPBACK, metrics_port=-1, state_dir=str(state / fed.name),
-                          run_id=fed.run_id, **cfg.passed_on(AggregatorConfig), start_clients=len(fed.clients),
+                          run_id=fed.run_id, **cfg.passed_on(AggregatorConfig), max_lora_rank=cfg.run_max_rank(),
+                          start_clients=len(fed.clients),
                           min_clients=1, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
                           heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, wait_after_min_s=cfg.round_deadline_s,
                           seed=cfg.seed)
@@ -249,8 +313,10 @@ def client_config(cfg: RunConfig, client: Client, env_server: str, aggregator: s
     """The client agent `client`, talking to the env server and aggregator at those addresses, with
     `threads` torch threads and its state under state/clients."""
     demos = cfg.demo_files()
+    lora_r, lora_alpha = cfg.client_lora(client.envs)
+    settings = {**cfg.passed_on(ClientConfig), "lora_r": lora_r, "lora_alpha": lora_alpha}
     return service_config(ClientConfig, client_id=client.client_id, env=",".join(client.envs), env_server=env_server,
                           aggregator=aggregator, address=LOOPBACK, metrics_port=-1, state_dir=str(state / "clients"),
-                          **cfg.passed_on(ClientConfig), scoring=scoring_for(cfg.scoring, client.envs, cfg.base_model),
+                          **settings, scoring=scoring_for(cfg.scoring, client.envs, cfg.base_model),
                           seed=cfg.seed, torch_threads=threads,
                           demos=tuple(path for e in client.envs for path in demos.get(e, [])))

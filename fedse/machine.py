@@ -1,5 +1,5 @@
-"""What this machine offers a process: its CPU cores, whether the CPU computes bfloat16 natively, and
-giving freed memory back to the system."""
+"""What this machine offers a process: its CPU cores, whether the CPU computes bfloat16 natively, its
+memory, and giving freed memory back to the system."""
 
 from __future__ import annotations
 
@@ -66,3 +66,44 @@ def release_free_memory() -> None:
         ctypes.CDLL(name).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _meminfo_bytes(field: str) -> int:
+    for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/meminfo has no {field}")
+
+
+def resident_bytes(device=None) -> int:
+    """What this process holds now: CUDA's allocated bytes on a CUDA device, else its resident set (RSS)."""
+    if device is not None and getattr(device, "type", "") == "cuda":
+        import torch
+
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def available_memory_bytes(device=None) -> int:
+    """The most this process may hold: a CUDA device's total memory; on a CPU its cgroup's memory limit
+    (a container's) where one is set, else what the machine has available plus what the process holds."""
+    if device is not None and getattr(device, "type", "") == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        text = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if text != "max":
+            return int(text)
+    except (OSError, ValueError):
+        pass
+    try:
+        return _meminfo_bytes("MemAvailable") + resident_bytes()
+    except (OSError, ValueError):
+        return 0

@@ -37,7 +37,7 @@ from fedse.adapter import Schema, clip_factor
 MASKED_DTYPE = "masked-uint64"  # AdapterHeader.transport_dtype of a masked upload
 BLOCK = 1 << 15  # ring elements masked at a time (256 KiB: the block stays in cache while every mask is added)
 SHARE_PLAINTEXT = 2 * masking.SEED_BYTES
-STRATEGIES = ("fedavg", "weighted")  # the strategies a masked sum can give
+STRATEGIES = ("fedavg", "weighted", "zero-pad")  # the strategies a masked sum can give (zero-pad: clients pad)
 
 
 class SecureError(ValueError):

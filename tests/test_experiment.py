@@ -97,11 +97,17 @@ def test_settings_come_from_the_budget_unless_given():
     assert ex.ExperimentConfig(budget="cpu-real", methods="fedse", lr=5e-4).run_config(
         ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 5e-4
     # quick: the paper's methods and ablations; the selectors when asked for, beside Fed-SE
-    assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS if m.group != "selection"]
+    assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS if m.group not in ("selection", "ranks")]
     assert ex.ExperimentConfig(methods="selectors").method_keys() == ["fedse", "sample", "utility", "agent-tools",
                                                                       "agent-llm"]
     sampled = ex.ExperimentConfig(methods="selectors").run_config(ex.BY_KEY["agent-tools"], 0, pathlib.Path("x"))
     assert (sampled.selector, sampled.selection_fraction) == ("agent-tools", 0.5)
+    # mixed ranks: Fed-SE at rank 8 beside hlora and zero-pad, whose clients take ranks 4, 16 and 8 in turn
+    mixed = ex.ExperimentConfig(methods="ranks", envs="maze,wordle,babyai")
+    assert mixed.method_keys() == ["fedse", "hlora", "zero-pad"]
+    hlora = mixed.run_config(ex.BY_KEY["hlora"], 0, pathlib.Path("x"))
+    assert (hlora.strategy, hlora.run_max_rank()) == ("hlora", 16)
+    assert [hlora.client_lora([e]) for e in ("maze", "wordle", "babyai")] == [(4, 8), (16, 32), (8, 16)]
     with pytest.raises(ConfigError, match="--lr must be positive"):
         ex.ExperimentConfig(lr=0.0)
 

@@ -98,6 +98,7 @@ def test_run_config_passes_on_the_services_settings_with_their_defaults_but_the_
     assert set(cfg.passed_on(ClientConfig)) >= {"base_model", "explore_tasks", "eval_tasks", "keep", "history", "lr"}
     assert cfg.passed_on(AggregatorConfig) == {
         "num_rounds": 5, "strategy": "fedavg", "secure_aggregation": False, "round_deadline_s": 1800.0,
+        "clip_norm": 0.0, "noise_multiplier": 0.0,
         "selector": "all", "clients_per_round": 0, "selection_fraction": 0.0, "fairness_rounds": 0,
         "selector_model": "", "mode": "sync", "async_concurrency": 0, "async_buffer": 0, "async_max_staleness": 8}
 

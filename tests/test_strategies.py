@@ -6,6 +6,7 @@ import torch
 from fedse.adapter import encode
 from services.aggregator.adapter_files import AdapterFile
 from services.aggregator.strategies import (
+    BY_NAME,
     STRATEGIES,
     StrategyParams,
     Update,
@@ -93,7 +94,7 @@ def test_weighted_refuses_negative_success_counts():
 
 
 def test_strategies_lists_the_command_line_names_with_descriptions():
-    assert list(STRATEGIES) == ["fedavg", "weighted", "exact", "median", "trimmed_mean"]
+    assert list(STRATEGIES) == ["fedavg", "weighted", "exact", "hlora", "flexlora", "zero-pad", "median", "trimmed_mean"]
     assert all(isinstance(d, str) and d for d in STRATEGIES.values())
 
 
@@ -318,7 +319,8 @@ def test_lazy_adapter_files_give_the_same_result_as_in_memory_adapters(tmp_path,
     for u in ups:
         (tmp_path / f"{u.client_id}.safetensors").write_bytes(encode(u.adapter))
         lazy.append(Update(u.client_id, AdapterFile(tmp_path / f"{u.client_id}.safetensors"), 1, 1))
-    params = StrategyParams(clip_norm=3.0, noise_multiplier=0.1)
+    products = BY_NAME[strategy].mixed and not BY_NAME[strategy].linear  # these refuse clipping and noise
+    params = StrategyParams() if products else StrategyParams(clip_norm=3.0, noise_multiplier=0.1)
     # Execute
     from_files = aggregate(strategy, lazy, AdapterFile(tmp_path / "prev.safetensors"), params, round_=1)
     in_memory = aggregate(strategy, ups, previous, params, round_=1)
@@ -330,7 +332,7 @@ def test_lazy_adapter_files_give_the_same_result_as_in_memory_adapters(tmp_path,
 # ---- validation -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy, params, message", [
-    ("fedmean", StrategyParams(), "use one of fedavg, weighted, exact, median, trimmed_mean"),
+    ("fedmean", StrategyParams(), "use one of fedavg, weighted, exact, hlora, flexlora, zero-pad, median, trimmed_mean"),
     ("trimmed_mean", StrategyParams(trim_fraction=0.5), r"trim_fraction 0.5 is outside \[0, 0.5\)"),
     ("trimmed_mean", StrategyParams(trim_fraction=-0.1), "trim_fraction -0.1"),
     ("fedavg", StrategyParams(clip_norm=-1.0), "clip_norm must be a finite number >= 0"),

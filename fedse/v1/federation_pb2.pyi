@@ -75,7 +75,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., base_model: _Optional[str] = ..., schema: _Optional[_Union[AdapterSchema, _Mapping]] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta", "selector", "clients_per_round", "selection_fraction", "fairness_rounds", "mode", "async_concurrency", "async_buffer", "async_max_staleness")
+    __slots__ = ("run_id", "num_rounds", "min_clients", "round_deadline_s", "strategy", "max_chunk_bytes", "wait_after_min_s", "heartbeat_timeout_s", "heartbeat_interval_s", "secure_aggregation", "secure_threshold", "secure_stage_timeout_s", "clip_norm", "noise_multiplier", "secure_neighbours", "secure_signed", "secure_max_roster", "dp_delta", "selector", "clients_per_round", "selection_fraction", "fairness_rounds", "mode", "async_concurrency", "async_buffer", "async_max_staleness", "max_lora_rank")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MIN_CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RunConfig(_message.Message):
     ASYNC_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     ASYNC_BUFFER_FIELD_NUMBER: _ClassVar[int]
     ASYNC_MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_rounds: int
     min_clients: int
@@ -128,7 +129,8 @@ class RunConfig(_message.Message):
     async_concurrency: int
     async_buffer: int
     async_max_staleness: int
-    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ..., selector: _Optional[str] = ..., clients_per_round: _Optional[int] = ..., selection_fraction: _Optional[float] = ..., fairness_rounds: _Optional[int] = ..., mode: _Optional[str] = ..., async_concurrency: _Optional[int] = ..., async_buffer: _Optional[int] = ..., async_max_staleness: _Optional[int] = ...) -> None: ...
+    max_lora_rank: int
+    def __init__(self, run_id: _Optional[str] = ..., num_rounds: _Optional[int] = ..., min_clients: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., strategy: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., wait_after_min_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., secure_aggregation: _Optional[bool] = ..., secure_threshold: _Optional[int] = ..., secure_stage_timeout_s: _Optional[float] = ..., clip_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., secure_neighbours: _Optional[int] = ..., secure_signed: _Optional[bool] = ..., secure_max_roster: _Optional[int] = ..., dp_delta: _Optional[float] = ..., selector: _Optional[str] = ..., clients_per_round: _Optional[int] = ..., selection_fraction: _Optional[float] = ..., fairness_rounds: _Optional[int] = ..., mode: _Optional[str] = ..., async_concurrency: _Optional[int] = ..., async_buffer: _Optional[int] = ..., async_max_staleness: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("config", "current_round")
@@ -288,7 +290,7 @@ class RunStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClientStatus(_message.Message):
-    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics", "secure_step", "selected", "selection_reason")
+    __slots__ = ("client_id", "env", "uploaded", "alive", "last_seen_unix", "phase_round", "phase", "partial_upload_bytes", "metrics_round", "metrics", "secure_step", "selected", "selection_reason", "lora_rank")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,7 @@ class ClientStatus(_message.Message):
     SECURE_STEP_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     SELECTION_REASON_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     env: str
     uploaded: bool
@@ -322,7 +325,8 @@ class ClientStatus(_message.Message):
     secure_step: str
     selected: bool
     selection_reason: str
-    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secure_step: _Optional[str] = ..., selected: _Optional[bool] = ..., selection_reason: _Optional[str] = ...) -> None: ...
+    lora_rank: int
+    def __init__(self, client_id: _Optional[str] = ..., env: _Optional[str] = ..., uploaded: _Optional[bool] = ..., alive: _Optional[bool] = ..., last_seen_unix: _Optional[float] = ..., phase_round: _Optional[int] = ..., phase: _Optional[str] = ..., partial_upload_bytes: _Optional[int] = ..., metrics_round: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secure_step: _Optional[str] = ..., selected: _Optional[bool] = ..., selection_reason: _Optional[str] = ..., lora_rank: _Optional[int] = ...) -> None: ...
 
 class SelectionRecord(_message.Message):
     __slots__ = ("round", "policy", "chosen", "reasoning", "fallback_reason")

@@ -91,7 +91,7 @@ class UploadDesk:
                 held = h.offset  # resuming before the end of what is held is safe: writes go to their offsets
             assert self.run.schema is not None
             check = MaskedCheck(h.size) if masked is not None else \
-                UploadCheck(self.run.schema, h.size, self.settings.max_adapter_bytes, h.transport)
+                UploadCheck(self.run.member_schema(h.client_id), h.size, self.settings.max_adapter_bytes, h.transport)
             if held:  # a resumed upload: the check reads what is held, then goes on with the stream
                 try:
                     check.update(self.store.read_partial(h.round, h.client_id, held))

@@ -49,6 +49,10 @@ SELECTOR_FALLBACKS = prometheus_client.Counter(
     "fedse_aggregator_selector_fallbacks",
     "Rounds whose selection is not the selector's own answer (an agent's answer failed its check, or the "
     "selector failed): its fallback chose instead.")
+CLIENT_LORA_RANK = prometheus_client.Gauge(
+    "fedse_aggregator_client_lora_rank",
+    "Each joined client's LoRA rank, as its Join said (mixed ranks: any rank up to --max-lora-rank).",
+    ["client_id"])
 for _stage in ("advertising", "sharing", "uploading", "consistency", "unmasking"):
     SECURE_STAGE_SECONDS.labels(_stage)
     SECURE_ATTEMPTS_ABORTED.labels(_stage)

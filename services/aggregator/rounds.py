@@ -25,7 +25,7 @@ import time
 from typing import Callable, TypeVar
 
 from fedse import adapter as ad
-from fedse import secagg
+from fedse import ranks, secagg
 from fedse.inputs import CLIENT_ID, CLIENT_ID_RULE, bounded, shown
 from fedse.serving import log_fields
 
@@ -79,6 +79,10 @@ class ClientView:
     secure_step: str = ""
     selected: bool = True
     selection_reason: str = ""
+    lora_rank: int = 0
+
+
+DECLINED = "declined"  # the heartbeat phase of a client that takes no part in the open round
 
 
 class RoundKeeper:
@@ -186,7 +190,7 @@ class RoundKeeper:
             views = [ClientView(cid, m.client.env, m.accepted is not None, self._rule.alive(m.last_seen, now),
                                 m.last_seen, m.phase_round, m.phase, self.uploads.partial_bytes(m), m.metrics_round,
                                 dict(m.metrics), self.secure.step_of(cid) if self.secure is not None else "",
-                                *self._selected_view(cid))
+                                *self._selected_view(cid), m.lora_rank)
                      for cid, m in sorted(self.run.members.items())]
             return self._status_locked(), views, list(self.run.round_seconds), self.run.base_model or ""
 
@@ -234,27 +238,38 @@ class RoundKeeper:
         schema.check(self.settings.max_adapter_bytes)
         if self.settings.secure:
             secagg.Layout.of(schema, self.settings.strategy)  # a schema a masked vector can carry
+        lora_rank, lora_scaling = self._lora(client_id, schema)
         with self._cond:
             run = self.run
             if run.schema is None:
-                run.schema, run.base_model = schema, base_model
-                self.globals.save(0, fresh(schema, self.settings.seed)[0], run.adapter_config())
+                top = self.settings.max_lora_rank
+                run.schema = ranks.run_schema(schema, top) if top else schema
+                run.base_model = base_model
+                self.globals.save(0, fresh(run.schema, self.settings.seed)[0], run.adapter_config())
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
-                                                                base_model=base_model))
-            else:
-                if base_model != run.base_model:
-                    raise SchemaMismatch(f"this run federates base model {run.base_model!r}, "
-                                         f"client {client_id} has {shown(base_model)}")
-                try:
+                                                                base_model=base_model, max_lora_rank=top or None))
+            elif base_model != run.base_model:
+                raise SchemaMismatch(f"this run federates base model {run.base_model!r}, "
+                                     f"client {client_id} has {shown(base_model)}")
+            try:
+                if self.settings.max_lora_rank:
+                    ranks.check_fits(run.schema, schema, self.settings.max_lora_rank)
+                else:
                     run.schema.check_compatible(schema)
-                except ad.AdapterError as exc:
-                    raise SchemaMismatch(f"client {client_id}'s adapter does not fit the run: {exc}") from None
+            except ad.AdapterError as exc:
+                raise SchemaMismatch(f"client {client_id}'s adapter does not fit the run: {exc}") from None
             client = Client(client_id, env, base_model)
             m = run.members.get(client_id)
-            changed = m is None or m.client != client
+            changed = m is None or m.client != client or (m.lora_rank, m.lora_scaling) != (lora_rank, lora_scaling)
+            if m is not None and changed and m.accepted is not None and m.lora_rank != lora_rank:
+                raise SchemaMismatch(f"client {client_id} joined at LoRA rank {m.lora_rank} and its upload of round "
+                                     f"{run.round} is accepted at that rank: rejoin with --lora-r {m.lora_rank}, or "
+                                     "after the round closed")
             if m is None:
                 m = run.members[client_id] = Member(client)
             m.client, m.last_seen = client, self.clock()
+            m.lora_rank, m.lora_scaling = lora_rank, lora_scaling
+            metrics.CLIENT_LORA_RANK.labels(client_id).set(lora_rank)
             if changed:
                 log.info("client joined", extra=log_fields(client=client_id, env=env, joined=len(run.members)))
             if run.state is State.WAITING_FOR_CLIENTS and \
@@ -266,6 +281,17 @@ class RoundKeeper:
                 self._persist_locked()
             self._changed_locked()
             return self._status_locked()
+
+    def _lora(self, client_id: str, schema: ad.Schema) -> tuple[int, float]:
+        """The client's LoRA rank (0 where its factors do not say one) and scaling, which the mixed-rank
+        strategies need its adapter_config.json to give; SchemaMismatch saying what to fix if not."""
+        if not self.settings.max_lora_rank:
+            return ranks.rank_or_zero(schema), 1.0
+        try:
+            return ranks.rank_of(schema), ranks.scaling(schema.adapter_config_json)
+        except ad.AdapterError as exc:
+            raise SchemaMismatch(f"client {client_id}'s adapter does not fit a run with --strategy "
+                                 f"{self.settings.strategy}: {exc}") from None
 
     # ---- uploads (the desk receives them; an accepted one may close the round) -----------------
     def begin_upload(self, h: UploadHeader) -> tuple[bool, int, int]:
@@ -385,8 +411,10 @@ class RoundKeeper:
             return self._fold_due_locked()
         now = self.clock()
         accepted = {cid: m.accepted.accepted_unix for cid, m in run.uploaded().items()}
-        # A selective round is over its chosen clients alone: the others take no part in it.
-        last_seen = {cid: m.last_seen for cid, m in run.members.items() if run.selected(cid)}
+        # A selective round is over its chosen clients alone: the others take no part in it; nor does a
+        # client whose heartbeat declines the open round (its guardian's privacy budget is spent).
+        last_seen = {cid: m.last_seen for cid, m in run.members.items()
+                     if run.selected(cid) and not (m.phase == DECLINED and m.phase_round == run.round)}
         rule = self._rule
         if run.selection is not None:  # fewer chosen than min_clients: every one of them alive
             rule = dataclasses.replace(rule, min_clients=max(1, min(rule.min_clients, len(run.selection.chosen))))
@@ -402,6 +430,9 @@ class RoundKeeper:
             self._reselect_if_stalled_locked()
             if self.settings.asynchronous:
                 self._grant_locked()
+            if self._all_declined_locked():
+                self._keep_locked(self.run.round, "every client declined the round")
+                return
             reason = self._due_locked()
             if reason is None:
                 return
@@ -489,6 +520,24 @@ class RoundKeeper:
         self.store.drop_uploads(round_)  # masked under keys that are gone: of no use to anyone
         return image
 
+    def _all_declined_locked(self) -> bool:
+        """A synchronous round with no upload that every alive client taking part declined (its heartbeat
+        says "declined" for it; their guardians' privacy budgets are spent): nothing will come."""
+        run = self.run
+        if run.state is not State.OPEN or self.settings.asynchronous or run.uploaded():
+            return False
+        now = self.clock()
+        alive = [m for cid, m in run.members.items() if run.selected(cid) and self._rule.alive(m.last_seen, now)]
+        return bool(alive) and all(m.phase == DECLINED and m.phase_round == run.round for m in alive)
+
+    def _keep_locked(self, round_: int, why: str) -> None:
+        """Closes the round without an update: phi_{t+1} is phi_t."""
+        log.warning("round closed without an update", extra=log_fields(round=round_, reason=why))
+        self.globals.save(round_ + 1, self.globals.get(round_)[0], self.run.adapter_config())
+        if self.secure is not None:
+            self.secure.end()
+        self._close_locked(round_, why, 0, 0.0)
+
     def _withhold_locked(self, round_: int, why: str) -> None:
         """Closes a secure round whose sum was (or may have been) unmasked without an update: phi_{t+1} is
         phi_t. Another attempt would give a second sum of the round over other clients."""
@@ -512,12 +561,14 @@ class RoundKeeper:
 
     def _aggregate(self, round_: int, records: list[tuple[str, Accepted]]) -> bytearray:
         """phi_{t+1}'s file image: the strategy over the round's accepted uploads."""
-        updates = [Update(cid, AdapterFile(self.store.upload_path(round_, cid)), a.num_examples, a.num_successes)
-                   for cid, a in records]
+        updates = [Update(cid, AdapterFile(self.store.upload_path(round_, cid)), a.num_examples, a.num_successes,
+                          self.run.members[cid].lora_scaling) for cid, a in records]
         assert self.run.schema is not None
         image, views = allocate(self.run.schema)  # phi_{t+1} is aggregated into its file image
+        mixed = bool(self.settings.max_lora_rank)
         aggregate(self.settings.strategy, updates, AdapterFile(self.store.global_path(round_)),
-                  self.settings.params, round_, out=views)
+                  self.settings.params, round_, out=views,
+                  out_scaling=ranks.RUN_SCALING if mixed else 1.0)
         return image
 
     def _unmask(self, round_: int, u: Attempt, keys: tuple[list[bytes], list[tuple[bytes, int]]]) -> bytearray:

@@ -30,9 +30,9 @@ import json
 import logging
 import math
 import statistics
-import threading
 from typing import Any, Mapping
 
+from fedse.asking import AnswerError, Asker, json_object
 from fedse.serving import log_fields
 
 from .selection import ClientHistory, Choice, Policy, SelectionInput, Utility, _Count, _draw, _number
@@ -172,23 +172,12 @@ def _count_up(before: Mapping[str, Any], slow: Mapping[str, str], inp: Selection
     return out
 
 
-class AnswerError(ValueError):
-    """A model's answer that is not a valid choice; the message says what is wrong with it."""
-
 
 def check_answer(text: str, inp: SelectionInput, most: int) -> tuple[set[str], str]:
     """(clients, reason) from a model's answer: the first JSON object in `text`, of the form
     {"clients": [client ids], "reason": "..."}. Each id must be a client of this run, alive, and
     named once; at least one and at most `most`. AnswerError says what failed."""
-    start = text.find("{")
-    if start < 0:
-        raise AnswerError("no JSON object in the answer")
-    try:
-        answer, _ = json.JSONDecoder().raw_decode(text[start:])
-    except json.JSONDecodeError as exc:
-        raise AnswerError(f"the answer's JSON does not parse ({exc.msg})") from None
-    if not isinstance(answer, dict):
-        raise AnswerError("the answer is not a JSON object")
+    answer = json_object(text)
     clients = answer.get("clients")
     if not isinstance(clients, list) or not all(isinstance(c, str) for c in clients):
         raise AnswerError('"clients" is not a list of client ids')
@@ -217,14 +206,9 @@ class LLMAgent(Policy):
     def __init__(self, clients_per_round: int | None = None, fraction: float | None = None, model: str = "",
                  max_new_tokens: int = 96, max_seconds: float = 10.0) -> None:
         self.tools = ToolAgent(clients_per_round, fraction)
-        if not isinstance(max_new_tokens, int) or not 8 <= max_new_tokens <= 1024:
-            raise ValueError(f"max_new_tokens must be an integer from 8 to 1024, got {max_new_tokens!r}")
-        if not _number(max_seconds) or not 0 < max_seconds <= 600:
-            raise ValueError(f"max_seconds must be a number of seconds in (0, 600], got {max_seconds!r}")
         # The round opens once the model answered: its answer is cut off after max_seconds.
+        self.asker = Asker(max_new_tokens, max_seconds)
         self.model, self.max_new_tokens, self.max_seconds = str(model), max_new_tokens, float(max_seconds)
-        self._loaded: tuple[str, Any, Any] | None = None
-        self._lock = threading.Lock()
 
     def config(self) -> dict[str, Any]:
         count = self.tools.count.config() if self.tools.count is not None else {}
@@ -245,25 +229,8 @@ class LLMAgent(Policy):
                     r=inp.round, h=json.dumps(history, separators=(",", ":")), f=json.dumps(list(plan.reasoning)))
 
     def generate(self, name: str, prompt: str) -> str:
-        """The model's greedy answer to `prompt` (loaded once, on the CPU)."""
-        import torch
-
-        from fedse.pretrained import load_base
-
-        with self._lock:
-            if self._loaded is None or self._loaded[0] != name:
-                model, tokenizer = load_base(name, "cpu")
-                self._loaded = (name, model, tokenizer)
-            _, model, tokenizer = self._loaded
-        text = prompt
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**ids, max_new_tokens=self.max_new_tokens, do_sample=False, max_time=self.max_seconds,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        """The model's greedy answer to `prompt` (fedse.asking.Asker: loaded once, on the CPU)."""
+        return self.asker.answer(name, prompt)
 
     def _choose(self, inp: SelectionInput) -> Choice:
         plan = self.tools._choose(inp)

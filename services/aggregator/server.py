@@ -94,6 +94,9 @@ class AggregatorConfig(Security):
                                  "else every joined client)")
     async_max_staleness: int = field(8, "--mode async: the most versions behind an upload may be trained from; "
                                         "a staler one is refused and its client trains again from the newest")
+    max_lora_rank: int = field(0, "mixed LoRA ranks: each client trains its own --lora-r (and --lora-alpha) up to this "
+                                  "rank, the run's adapter is held at it, and --strategy must be hlora, flexlora or "
+                                  "zero-pad (0 = every client trains the first one's rank)")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -130,6 +133,7 @@ class AggregatorConfig(Security):
             self.selection().policy()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self._check_ranks()
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"--mode must be sync or async, got {self.mode!r}")
         if self.mode == "async":
@@ -137,6 +141,23 @@ class AggregatorConfig(Security):
         if self.secure_aggregation and self.clients_per_round == 1:
             raise ConfigError("--clients-per-round 1 cannot work with --secure-aggregation: the mean of one upload "
                               "is that client's adapter; give 2 or more")
+
+    def _check_ranks(self) -> None:
+        """Mixed ranks need a strategy that combines factors of different shapes."""
+        from .strategies import BY_NAME
+
+        if self.max_lora_rank < 0:
+            raise ConfigError(f"--max-lora-rank must be 0 (one rank) or more, got {self.max_lora_rank}")
+        mixed = [name for name, s in BY_NAME.items() if s.mixed]
+        if self.max_lora_rank and not BY_NAME[self.strategy].mixed:
+            raise ConfigError(f"--max-lora-rank {self.max_lora_rank} lets clients train different ranks, whose factors "
+                              f"--strategy {self.strategy} cannot average element by element: use "
+                              f"{', '.join(mixed)}, or leave --max-lora-rank at 0")
+        if BY_NAME[self.strategy].mixed and not self.max_lora_rank:
+            raise ConfigError(f"--strategy {self.strategy} combines clients of mixed LoRA ranks: give the run's "
+                              "maximum rank with --max-lora-rank (e.g. 16), at which the run's adapter is held")
+        if self.max_lora_rank and self.mode == "async":
+            raise ConfigError("--mode async folds updates of one rank: leave --max-lora-rank at 0, or use --mode sync")
 
     def _check_async(self) -> None:
         """What asynchronous rounds can do: FedBuff's staleness-weighted mean of plain updates."""
@@ -168,9 +189,9 @@ class AggregatorConfig(Security):
             raise ConfigError(
                 f"--strategy {self.strategy} cannot work with --secure-aggregation: the aggregator sees only the "
                 f"sum of the masked adapters, and {self.strategy} needs each client's values (a median, a trimmed "
-                "mean or the products B_k A_k are not functions of a sum); use --strategy fedavg or weighted, or "
-                "turn secure aggregation off")
-        if self.noise_multiplier > 0 and self.strategy != "fedavg":
+                "mean or the products B_k A_k are not functions of a sum); use --strategy fedavg or weighted "
+                "(zero-pad with mixed ranks), or turn secure aggregation off")
+        if self.noise_multiplier > 0 and self.strategy not in ("fedavg", "zero-pad"):
             raise ConfigError("--noise-multiplier with --secure-aggregation calibrates the clients' noise for the "
                               "unweighted mean: use --strategy fedavg, or set --noise-multiplier 0")
         if self.secure_threshold != 0 and self.secure_threshold < 2:
@@ -209,7 +230,7 @@ class AggregatorConfig(Security):
             secure_ca=self.tls_ca if self.secure_aggregation else "",
             secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta, selection=self.selection(),
             mode=self.mode, async_concurrency=self.async_concurrency, async_buffer=self.async_buffer,
-            async_max_staleness=self.async_max_staleness,
+            async_max_staleness=self.async_max_staleness, max_lora_rank=self.max_lora_rank,
         )
 
     def selection(self) -> SelectionSettings:

@@ -143,7 +143,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              clients_per_round=s.selection.clients_per_round,
                              selection_fraction=s.selection.fraction, fairness_rounds=s.selection.fairness_rounds,
                              mode=s.mode, async_concurrency=s.async_concurrency, async_buffer=s.async_buffer,
-                             async_max_staleness=s.async_max_staleness if s.asynchronous else 0)
+                             async_max_staleness=s.async_max_staleness if s.asynchronous else 0,
+                             max_lora_rank=s.max_lora_rank)
 
     @ERRORS.wrap
     def Join(self, request, context):
@@ -286,7 +287,8 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 client_id=v.client_id, env=v.env, uploaded=v.uploaded, alive=v.alive,
                 last_seen_unix=v.last_seen_unix, phase_round=v.phase_round, phase=v.phase,
                 partial_upload_bytes=v.partial_upload_bytes, metrics_round=v.metrics_round, metrics=v.metrics,
-                secure_step=v.secure_step, selected=v.selected, selection_reason=v.selection_reason)
+                secure_step=v.secure_step, selected=v.selected, selection_reason=v.selection_reason,
+                lora_rank=v.lora_rank)
                 for v in views], **extra)
 
     # ---- secure aggregation's stages ---------------------------------------------------------------

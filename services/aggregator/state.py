@@ -16,6 +16,7 @@ from typing import Any
 
 from fedse import accounting
 from fedse import adapter as ad
+from fedse import ranks
 from fedse.inputs import shown
 from fedse.serving import log_fields
 
@@ -67,6 +68,9 @@ class RunSettings:
     async_concurrency: int = 0
     async_buffer: int = 0
     async_max_staleness: int = 8
+    # Mixed LoRA ranks: clients train any rank up to this, and the run's adapter is at it (0: every
+    # client trains the first one's rank).
+    max_lora_rank: int = 0
 
     @property
     def asynchronous(self) -> bool:
@@ -85,6 +89,8 @@ class RunSettings:
             out["secure"] = True
         if self.selection.selective:
             out["selection"] = self.selection.config()
+        if self.max_lora_rank:
+            out["max_lora_rank"] = self.max_lora_rank
         if self.asynchronous:
             out["async"] = {"concurrency": self.async_concurrency, "buffer": self.async_buffer,
                             "max_staleness": self.async_max_staleness}
@@ -94,7 +100,7 @@ class RunSettings:
         """(epsilon of one round, epsilon of `releases` rounds) at dp_delta (fedse.accounting), or None
         when the run is not differentially private: without clipping and noise nothing bounds a client's
         influence on what is published, and the noise is calibrated for fedavg's mean alone."""
-        if self.params.clip_norm <= 0 or self.params.noise_multiplier <= 0 or self.strategy != "fedavg":
+        if self.params.clip_norm <= 0 or self.params.noise_multiplier <= 0 or self.strategy not in ("fedavg", "zero-pad"):
             return None
         return accounting.epsilons(self.params.noise_multiplier, releases, self.dp_delta)
 
@@ -132,6 +138,9 @@ class Member:
     # version it was given a slot for (it trains from a version once).
     slot_since: float | None = None
     slot_version: int = -1
+    # Its LoRA, as its Join said: rank and scaling (lora_alpha / r), which the mixed-rank strategies weigh.
+    lora_rank: int = 0
+    lora_scaling: float = 1.0
 
     def new_round(self) -> None:
         self.stream = self.accepted = None
@@ -140,7 +149,8 @@ class Member:
         """What run.json keeps of it."""
         out = {"env": self.client.env, "base_model": self.client.base_model,
                "rounds_selected": self.rounds_selected, "rounds_uploaded": self.rounds_uploaded,
-               "upload_seconds": self.upload_seconds, "dropouts": self.dropouts}
+               "upload_seconds": self.upload_seconds, "dropouts": self.dropouts,
+               "lora_rank": self.lora_rank, "lora_scaling": self.lora_scaling}
         if self.slot_version >= 0:
             out.update(slot=self.slot_since is not None, slot_version=self.slot_version)
         return out
@@ -199,6 +209,14 @@ class RunState:
         """The members whose upload of the open round is accepted, by client id (sorted)."""
         return {cid: m for cid, m in sorted(self.members.items()) if m.accepted is not None}
 
+    def member_schema(self, client_id: str) -> ad.Schema:
+        """The schema of the client's uploads: the run's, at the client's own rank in a mixed-rank run."""
+        assert self.schema is not None
+        m = self.members.get(client_id)
+        if m is None or not m.lora_rank or m.lora_rank == ranks.rank_or_zero(self.schema):
+            return self.schema
+        return ranks.at_rank(self.schema, m.lora_rank, m.lora_rank)
+
     def adapter_config(self) -> str:
         """The run's adapter_config.json, naming its base model (what every global adapter carries)."""
         assert self.schema is not None
@@ -238,7 +256,8 @@ def restore(settings: RunSettings, store: Store, now: float) -> RunState:
                              rounds_uploaded=[int(r) for r in c.get("rounds_uploaded", [])],
                              upload_seconds=[float(x) for x in c.get("upload_seconds", [])],
                              dropouts=int(c.get("dropouts", 0)),
-                             slot_since=now if c.get("slot") else None, slot_version=int(c.get("slot_version", -1)))
+                             slot_since=now if c.get("slot") else None, slot_version=int(c.get("slot_version", -1)),
+                             lora_rank=int(c.get("lora_rank", 0)), lora_scaling=float(c.get("lora_scaling", 1.0)))
                  for cid, c in saved["clients"].items()},
         round=int(saved["round"]), state=State(saved["state"]), nonce=saved.get("round_nonce", ""),
         deadline=float(saved.get("deadline_unix", 0.0)), opened_at=float(saved.get("opened_unix", now)),

@@ -12,6 +12,14 @@ and descriptions, what `--strategy` accepts, in `STRATEGIES`):
 - exact: the mean of the products, dW = (1/K) sum_k B_k A_k, factored back to rank r (its best
   rank-r approximation, via QR of the stacked factors and an SVD of a (Kr x Kr) core; the out x in
   matrix is never formed).
+- hlora: for clients of mixed LoRA ranks, the exact weighted sum dW = sum_k p_k s_k B_k A_k (p_k = 1/K,
+  s_k = alpha_k / r_k each client's scaling), factored to the run's maximum rank R as exact does (QR
+  and a small SVD); each client then takes its best rank-r_k approximation (fedse.ranks.refactored).
+- flexlora: FlexLoRA's redistribution: the same sum weighted by the clients' examples (p_k ~ n_k),
+  formed as the dense out x in matrix and cut to rank R by a full SVD.
+- zero-pad: HetLoRA-style, the naive baseline for mixed ranks: each client's A and B zero-padded to
+  rank R (B scaled by s_k / s_R), then averaged as fedavg; each client takes the first r_k components.
+  It is linear in the uploads, so it is the mixed-rank strategy that secure aggregation can give.
 - median: coordinate-wise median over clients; for even K the mean of the two middle values
   (torch.quantile(q=0.5) semantics, not torch.median, which returns the lower one).
 - trimmed_mean: coordinate-wise, drop the floor(trim_fraction * K) smallest and as many largest
@@ -41,6 +49,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from fedse import ranks
 from fedse.adapter import Adapter, clip_factor
 
 _F64 = torch.float64
@@ -53,6 +62,7 @@ class Update:
     adapter: Mapping[str, torch.Tensor]  # may be lazy: adapter_files.AdapterFile loads one tensor per lookup
     num_examples: int
     num_successes: int
+    scaling: float = 1.0  # the client's LoRA scaling s_k (lora_alpha / r), read by the mixed-rank strategies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +81,9 @@ class Strategy:
     name = ""
     description = ""  # one line, for --help and the docs
     paired = False
+    mixed = False  # takes clients of different LoRA ranks (the run's adapter is at the maximum rank)
+    pads = False   # sees each client's adapter zero-padded to the run's rank (fedse.ranks.Padded)
+    linear = True  # the result is a (weighted) mean of the uploads: clipping, noise and secure sums apply
 
     def weights(self, successes: list[float]) -> list[float]:
         """Each client's weight in a mean, from its successful trajectories: all equal."""
@@ -102,13 +115,48 @@ class Exact(Strategy):
     name = "exact"
     description = "mean of the products B_k A_k, re-factored to rank r by truncated SVD"
     paired = True
+    linear = False
 
     def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
         return _exact_pair(clients, a_name, b_name)
 
 
+class HLoRA(Strategy):
+    name = "hlora"
+    description = ("mixed ranks: the exact mean of the scaled products s_k B_k A_k, factored to the run's rank by "
+                   "QR and a small SVD; each client takes its own rank's best part")
+    paired = True
+    mixed = True
+    linear = False
+
+    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+        return _mixed_pair(clients, a_name, b_name, [1.0] * len(clients), dense=False)
+
+
+class FlexLoRA(Strategy):
+    name = "flexlora"
+    description = ("mixed ranks: FlexLoRA, the dense sum of s_k B_k A_k weighted by examples, cut to the run's rank "
+                   "by a full SVD")
+    paired = True
+    mixed = True
+    linear = False
+
+    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+        examples = [float(n) for n in clients.examples]
+        return _mixed_pair(clients, a_name, b_name, examples if sum(examples) > 0 else [1.0] * len(clients),
+                           dense=True)
+
+
+class ZeroPad(Strategy):
+    name = "zero-pad"
+    description = "mixed ranks, the naive baseline (HetLoRA): A and B zero-padded to the run's rank, then averaged"
+    mixed = True
+    pads = True
+
+
 class Median(Strategy):
     name = "median"
+    linear = False
     description = "coordinate-wise median over clients (mean of the two middle values for even K)"
 
     def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
@@ -118,6 +166,7 @@ class Median(Strategy):
 
 class TrimmedMean(Strategy):
     name = "trimmed_mean"
+    linear = False
     description = "coordinate-wise mean after dropping floor(trim_fraction*K) values at each end"
 
     def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
@@ -128,7 +177,8 @@ class TrimmedMean(Strategy):
         return _trimmed(clients, name, min(math.floor(params.trim_fraction * k + 1e-9), (k - 1) // 2), work)
 
 
-BY_NAME: dict[str, Strategy] = {s.name: s for s in (FedAvg(), Weighted(), Exact(), Median(), TrimmedMean())}
+BY_NAME: dict[str, Strategy] = {s.name: s for s in (FedAvg(), Weighted(), Exact(), HLoRA(), FlexLoRA(), ZeroPad(),
+                                                   Median(), TrimmedMean())}
 STRATEGIES: dict[str, str] = {name: s.description for name, s in BY_NAME.items()}
 """The strategy names `--strategy` accepts, each with a one-line description."""
 
@@ -145,6 +195,10 @@ def validate_params(strategy: str, params: StrategyParams) -> None:
     if not (math.isfinite(params.noise_multiplier) and params.noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier must be a finite number >= 0 (0 turns noise off), "
                          f"got {params.noise_multiplier}")
+    if BY_NAME[strategy].mixed and not BY_NAME[strategy].linear and (params.clip_norm > 0 or params.noise_multiplier > 0):
+        raise ValueError(f"{strategy} combines the products B_k A_k of clients of different ranks, which clipping and "
+                         "noise on the factors do not bound: use --strategy zero-pad with --clip-norm and "
+                         "--noise-multiplier, or set both to 0")
     if params.noise_multiplier > 0 and params.clip_norm <= 0:
         raise ValueError("noise_multiplier > 0 needs clip_norm > 0: the noise std is noise_multiplier * "
                          "clip_norm / K, which only bounds a client's influence once updates are clipped; "
@@ -153,18 +207,25 @@ def validate_params(strategy: str, params: StrategyParams) -> None:
 
 def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, torch.Tensor],
               params: StrategyParams = StrategyParams(), round_: int = 0,
-              out: Mapping[str, torch.Tensor] | None = None) -> Adapter:
+              out: Mapping[str, torch.Tensor] | None = None, out_scaling: float = 1.0) -> Adapter:
     """phi_{t+1} from the clients' phi_k and phi_t (`previous`), tensor by tensor (see the module doc).
     With `out` (tensors of previous's names, shapes and dtypes, e.g. `adapter_files.allocate`'s views
-    of a file image), the result is written there and those tensors are returned."""
+    of a file image), the result is written there and those tensors are returned. The mixed-rank
+    strategies take clients of any rank up to previous's, each at its Update.scaling, and give
+    phi_{t+1} at previous's rank and `out_scaling`."""
     validate_params(strategy, params)
     if not updates:
         raise ValueError("nothing to aggregate: the round has no updates")
     chosen = BY_NAME[strategy]
     k = len(updates)
     names = list(previous)
-    scales = _clip_scales(updates, previous, params.clip_norm) if params.clip_norm > 0 else [1.0] * k
-    clients = _Clients([u.adapter for u in updates], previous, scales)
+    adapters = [ranks.Padded(u.adapter, _rank(previous), u.scaling / out_scaling) if chosen.pads else u.adapter
+                for u in updates]
+    if not chosen.mixed:
+        _check_one_rank(updates, previous)
+    scales = _clip_scales(adapters, previous, params.clip_norm) if params.clip_norm > 0 else [1.0] * k
+    clients = _Clients(adapters, previous, scales, [u.scaling for u in updates], out_scaling,
+                       [u.num_examples for u in updates])
     weights = chosen.weights(_successes(updates))
     noise = _noise_generator(params.seed, round_) if params.noise_multiplier > 0 else None
     std = params.noise_multiplier * params.clip_norm / k
@@ -216,6 +277,9 @@ class _Clients:
     adapters: list[Mapping[str, torch.Tensor]]
     previous: Mapping[str, torch.Tensor]
     scales: list[float]  # per client, min(1, clip_norm / ||delta_k||); all 1.0 without clipping
+    lora_scalings: list[float] = dataclasses.field(default_factory=list)  # per client, s_k (mixed ranks)
+    out_scaling: float = 1.0  # s_R of the result (mixed ranks)
+    examples: list[int] = dataclasses.field(default_factory=list)  # per client, num_examples (flexlora)
 
     def __len__(self) -> int:
         return len(self.adapters)
@@ -233,14 +297,32 @@ class _Clients:
             yield t if scale >= 1.0 else prev + scale * (t.to(_F64) - prev)
 
 
-def _clip_scales(updates: Sequence[Update], previous: Mapping[str, torch.Tensor], clip_norm: float) -> list[float]:
+def _clip_scales(adapters: Sequence[Mapping[str, torch.Tensor]], previous: Mapping[str, torch.Tensor],
+                 clip_norm: float) -> list[float]:
     """min(1, clip_norm / ||phi_k - phi_t||) per client, the norm over all tensors (first pass, tensor by tensor)."""
-    squares = [0.0] * len(updates)
+    squares = [0.0] * len(adapters)
     for name in previous:
         prev = previous[name].to(_F64)
-        for k, u in enumerate(updates):
-            squares[k] += float(torch.sub(u.adapter[name], prev).square().sum())
+        for k, adapter in enumerate(adapters):
+            squares[k] += float(torch.sub(adapter[name], prev).square().sum())
     return [clip_factor(s, clip_norm) for s in squares]
+
+
+def _rank(previous: Mapping[str, torch.Tensor]) -> int:
+    """The rank of phi_t's LoRA factors (the run's maximum rank)."""
+    found = [previous[a].shape[0] for a, _ in ranks.pairs(list(previous))]
+    return max(found) if found else 0
+
+
+def _check_one_rank(updates: Sequence[Update], previous: Mapping[str, torch.Tensor]) -> None:
+    """ValueError unless every client's LoRA factors have phi_t's shapes (one rank in the run)."""
+    for a, b in ranks.pairs(list(previous))[:1]:
+        for u in updates:
+            if tuple(u.adapter[a].shape) != tuple(previous[a].shape) or \
+                    tuple(u.adapter[b].shape) != tuple(previous[b].shape):
+                raise ValueError(f"client {u.client_id}'s LoRA factors are of another rank than the run's: averaging "
+                                 "factors element by element needs one rank; use a mixed-rank strategy (hlora, "
+                                 "flexlora or zero-pad)")
 
 
 def _successes(updates: Sequence[Update]) -> list[float]:
@@ -256,21 +338,15 @@ def _noise_generator(seed: int, round_: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _partner(name: str) -> str | None:
-    """`X.lora_B.<...>` for `X.lora_A.<...>` (covers `.lora_A.weight` and `.lora_A.<adapter>.weight`)."""
-    head, sep, tail = name.rpartition(".lora_A.")
-    return f"{head}.lora_B.{tail}" if sep else None
-
-
 def _groups(names: list[str], paired: bool) -> list[tuple[str, ...]]:
     """Tensors in the order of `names`; with `paired`, each lora_A with its lora_B as (A, B)."""
     present = set(names)
-    partners = {b: a for a in names if (b := _partner(a)) in present} if paired else {}
+    partners = {b: a for a in names if (b := ranks.partner(a)) in present} if paired else {}
     groups: list[tuple[str, ...]] = []
     for name in names:
         if name in partners:  # a lora_B: it travels with its lora_A
             continue
-        b = _partner(name) if paired else None
+        b = ranks.partner(name) if paired else None
         groups.append((name, b) if b in present else (name,))
     return groups
 
@@ -334,9 +410,8 @@ def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[
     """A', B' of rank r with B'A' the best rank-r approximation of (1/K) sum_k B_k A_k.
 
     B_cat = [B_1/K ... B_K/K] (out x Kr) and A_cat = [A_1; ...; A_K] (Kr x in) give
-    B_cat A_cat = (1/K) sum_k B_k A_k. With B_cat = Q_b R_b and A_cat^T = Q_a R_a, the product is
-    Q_b (R_b R_a^T) Q_a^T; the SVD U S V^T of the small core gives B' = Q_b U_r sqrt(S_r) and
-    A' = sqrt(S_r) V_r^T Q_a^T. A component with a (numerically) zero singular value would leave both
+    B_cat A_cat = (1/K) sum_k B_k A_k, which fedse.ranks.best_rank factors through a QR of each and an
+    SVD of the (Kr x Kr) core. A component with a (numerically) zero singular value would leave both
     its A' row and its B' column zero, which no gradient can revive; it gets B' column 0 and the mean
     of the clients' A rows instead (the product is unchanged), so e.g. all-zero B gives fedavg's result.
     """
@@ -357,16 +432,48 @@ def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[
         b_cat[:, i * r:(i + 1) * r] = b
     assert a_cat is not None and b_cat is not None
     b_cat /= k
-    q_b, r_b = torch.linalg.qr(b_cat)      # (out x m), (m x Kr)
-    q_a, r_a = torch.linalg.qr(a_cat.T)    # (in x n), (n x Kr)
-    u, s, vh = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
-    keep = min(r, s.numel())
-    tol = float(s.max()) * max(r_b.shape[0], r_a.shape[0]) * torch.finfo(_F64).eps if s.numel() else 0.0
-    live = s[:keep] > tol
-    root = torch.where(live, s[:keep], torch.zeros_like(s[:keep])).sqrt()
-    b_new = torch.zeros((b_cat.shape[0], r), dtype=_F64)
-    a_new = a_cat.view(k, r, -1).mean(dim=0)  # rows of dead components keep the mean A row
-    b_new[:, :keep] = (q_b @ u[:, :keep]) * root
-    a_live = (root[:, None] * vh[:keep]) @ q_a.T
-    a_new[:keep][live] = a_live[live]
+    b_new, a_new, live = ranks.best_rank(b_cat, a_cat, r)
+    mean_a = a_cat.view(k, r, -1).mean(dim=0)  # rows of dead components keep the mean A row
+    a_new[~live] = mean_a[~live]
+    return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}
+
+
+def _mixed_pair(clients: _Clients, a_name: str, b_name: str, weights: list[float], dense: bool
+                ) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    """A', B' at phi_t's rank R with s_R B'A' the best rank-R approximation of
+    dW = sum_k p_k s_k B_k A_k (p_k = weights normalised; s_k each client's scaling, s_R out_scaling).
+
+    Without `dense` (hlora): B_cat = [p_1 s_1 B_1 ... p_K s_K B_K] (out x sum r_k) and
+    A_cat = [A_1; ...; A_K] (sum r_k x in) give B_cat A_cat = dW, factored by fedse.ranks.best_rank (QR
+    and a small SVD; the out x in matrix is never formed). With `dense` (flexlora): dW formed, then a
+    full SVD. Either way, a component with no singular value left keeps B' column 0 and phi_t's A row."""
+    total = float(sum(weights))
+    a_dtype, a_tensors = clients.tensors(a_name)
+    b_dtype, b_tensors = clients.tensors(b_name)
+    a_parts, b_parts = [], []
+    for a, b, p, s in zip(a_tensors, b_tensors, weights, clients.lora_scalings):
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise ValueError(f"{a_name} {list(a.shape)} and {b_name} {list(b.shape)} are not LoRA factors "
+                             "A (r x in) and B (out x r)")
+        a_parts.append(a.to(_F64))
+        b_parts.append(b.to(_F64) * (p / total * s))
+    previous_a = clients.previous[a_name].to(_F64)
+    rank = previous_a.shape[0]
+    if dense:
+        delta = sum(b @ a for a, b in zip(a_parts, b_parts))
+        u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
+        keep = min(rank, sv.numel())
+        tol = float(sv.max()) * max(delta.shape) * torch.finfo(_F64).eps if sv.numel() else 0.0
+        live = torch.zeros(rank, dtype=torch.bool)
+        live[:keep] = sv[:keep] > tol
+        root = torch.zeros(rank, dtype=_F64)
+        root[:keep] = torch.where(live[:keep], sv[:keep] / clients.out_scaling, torch.zeros_like(sv[:keep])).sqrt()
+        b_new = torch.zeros((delta.shape[0], rank), dtype=_F64)
+        a_new = torch.zeros((rank, delta.shape[1]), dtype=_F64)
+        b_new[:, :keep] = u[:, :keep] * root[:keep]
+        a_new[:keep] = root[:keep, None] * vh[:keep]
+    else:
+        b_new, a_new, live = ranks.best_rank(torch.cat(b_parts, dim=1), torch.cat(a_parts, dim=0), rank,
+                                             clients.out_scaling)
+    a_new[~live] = previous_a[~live]
     return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}

@@ -46,7 +46,8 @@ import grpc
 import torch
 
 from fedse import adapter as ad
-from fedse import secagg
+from fedse import ranks, secagg
+from fedse.asking import Asker
 from fedse.secagg import SecureError
 from fedse.machine import available_cores, release_free_memory
 from fedse.progress import PhaseProgress
@@ -54,13 +55,15 @@ from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
 from . import demos as demo_files
+from . import guardian
 from . import model as mdl
 from .buffer import Buffer, Trajectory, to_keep, training_set
 from .config import ClientConfig
 from .envclient import EnvClient, EnvInfo
 from .federation import FederationClient, InsecureRun, StaleRound, refuse_insecure, selected
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
-from .metrics import BUFFER, KEPT, LOSS, PHASE_SECONDS, ROUND, TRAIN_SECONDS, init_client
+from .metrics import (BUFFER, KEPT, LORA_RANK, LOSS, PHASE_SECONDS, PRIVACY_EPSILON, ROUND, ROUNDS_DECLINED,
+                      TRAIN_BATCH_TOKENS, TRAIN_SECONDS, init_client)
 from .playing import Player
 from .prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
 from .resume import Phase, Progress, Resume, decide_resume
@@ -103,6 +106,11 @@ class ClientAgent:
                                     security=config)
         self.heartbeat = Heartbeat(self.fed, config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S)
         base, self.tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
+        self.sizing: guardian.Sizing | None = None
+        if config.guardian:  # before Join: the rank it joins with is the guardian's choice
+            config = self.cfg = self.sized(base, config)
+        LORA_RANK.set(config.lora_r)
+        TRAIN_BATCH_TOKENS.set(config.train_batch_tokens)
         self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
                                   target_modules=config.lora_targets(), seed=config.seed)
         self.device = next(self.model.parameters()).device
@@ -125,12 +133,61 @@ class ClientAgent:
                                                  scoring=self.player.scorer.layout.name, action_scores=config.scoring,
                                                  concurrency=self.player.concurrency))
         self.buffer = Buffer(self.state.buffer_path)
+        self.budget = guardian.PrivacyBudget(config.privacy_epsilon, config.privacy_delta,
+                                             self.state.path / "privacy.json")
         self.history: list[dict[str, float]] = []
         self.run_id = ""
         self.run_config = fpb.RunConfig()  # the run's settings, from Join
         self.schema: ad.Schema | None = None
         self.progress: Progress | None = None
         self.loaded_round: int | None = None  # the global adapter the model holds unchanged, if any
+
+    def sized(self, base, config: ClientConfig) -> ClientConfig:
+        """The config with the guardian's rank, micro-batch and precision (guardian.size): the largest that
+        fit this machine, up to the run's maximum rank where the run takes mixed ranks, at the run's
+        rank where it takes one (the rank its clients joined with; 8 before any did)."""
+        top, fixed = guardian.DEFAULT_TOP_RANK, 0
+        try:
+            run = self.fed.run_status()
+            ranks_seen = {c.lora_rank for c in run.clients if c.lora_rank}
+            if run.config.max_lora_rank:
+                top = run.config.max_lora_rank
+            else:
+                fixed = ranks_seen.pop() if len(ranks_seen) == 1 else 8
+        except grpc.RpcError as exc:
+            fixed = 8
+            log.warning("the run's ranks are unknown; the guardian sizes for rank 8",
+                        extra=log_fields(code=exc.code().name))
+        device = next(base.parameters()).device
+        extra = 0 if is_tiny(base) else config.score_cache_mb * 1_000_000
+        sizing = guardian.size(base, config, device, default_max_prompt_tokens(base), top, fixed,
+                               config.memory_limit_mb * 1_000_000, extra,
+                               on_try=lambda c: log.info("guardian measured", extra=log_fields(
+                                   lora_r=c.lora_r, train_batch_tokens=c.batch_tokens, precision=c.precision,
+                                   step_mb=round(c.step_bytes / 1e6), need_mb=round(c.need_bytes / 1e6))))
+        if config.guardian_model:
+            width = default_max_prompt_tokens(base)
+            options = guardian.alternatives(base, config, sizing, device, width, extra)
+            asker = Asker(max_new_tokens=48, max_seconds=30.0)
+            name = config.base_model if config.guardian_model == "base" else config.guardian_model
+            sizing = guardian.advise(sizing, options, lambda prompt: asker.answer(name, prompt), config.guardian_notes)
+        guardian.log_sizing(sizing)
+        self.sizing = sizing
+        c = sizing.chosen
+        return dataclasses.replace(config, lora_r=c.lora_r, train_batch_tokens=c.batch_tokens, precision=c.precision,
+                                   lora_alpha=config.lora_alpha if config.lora_r else max(1, round(c.lora_r *
+                                                                                                  config.lora_alpha / 8)))
+
+    def guardian_metrics(self) -> dict[str, float]:
+        """The guardian's choices and the privacy budget, as a round's report carries them."""
+        out = self.budget.metrics()
+        if self.sizing is not None:
+            c = self.sizing.chosen
+            out.update(guardian_rank=float(c.lora_r), guardian_batch_tokens=float(c.batch_tokens),
+                       guardian_bf16=float(c.precision == "bf16"), guardian_need_mb=c.need_bytes / 1e6)
+            if self.cfg.guardian_model:
+                out["guardian_fallback"] = float(bool(self.sizing.fallback))
+        return out
 
     # ---- environments ----------------------------------------------------------------------
     def env_tasks(self, env: EnvClient, info: EnvInfo | None = None) -> EnvTasks:
@@ -161,8 +218,33 @@ class ClientAgent:
     def load_global(self, round_: int) -> None:
         with PHASE_SECONDS.labels("download").time():
             g = self.fed.download(round_)
-        mdl.set_adapter_state(self.model, g.adapter())
+        mdl.set_adapter_state(self.model, self.own_rank(g.adapter()))
         self.loaded_round = round_
+
+    def own_rank(self, adapter: ad.Adapter) -> ad.Adapter:
+        """A global adapter as this client trains from it: in a mixed-rank run (RunConfig.max_lora_rank),
+        brought from the run's rank to this client's rank and scaling, after checking that it is at the
+        rank the run says (what the aggregator sends is checked, not trusted)."""
+        top = self.run_config.max_lora_rank
+        if not top:
+            return adapter
+        try:
+            ad.check_tensors(ranks.run_schema(self.schema, top), adapter, dtypes=False,
+                             expected_by=f"a run of maximum LoRA rank {top}")
+        except ad.AdapterError as exc:
+            raise mdl.AdapterMismatch(f"the global adapter does not fit this run: {exc}") from None
+        if not all(torch.isfinite(t).all() for t in adapter.values()):
+            raise mdl.AdapterMismatch("the global adapter holds NaN or infinite values")
+        own = ranks.scaling(self.schema.adapter_config_json)
+        return ranks.to_own_rank(adapter, self.run_config.strategy, self.cfg.lora_r, own)
+
+    def run_rank_adapter(self, adapter: ad.Adapter) -> ad.Adapter:
+        """This client's adapter as the run's rank-R adapter (zero-padded, B scaled; fedse.ranks.padded): what
+        it masks under secure aggregation in a mixed-rank run. As it is in a run of one rank."""
+        top = self.run_config.max_lora_rank
+        if not top:
+            return adapter
+        return ranks.padded(adapter, top, ranks.scaling(self.schema.adapter_config_json) / ranks.RUN_SCALING)
 
     def resume(self, plan: Resume, tasks: list[EnvTasks]) -> None:
         """Brings the state directory to where `plan` starts."""
@@ -202,6 +284,7 @@ class ClientAgent:
         # with one line (InsecureRun), when the run has none, and one with mTLS files when its keys
         # would not be signed.
         refuse_insecure(cfg.require_secure_aggregation, joined.config, cfg.signs_keys)
+        self.budget.start(joined.config)  # a privacy budget needs noise this client adds itself
         num_rounds = joined.config.num_rounds
         self.heartbeat.interval_s = (cfg.heartbeat_interval_s or joined.config.heartbeat_interval_s
                                      or DEFAULT_HEARTBEAT_INTERVAL_S)
@@ -240,7 +323,14 @@ class ClientAgent:
         while True:
             ROUND.set(round_)
             final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= self.run_config.num_rounds
-            if final or done or selected(st, self.cfg.client_id):
+            taking = final or done or selected(st, self.cfg.client_id)
+            declined = None if final or not taking else self.budget.take(round_)
+            if declined is not None:  # the organisation's privacy budget: no more releases of its data
+                log.warning("declining this round: the privacy budget is spent",
+                            extra=log_fields(round=round_, reason=declined))
+                self.heartbeat.set(RoundPhase.DECLINED, round_)
+                ROUNDS_DECLINED.inc()
+            elif taking:
                 self.play_round(round_, done, final, tasks)
             else:  # the aggregator chose other clients for this round: wait for the next
                 log.info("not selected for this round; waiting for the next",
@@ -248,7 +338,7 @@ class ClientAgent:
                 self.heartbeat.set(RoundPhase.NOT_SELECTED, round_)
             if final:
                 break
-            if self.heartbeat.phase[1] != RoundPhase.NOT_SELECTED.value:
+            if self.heartbeat.phase[1] not in (RoundPhase.NOT_SELECTED.value, RoundPhase.DECLINED.value):
                 self.heartbeat.set(RoundPhase.WAITING, round_)
             with PHASE_SECONDS.labels("wait").time():
                 st = self.fed.wait_until(
@@ -457,10 +547,11 @@ class ClientAgent:
         the round closed with it in the sum."""
         cfg = self.run_config
         previous = self.fed.download(p.round).adapter() if cfg.clip_norm > 0 else None
-        contribution = Contribution(ad.decode_transport(data), previous,
+        contribution = Contribution(self.run_rank_adapter(ad.decode_transport(data)), previous,
                                     p.num_successes if cfg.strategy == "weighted" else 1, p.num_examples,
                                     p.num_successes)
-        layout = secagg.Layout.of(self.schema, cfg.strategy)
+        layout = secagg.Layout.of(ranks.run_schema(self.schema, cfg.max_lora_rank) if cfg.max_lora_rank else self.schema,
+                                  cfg.strategy)
         mine = self.cfg
         protection = Protection.of(mine.secure_min_threshold, mine.tls_ca, mine.tls_cert, mine.tls_key,
                                    ReleaseBook(self.state.path / "secure_released.json"))
@@ -471,6 +562,8 @@ class ClientAgent:
     def finish_round(self, round_: int, metrics: dict[str, Any]) -> None:
         # The most memory this process has held so far (Linux reports kB), for sizing its pod.
         metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        metrics.update(self.guardian_metrics())
+        PRIVACY_EPSILON.set(self.budget.spent() if self.budget.active else 0.0)
         metrics = {k: float(v) for k, v in metrics.items()}
         self.fed.report(round_, metrics)
         self.history.append({"round": float(round_), **metrics})

@@ -31,8 +31,9 @@ class ClientConfig(Security):
     base_model: str = field(TINY_MODEL_NAME, f"'{TINY_MODEL_NAME}' (built in code) or a local Hugging Face model directory "
                                              "(`make model` writes models/smollm2-135m-instruct)")
     device: str = field("", "torch device; empty picks CUDA when present, else CPU")
-    lora_r: int = field(8, "LoRA rank")
-    lora_alpha: int = field(16, "LoRA alpha")
+    lora_r: int = field(8, "LoRA rank (0 = the guardian's choice, with --guardian)")
+    lora_alpha: int = field(16, "LoRA alpha (with --lora-r 0: read as rank 8's, the alpha of the rank chosen keeps its "
+                                "ratio)")
     lora_dropout: float = field(0.0, "LoRA dropout")
     target_modules: str = field("all-linear", "LoRA target modules: 'all-linear' or comma-separated names")
     lr: float = field(3e-3, "AdamW learning rate (cosine schedule); the paper's 5e-5 suits 7B models")
@@ -93,14 +94,37 @@ class ClientConfig(Security):
                                              "of its neighbourhood; it takes part only where the threshold is above "
                                              "it (0.5: a majority; 0.66 keeps its adapter hidden from an aggregator "
                                              "that lies with up to a third of the neighbourhood colluding)")
+    guardian: bool = field(False, "before joining, size the work to this machine's memory by measuring one training "
+                                  "step: the largest LoRA rank (--lora-r 0), micro-batch (--train-batch-tokens 0) and "
+                                  "precision (--precision auto) that fit; a value given pins it")
+    guardian_model: str = field("", "--guardian: a language model that chooses among the settings measured to fit, "
+                                    "given --guardian-notes ('fedse-tiny', a local Hugging Face model directory, or "
+                                    "'base': this client's base model); its answer is checked, and the tools' choice "
+                                    "stands where it fails (empty = the tools' choice)")
+    guardian_notes: str = field("", "--guardian-model: the organisation's wishes in words, e.g. 'leave half the "
+                                    "memory to other work'")
+    memory_limit_mb: int = field(0, "--guardian: the memory this client may hold, in MB (0 = the GPU's, or the "
+                                    "container's limit or the machine's available memory)")
+    privacy_epsilon: float = field(0.0, "this organisation's privacy budget over the run: the epsilon of (epsilon, "
+                                        "delta)-DP its uploads may spend; once the next round would exceed it the "
+                                        "client declines the rest (0 = no budget; needs a run with secure "
+                                        "aggregation and noise, which this client adds itself)")
+    privacy_delta: float = field(1e-5, "the delta of --privacy-epsilon's budget")
     log_level: str = field("INFO", "log level")
     env_server_plain: bool = field(False, "talk to the env server without TLS or token (e.g. one in the same pod "
                                           "or on the same host), whatever the aggregator link uses")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive = {"lora_r": self.lora_r, "lora_alpha": self.lora_alpha, "epochs": self.epochs,
-                    "batch_size": self.batch_size}
+        positive = {"lora_alpha": self.lora_alpha, "epochs": self.epochs, "batch_size": self.batch_size}
+        if self.lora_r < (0 if self.guardian else 1):
+            raise ConfigError(f"--lora-r must be at least 1 (or 0 with --guardian: its choice), got {self.lora_r}")
+        if self.memory_limit_mb < 0 or self.train_batch_tokens < 0:
+            raise ConfigError("--memory-limit-mb and --train-batch-tokens must be 0 (automatic) or more")
+        if not (self.privacy_epsilon >= 0 and self.privacy_epsilon < float("inf")):
+            raise ConfigError(f"--privacy-epsilon must be a finite number >= 0 (0 = no budget), got {self.privacy_epsilon}")
+        if not 0 < self.privacy_delta < 1:
+            raise ConfigError(f"--privacy-delta must lie strictly between 0 and 1 (e.g. 1e-5), got {self.privacy_delta}")
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -232,6 +232,11 @@ class FederationClient:
             self.chunk_bytes = min(self.chunk_bytes, resp.config.max_chunk_bytes)
         return resp
 
+    def run_status(self) -> fpb.RunStatus:
+        """The operator's view of the run (GetRunStatus): its settings and each client's state."""
+        return self._retry("run status", lambda: self.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=self.timeout_s,
+                                                                                  wait_for_ready=True))
+
     def status(self) -> fpb.RoundStatus:
         return self._retry("GetRoundStatus", lambda: self.stub.GetRoundStatus(
             fpb.RoundStatusRequest(client_id=self.client_id), timeout=self.timeout_s))

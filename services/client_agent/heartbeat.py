@@ -28,6 +28,7 @@ class RoundPhase(enum.Enum):
     UPLOADING = "uploading"
     WAITING = "waiting"
     NOT_SELECTED = "not selected"  # the aggregator chose other clients for the open round
+    DECLINED = "declined"  # this client's guardian declines the open round (its privacy budget is spent)
     DONE = "done"
 
 

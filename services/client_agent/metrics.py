@@ -39,6 +39,18 @@ TRAIN_SECONDS = prometheus_client.Counter("fedse_client_train_seconds", "Seconds
 TEST_SUCCESS = prometheus_client.Gauge(
     "fedse_client_test_success_ratio", "Held-out success rate of the latest global adapter, by environment.",
     ["env"])
+# The client guardian (guardian.py): what it sized, and the rounds its privacy budget declined.
+LORA_RANK = prometheus_client.Gauge("fedse_client_lora_rank", "The LoRA rank this client trains (its --lora-r, or "
+                                                              "the guardian's choice).")
+TRAIN_BATCH_TOKENS = prometheus_client.Gauge(
+    "fedse_client_train_batch_tokens", "Tokens per training micro-batch (--train-batch-tokens, or the guardian's "
+                                       "choice; 0 = the trainer's default).")
+ROUNDS_DECLINED = prometheus_client.Counter(
+    "fedse_client_rounds_declined", "Rounds this client declined because its privacy budget (--privacy-epsilon) "
+                                    "would be exceeded.")
+PRIVACY_EPSILON = prometheus_client.Gauge(
+    "fedse_client_privacy_epsilon_spent", "The epsilon this client's uploads have spent of its privacy budget "
+                                          "(at --privacy-delta; 0 without a budget).")
 # The parts of a round as this client sees it: download the global adapter, evaluate it, explore,
 # train, upload, then wait for the round to close (the other clients and the aggregation).
 PHASES = ("download", "eval", "explore", "train", "upload", "wait")

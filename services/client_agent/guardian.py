@@ -1,0 +1,380 @@
+"""The client's guardian: it sizes the work to this machine and keeps the organisation's privacy budget.
+
+Sizing (--guardian), before the client joins. It chooses what the organisation left to it: the LoRA
+rank (--lora-r 0), the tokens of a training micro-batch (--train-batch-tokens 0) and the precision
+(--precision auto); a value given pins it. For each candidate, largest first (ranks from the run's
+maximum, or 16, halving; micro-batches from the trainer's default, halving to 64 tokens; the
+precision 'auto' picks, then bf16 where that was fp32; the smallest setting is measured first, so
+that where even it does not fit the search ends at once), it adds a LoRA of that rank to the loaded
+base model and runs one real training step (forward and backward over a micro-batch of that many
+tokens at the client's prompt width) and measures what the step held:
+  - on CUDA, the allocator's peak above what was allocated before the step;
+  - on a CPU, the bytes of the tensors autograd saved for the backward pass (counted once per
+    storage, the frozen weights left out: they are resident already), plus the LoRA's gradients and
+    AdamW's two moments. The step runs without activation checkpointing: an upper bound.
+The first candidate whose need fits is taken: need = resident + step + (a real model's --score-cache-mb)
++ 10 %, resident being what the process holds with the model loaded (RSS, or CUDA's allocated bytes),
+against --memory-limit-mb (else the GPU's memory, or the cgroup's limit or the machine's available
+memory on a CPU). The rank comes first (a larger rank changes what is learnt; a smaller micro-batch
+only how many passes a step takes), then the micro-batch, then the precision.
+
+Advice (--guardian-model, optional): a language model chooses among the settings that fit, given the
+organisation's wishes in words (--guardian-notes, e.g. "leave half the memory to other work"). The
+guardian measures the alternatives (each smaller rank, and half the micro-batch, at what fits), asks
+the model with them as JSON, and checks its answer: it must name one of the options measured to fit.
+Any other answer, or a model that fails, leaves the tools' choice standing, and the fallback is
+counted and said.
+
+Privacy (--privacy-epsilon E, --privacy-delta D): the organisation's (E, D) over the whole run. Each
+round this client uploads to is one release of the Gaussian mechanism over its data (fedse.accounting,
+the aggregator's accounting: zCDP composed over releases). The noise is what this client adds itself
+under secure aggregation (RunConfig.noise_multiplier), so the budget never rests on the aggregator's
+word: a run without it is refused at Join (UnaccountedRun). Before each round it would upload to, the
+guardian adds that release; if the total would exceed E, it declines the round (its heartbeat says
+"declined", and the aggregator does not wait for it) and every later one. The rounds it took are kept
+in the state directory (privacy.json, written before the upload), so a restart spends nothing twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+from typing import Callable
+
+import torch
+
+from fedse import accounting
+from fedse.asking import AnswerError, json_object
+from fedse.files import atomic_write
+from fedse.machine import available_memory_bytes, resident_bytes
+from fedse.serving import log_fields
+
+from .federation import InsecureRun
+
+log = logging.getLogger("fedse.client.guardian")
+
+MIN_BATCH_TOKENS = 64
+DEFAULT_TOP_RANK = 16  # the largest rank tried where the run does not say one
+HEADROOM = 1.10  # need = 110 % of what was measured and resident
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    lora_r: int
+    batch_tokens: int
+    precision: str
+    step_bytes: int = 0
+    need_bytes: int = 0
+
+    def describe(self) -> str:
+        return (f"rank {self.lora_r}, {self.batch_tokens} tokens a micro-batch, {self.precision}: needs "
+                f"{self.need_bytes / 1e6:.0f} MB")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """What the guardian chose, and why (`tried`: every candidate measured, in order)."""
+
+    chosen: Candidate
+    limit_bytes: int
+    resident_bytes: int
+    tried: tuple[Candidate, ...]
+    pinned: tuple[str, ...]
+    advice: str = ""  # what the model said of its choice (--guardian-model)
+    fallback: str = ""  # why the model's answer did not stand, where it did not
+
+    def reason(self) -> str:
+        skipped = [c for c in self.tried if c != self.chosen]
+        why = f"; too large: {'; '.join(c.describe() for c in skipped)}" if skipped else ""
+        pins = f"; pinned: {', '.join(self.pinned)}" if self.pinned else ""
+        advice = f"; the model: {self.advice}" if self.advice else ""
+        fallback = f"; the model's answer did not stand ({self.fallback}): the tools' choice" if self.fallback else ""
+        return (f"{self.chosen.describe()} of {self.limit_bytes / 1e6:.0f} MB (resident "
+                f"{self.resident_bytes / 1e6:.0f} MB){why}{pins}{advice}{fallback}")
+
+
+class DoesNotFit(RuntimeError):
+    """Not even the smallest setting fits this machine's memory."""
+
+
+def ranks_from(top: int) -> list[int]:
+    """top, top/2, ..., 1."""
+    out, r = [], top
+    while r >= 1:
+        out.append(r)
+        r //= 2
+    return out
+
+
+def tokens_from(top: int) -> list[int]:
+    """top, top/2, ... down to MIN_BATCH_TOKENS."""
+    out, t = [], top
+    while t >= MIN_BATCH_TOKENS:
+        out.append(t)
+        t //= 2
+    return out or [top]
+
+
+def step_bytes(peft_model, batch_tokens: int, width: int, precision: str, device: torch.device) -> int:
+    """What one training step over a micro-batch of `batch_tokens` tokens (rows of `width`) holds beyond
+    what is resident (see the module doc), measured on the model."""
+    from .model import autocast
+
+    width = max(2, min(width, batch_tokens))
+    rows = max(1, batch_tokens // width)
+    vocab = peft_model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(3, max(4, vocab), (rows, width), generator=torch.Generator().manual_seed(0)).to(device)
+    params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    lora = sum(p.numel() * p.element_size() for p in params)
+    frozen = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in frozen:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    peft_model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(precision, device):
+            loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+            measured = torch.cuda.max_memory_allocated(device) - before + 2 * lora  # AdamW's moments
+        else:
+            measured = sum(seen.values()) + 3 * lora  # gradients and AdamW's two moments
+    finally:
+        for p in params:
+            p.grad = None
+        peft_model.eval()
+    return int(measured)
+
+
+def size(base, config, device: torch.device, width: int, top_rank: int, fixed_rank: int = 0,
+         limit_bytes: int = 0, extra_bytes: int = 0, resident: int | None = None,
+         add_lora: Callable | None = None, on_try: Callable[[Candidate], None] = lambda c: None) -> Sizing:
+    """The largest rank, micro-batch and precision that fit (see the module doc). `config`: the client's
+    (its lora_r, train_batch_tokens and precision pin what is not 0 / 'auto'); `top_rank`: the largest
+    rank to try; `fixed_rank`: the one rank the run takes (a run of one rank), 0 where it takes any up to
+    top_rank; `extra_bytes`: what the client holds besides the step (its score cache). The base model
+    comes back without a LoRA. `resident`: what the process holds (None: measured now). DoesNotFit where
+    nothing fits."""
+    from .model import add_lora as default_add_lora
+    from .model import pick_precision
+
+    add_lora = add_lora or default_add_lora
+    pinned = []
+    if config.lora_r:
+        ranks, pinned = [config.lora_r], pinned + [f"rank {config.lora_r}"]
+    elif fixed_rank:
+        ranks, pinned = [fixed_rank], pinned + [f"rank {fixed_rank} (the run's)"]
+    else:
+        ranks = ranks_from(top_rank)
+    default_tokens = 1024 if device.type == "cpu" else 32768
+    if config.train_batch_tokens:
+        tokens, pinned = [config.train_batch_tokens], pinned + [f"{config.train_batch_tokens} tokens"]
+    else:
+        tokens = tokens_from(default_tokens)
+    if config.precision != "auto":
+        precisions, pinned = [config.precision], pinned + [config.precision]
+    else:
+        first = pick_precision("auto", base, device)
+        precisions = [first] + (["bf16"] if first == "fp32" and device.type == "cpu" else [])
+    resident = resident_bytes(device) if resident is None else resident
+    limit = limit_bytes or available_memory_bytes(device)
+    tried: list[Candidate] = []
+
+    def measure(r: int, t: int, precision: str, peft) -> Candidate:
+        held = step_bytes(peft, t, width, precision, device)
+        c = Candidate(r, t, precision, held, int((resident + held + extra_bytes) * HEADROOM))
+        tried.append(c)
+        on_try(c)
+        return c
+
+    # The smallest setting first: where even it does not fit, nothing will, and the search ends at once.
+    peft = add_lora(base, r=ranks[-1], alpha=max(1, round(ranks[-1] * config.lora_alpha / 8)),
+                    dropout=config.lora_dropout, target_modules=config.lora_targets(), seed=config.seed)
+    try:
+        least = measure(ranks[-1], tokens[-1], precisions[-1], peft)
+    finally:
+        base = peft.unload()
+    if least.need_bytes > limit:
+        raise DoesNotFit(f"no setting fits this machine's memory limit of {limit / 1e6:.0f} MB (resident "
+                         f"{resident / 1e6:.0f} MB): the smallest, {least.describe()}; give more memory "
+                         "(--memory-limit-mb), a smaller model, or pin a smaller --train-batch-tokens")
+    for precision in precisions:
+        for r in ranks:
+            peft = add_lora(base, r=r, alpha=max(1, round(r * config.lora_alpha / 8)), dropout=config.lora_dropout,
+                            target_modules=config.lora_targets(), seed=config.seed)
+            try:
+                for t in tokens:
+                    c = least if (r, t, precision) == (least.lora_r, least.batch_tokens, least.precision) else \
+                        measure(r, t, precision, peft)
+                    if c.need_bytes <= limit:
+                        return Sizing(c, limit, resident, tuple(x for x in tried if x is not least or c is least),
+                                      tuple(pinned))
+            finally:
+                base = peft.unload()
+    return Sizing(least, limit, resident, tuple(tried), tuple(pinned))  # only the smallest fits
+
+
+# ---- the model's advice --------------------------------------------------------------------------
+
+def alternatives(base, config, s: Sizing, device: torch.device, width: int, extra_bytes: int = 0,
+                 add_lora: Callable | None = None) -> list[Candidate]:
+    """The options a model may choose among: the tools' choice, then each smaller rank and half the
+    micro-batch (where not pinned), each measured and kept where it fits."""
+    from .model import add_lora as default_add_lora
+
+    add_lora = add_lora or default_add_lora
+    c = s.chosen
+    wanted = [] if config.lora_r else [(r, c.batch_tokens) for r in ranks_from(c.lora_r)[1:]]
+    if not config.train_batch_tokens and c.batch_tokens // 2 >= MIN_BATCH_TOKENS:
+        wanted.append((c.lora_r, c.batch_tokens // 2))
+    if any(p.startswith("rank ") for p in s.pinned):
+        wanted = [w for w in wanted if w[0] == c.lora_r]
+    options = [c]
+    for r, t in wanted:
+        peft = add_lora(base, r=r, alpha=max(1, round(r * config.lora_alpha / 8)), dropout=config.lora_dropout,
+                        target_modules=config.lora_targets(), seed=config.seed)
+        try:
+            held = step_bytes(peft, t, width, c.precision, device)
+        finally:
+            base = peft.unload()
+        option = Candidate(r, t, c.precision, held, int((s.resident_bytes + held + extra_bytes) * HEADROOM))
+        if option.need_bytes <= s.limit_bytes:
+            options.append(option)
+    return options
+
+
+def prompt(s: Sizing, options: list[Candidate], notes: str) -> str:
+    """The question: the machine, the options measured to fit, the organisation's wishes, the answer's form."""
+    listed = [{"option": i, "lora_rank": c.lora_r, "micro_batch_tokens": c.batch_tokens, "precision": c.precision,
+               "needs_mb": round(c.need_bytes / 1e6)} for i, c in enumerate(options)]
+    return ("You size the training of a federated learning client on this machine. A larger LoRA rank learns "
+            "more; a larger micro-batch trains faster; both need memory. Memory: {limit} MB, {resident} MB of it "
+            "already in use. The organisation says: {notes}\nOptions that fit: {options}\nAnswer with one JSON "
+            'object and nothing else: {{"option": number, "reason": "one sentence"}}\nAnswer: ').format(
+                limit=round(s.limit_bytes / 1e6), resident=round(s.resident_bytes / 1e6),
+                notes=json.dumps(notes or "nothing more"), options=json.dumps(listed, separators=(",", ":")))
+
+
+def check_advice(answer: str, options: list[Candidate]) -> tuple[Candidate, str]:
+    """(the option chosen, the reason) from the model's answer; AnswerError saying what is wrong."""
+    value = json_object(answer)
+    index = value.get("option")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise AnswerError('"option" is not a number')
+    if not 0 <= index < len(options):
+        raise AnswerError(f'"option" {index} is not one of the {len(options)} options measured to fit')
+    reason = value.get("reason", "")
+    return options[index], (reason if isinstance(reason, str) else json.dumps(reason))[:200]
+
+
+def advise(s: Sizing, options: list[Candidate], answer: Callable[[str], str], notes: str = "") -> Sizing:
+    """The sizing with the model's choice among `options` where its answer passes the check; else the
+    tools' choice, with why (Sizing.fallback)."""
+    try:
+        text = answer(prompt(s, options, notes))
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run leaves the tools' choice
+        return dataclasses.replace(s, fallback=f"the model could not answer: {str(exc)[:200]}")
+    try:
+        chosen, why = check_advice(text, options)
+    except AnswerError as exc:
+        return dataclasses.replace(s, fallback=f"{exc}; it answered {' '.join(text.split())[:120]!r}")
+    return dataclasses.replace(s, chosen=chosen, advice=f"{chosen.describe()}: {why}")
+
+
+# ---- the privacy budget --------------------------------------------------------------------------
+
+class UnaccountedRun(InsecureRun):
+    """A run whose noise this client cannot account for, where the organisation keeps a privacy budget."""
+
+    def __init__(self, run_id: str, epsilon: float):  # noqa: D107 - the message says it
+        RuntimeError.__init__(
+            self, f"this client keeps a privacy budget of epsilon {epsilon:g} (--privacy-epsilon), and the aggregator's "
+                  f"run {run_id} adds no noise this client adds itself (that needs secure aggregation with "
+                  "--clip-norm and --noise-multiplier): its rounds would spend an unbounded epsilon; nothing was "
+                  "uploaded")
+
+
+class PrivacyBudget:
+    """The organisation's (epsilon, delta) over a run, kept in `path` (see the module doc)."""
+
+    def __init__(self, epsilon: float, delta: float, path: pathlib.Path):
+        self.epsilon, self.delta, self.path = epsilon, delta, path
+        self.run_id, self.rounds, self.declined = "", [], []
+        self.noise_multiplier = 0.0
+        try:
+            saved = json.loads(path.read_text())
+            self.run_id, self.rounds = str(saved["run_id"]), [int(r) for r in saved["rounds"]]
+            self.declined = [int(r) for r in saved.get("declined", [])]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    @property
+    def active(self) -> bool:
+        return self.epsilon > 0
+
+    def start(self, run) -> None:
+        """Checks the run (a RunConfig) before anything is trained: UnaccountedRun unless this client adds
+        the noise itself. A ledger of another run starts afresh."""
+        if not self.active:
+            return
+        if not (run.secure_aggregation and run.noise_multiplier > 0 and run.clip_norm > 0):
+            raise UnaccountedRun(run.run_id, self.epsilon)
+        self.noise_multiplier = run.noise_multiplier
+        if run.run_id != self.run_id:
+            self.run_id, self.rounds, self.declined = run.run_id, [], []
+            self._save()
+
+    def spent(self, releases: int | None = None) -> float:
+        """The epsilon of `releases` rounds taken (default: those taken so far)."""
+        n = len(self.rounds) if releases is None else releases
+        return accounting.epsilons(self.noise_multiplier, n, self.delta)[1] if n else 0.0
+
+    def take(self, round_: int) -> str | None:
+        """None where the client may upload to `round_` (the release is booked now, before the upload);
+        else why it declines."""
+        if not self.active or round_ in self.rounds:
+            return None
+        after = self.spent(len(self.rounds) + 1)
+        if after > self.epsilon:
+            if round_ not in self.declined:
+                self.declined.append(round_)
+                self._save()
+            return (f"round {round_} would bring epsilon to {after:.3g} (delta {self.delta:g}) over the budget of "
+                    f"{self.epsilon:g}; {len(self.rounds)} round(s) taken, epsilon {self.spent():.3g}")
+        self.rounds.append(round_)
+        self._save()
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        if not self.active:
+            return {}
+        return {"privacy_epsilon_spent": self.spent(), "privacy_epsilon_limit": self.epsilon,
+                "rounds_declined": float(len(self.declined))}
+
+    def _save(self) -> None:
+        atomic_write(self.path, json.dumps({"run_id": self.run_id, "rounds": self.rounds, "declined": self.declined,
+                                            "epsilon": self.epsilon, "delta": self.delta,
+                                            "saved_unix": time.time()}).encode())
+
+
+def log_sizing(s: Sizing) -> None:
+    log.info("guardian sized the work", extra=log_fields(
+        lora_r=s.chosen.lora_r, train_batch_tokens=s.chosen.batch_tokens, precision=s.chosen.precision,
+        need_mb=round(s.chosen.need_bytes / 1e6), limit_mb=round(s.limit_bytes / 1e6), tried=len(s.tried),
+        reason=s.reason()))

@@ -1,0 +1,163 @@
+"""The client guardian: it sizes rank, micro-batch and precision by measuring a real training step of
+the tiny model against a memory limit, and it keeps the organisation's privacy budget."""
+
+import dataclasses
+
+import pytest
+
+from fedse import accounting
+from fedse.tinymodel import build_tiny_model
+from fedse.v1 import federation_pb2 as fpb
+from services.client_agent import guardian
+from services.client_agent.config import ClientConfig
+
+import torch
+
+CPU = torch.device("cpu")
+AUTO = ClientConfig(guardian=True, lora_r=0, train_batch_tokens=0, precision="auto")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return build_tiny_model(seed=0)[0]
+
+
+def sized(base, config=AUTO, **kwargs):
+    return guardian.size(base, config, CPU, width=256, top_rank=16, resident=0, **kwargs)
+
+
+def test_with_room_the_guardian_takes_the_largest_rank_and_micro_batch_and_leaves_the_base_model_bare(base):
+    s = sized(base, limit_bytes=10**12)
+    assert (s.chosen.lora_r, s.chosen.batch_tokens, s.chosen.precision) == (16, 1024, "fp32")
+    assert len(s.tried) == 1 and s.chosen.step_bytes > 0  # the smallest, measured first, fits: not listed as tried
+    assert not [n for n, _ in base.named_parameters() if "lora_" in n]  # unloaded after measuring
+
+
+def test_under_a_tight_limit_it_picks_a_smaller_micro_batch_then_a_smaller_rank(base):
+    top = sized(base, limit_bytes=10**12).chosen
+    smaller = sized(base, limit_bytes=top.need_bytes - 1)  # the largest no longer fits
+    assert smaller.chosen.lora_r == 16 and smaller.chosen.batch_tokens < 1024
+    assert smaller.tried[0].need_bytes == top.need_bytes  # measured again: a real step, the same bytes
+    # A step's activations grow with its tokens: halving the micro-batch needs less.
+    assert smaller.chosen.need_bytes < top.need_bytes <= smaller.limit_bytes + 1
+    # With the micro-batch pinned at 1024 tokens, only a smaller rank can fit.
+    pinned = dataclasses.replace(AUTO, train_batch_tokens=1024)
+    ranks = sized(base, pinned, limit_bytes=top.need_bytes - 1)
+    assert ranks.chosen.lora_r < 16 and ranks.chosen.batch_tokens == 1024
+    assert "1024 tokens" in ranks.pinned and "too large: rank 16" in ranks.reason()
+
+
+def test_pinned_settings_are_kept_and_nothing_that_fits_says_so(base):
+    s = sized(base, dataclasses.replace(AUTO, lora_r=4, precision="bf16"), limit_bytes=10**12)
+    assert (s.chosen.lora_r, s.chosen.precision) == (4, "bf16") and "rank 4" in s.pinned
+    one_rank = guardian.size(base, AUTO, CPU, width=256, top_rank=16, fixed_rank=8, resident=0, limit_bytes=10**12)
+    assert one_rank.chosen.lora_r == 8 and "rank 8 (the run's)" in one_rank.pinned
+    tried = []
+    with pytest.raises(guardian.DoesNotFit, match="no setting fits this machine's memory limit"):
+        sized(base, limit_bytes=1000, on_try=tried.append)
+    assert [(c.lora_r, c.batch_tokens, c.precision) for c in tried] == [(1, 64, "bf16")]  # the smallest: at once
+
+
+def secure_run(run_id="r", noise=1.0, secure=True):
+    return fpb.RunConfig(run_id=run_id, secure_aggregation=secure, clip_norm=1.0 if noise else 0.0,
+                         noise_multiplier=noise)
+
+
+def test_the_privacy_budget_declines_rounds_once_spent_and_remembers_over_a_restart(tmp_path):
+    path = tmp_path / "privacy.json"
+    two = accounting.epsilons(2.0, 2, 1e-5)[1]
+    budget = guardian.PrivacyBudget(two + 1e-9, 1e-5, path)
+    budget.start(secure_run(noise=2.0))
+    assert budget.take(0) is None and budget.take(1) is None and budget.take(1) is None  # round 1 booked once
+    why = budget.take(2)
+    assert why is not None and "over the budget" in why
+    assert budget.metrics() == {"privacy_epsilon_spent": pytest.approx(two), "privacy_epsilon_limit": two + 1e-9,
+                                "rounds_declined": 1.0}
+    again = guardian.PrivacyBudget(two + 1e-9, 1e-5, path)  # a restarted client
+    again.start(secure_run(noise=2.0))
+    assert again.rounds == [0, 1] and again.take(3) is not None and again.take(1) is None
+    fresh = guardian.PrivacyBudget(two + 1e-9, 1e-5, path)
+    fresh.start(secure_run(run_id="other", noise=2.0))  # another run: its own ledger
+    assert fresh.rounds == [] and fresh.take(0) is None
+
+
+@pytest.mark.parametrize("run", [secure_run(secure=False), secure_run(noise=0.0)])
+def test_a_budget_refuses_a_run_whose_noise_it_does_not_add_itself(tmp_path, run):
+    # An aggregator that says its run is private (central noise) is not taken at its word.
+    with pytest.raises(guardian.UnaccountedRun, match="adds no noise this client adds itself"):
+        guardian.PrivacyBudget(1.0, 1e-5, tmp_path / "p.json").start(run)
+    guardian.PrivacyBudget(0.0, 1e-5, tmp_path / "p.json").start(run)  # no budget: any run
+
+
+def test_a_round_does_not_wait_for_a_client_that_declines_it(tmp_path):
+    import json
+
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from fedse import adapter as ad
+    from fedse.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.federation import FederationClient
+    from support import aggregator_in_process
+
+    pm = get_peft_model(build_tiny_model(seed=0)[0], LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}
+    schema = ad.Schema.of(state, json.dumps(pm.peft_config["default"].to_dict(), default=list))
+    with aggregator_in_process(tmp_path, min_clients=1, start_clients=2, num_rounds=2,
+                               heartbeat_timeout_s=600.0, wait_after_min_s=600.0) as (_agg, port, _dir):
+        a, b = FederationClient(f"127.0.0.1:{port}", "org-a"), FederationClient(f"127.0.0.1:{port}", "org-b")
+        a.join("maze", TINY_MODEL_NAME, schema)
+        b.join("maze", TINY_MODEL_NAME, schema)
+        b.heartbeat(0, "declined")
+        a.upload(0, ad.encode(state), 1, 1)
+        assert a.wait_until(lambda s: s.round == 1, timeout_s=30).round == 1  # closed without org-b
+        a.close(), b.close()
+
+
+def test_fedse_status_shows_what_each_guardian_chose_and_spent():
+    from apps.cli import format_status
+
+    st = fpb.RunStatus(config=fpb.RunConfig(strategy="hlora", max_lora_rank=16))
+    st.clients.add(client_id="org-a", env="maze", lora_rank=4, metrics_round=1,
+                   metrics={"guardian_rank": 4.0, "guardian_batch_tokens": 256.0, "guardian_bf16": 1.0,
+                            "guardian_need_mb": 900.0, "privacy_epsilon_spent": 3.2, "privacy_epsilon_limit": 8.0,
+                            "rounds_declined": 1.0})
+    st.clients.add(client_id="org-b", env="wordle", lora_rank=16)
+    text = format_status(st)
+    assert "mixed LoRA ranks up to 16 (hlora): org-a r4, org-b r16" in text
+    assert "guardian: rank 4, 256 tokens a micro-batch, bf16 (needs 900 MB); privacy: epsilon 3.2 of 8, " \
+           "1 round(s) declined" in text
+    assert text.count("guardian:") == 1  # org-b has no guardian
+
+
+def test_a_model_may_choose_among_the_options_measured_to_fit_and_its_answer_is_checked(base):
+    at_256 = dataclasses.replace(AUTO, train_batch_tokens=256)
+    s = sized(base, at_256, limit_bytes=10**12)
+    options = guardian.alternatives(base, at_256, s, CPU, 256)
+    assert options[0] == s.chosen and [(c.lora_r, c.batch_tokens) for c in options[1:]] == \
+        [(8, 256), (4, 256), (2, 256), (1, 256)]
+    assert all(c.need_bytes <= s.limit_bytes for c in options)
+    asked = []
+
+    def model(prompt):
+        asked.append(prompt)
+        return 'Sure. {"option": 2, "reason": "the notes ask to leave memory free"}'
+    advised = guardian.advise(s, options, model, notes="leave half the memory to other work")
+    assert advised.chosen == options[2] and "leave memory free" in advised.advice and not advised.fallback
+    assert '"leave half the memory to other work"' in asked[0] and '"option":4' in asked[0]
+    for answer, why in (("rank 4 please", "no JSON object"), ('{"option": 9}', "not one of the 5 options"),
+                        ('{"option": "2"}', "not a number")):
+        kept = guardian.advise(s, options, lambda prompt: answer)
+        assert kept.chosen == s.chosen and why in kept.fallback, answer
+    assert "the model's answer did not stand" in kept.reason()
+
+
+def test_the_embedded_tiny_model_is_asked_for_real_and_its_nonsense_leaves_the_tools_choice(base):
+    from fedse.asking import Asker
+
+    at_256 = dataclasses.replace(AUTO, train_batch_tokens=256, lora_r=4)
+    s = sized(base, at_256, limit_bytes=10**12)
+    options = guardian.alternatives(base, at_256, s, CPU, 256)
+    asker = Asker(max_new_tokens=16, max_seconds=20.0)
+    advised = guardian.advise(s, options, lambda prompt: asker.answer("fedse-tiny", prompt))
+    assert advised.chosen in options
+    assert advised.fallback or advised.advice  # what the model said, or why it did not stand
