@@ -15,12 +15,12 @@ MODULES = {  # module -> (in_features, out_features)
 BYTES_PER_LAYER = 4 * sum(RANK * (i + o) for i, o in MODULES.values())  # fp32
 
 
-def schema(layers: int) -> dict[str, tuple[int, int]]:
+def schema(layers: int, rank: int = RANK) -> dict[str, tuple[int, int]]:
     """PEFT state-dict names -> shapes: lora_A is (r, in), lora_B is (out, r)."""
     out = {}
     for layer in range(layers):
         for module, (fan_in, fan_out) in MODULES.items():
             prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{prefix}.lora_A.weight"] = (RANK, fan_in)
-            out[f"{prefix}.lora_B.weight"] = (fan_out, RANK)
+            out[f"{prefix}.lora_A.weight"] = (rank, fan_in)
+            out[f"{prefix}.lora_B.weight"] = (fan_out, rank)
     return out

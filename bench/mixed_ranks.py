@@ -35,20 +35,10 @@ from services.aggregator.adapter_files import AdapterFile  # noqa: E402
 from services.aggregator.strategies import Update, aggregate  # noqa: E402
 
 from aggregation import _status_mb, start_peak  # noqa: E402  (bench/, beside this file)
-from llama_lora import MODULES  # noqa: E402
+from llama_lora import MODULES, schema as shapes  # noqa: E402
 
 MIXED = (4, 8, 16)
 ONE = 8
-
-
-def shapes(layers: int, rank: int) -> dict[str, tuple[int, int]]:
-    out = {}
-    for layer in range(layers):
-        for module, (fan_in, fan_out) in MODULES.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{prefix}.lora_A.weight"] = (rank, fan_in)
-            out[f"{prefix}.lora_B.weight"] = (fan_out, rank)
-    return out
 
 
 def write(directory: str, name: str, layout: dict[str, tuple[int, int]], gen: torch.Generator) -> None:
