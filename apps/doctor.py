@@ -176,7 +176,9 @@ def base_model(cfg: ClientConfig) -> str:
     from services.client_agent.federation import FederationClient
 
     base, _tokenizer = mdl.load_base(cfg.base_model, cfg.device or None, seed=cfg.seed)
-    peft = mdl.add_lora(base, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+    # --guardian --lora-r 0: the guardian chooses the rank at start; the modules are checked at rank 1 here
+    # (at the run's own rank where the run takes one).
+    peft = mdl.add_lora(base, r=cfg.lora_r or 1, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                         target_modules=cfg.lora_targets(), seed=cfg.seed)
     ours = ad.Schema.of(mdl.get_adapter_state(peft), mdl.adapter_config_json(peft))
     fed = FederationClient(cfg.aggregator, cfg.client_id, retries=1, timeout_s=60, security=cfg)
@@ -193,6 +195,8 @@ def base_model(cfg: ClientConfig) -> str:
             if top:  # mixed ranks: the run's adapter is at its maximum rank, ours at any rank up to it
                 ranks.check_fits(ad.Schema.of(theirs, ours.adapter_config_json), ours, top)
             else:
+                if not cfg.lora_r:  # the guardian will take the run's rank
+                    ours = ranks.at_rank(ours, ranks.rank_or_zero(ad.Schema.of(theirs, "")) or 1, cfg.lora_alpha)
                 ad.check_tensors(ours, {n: ad.TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                         for n, t in theirs.items()}, dtypes=False, expected_by="this client's LoRA")
         except ad.AdapterError as exc:

@@ -161,3 +161,13 @@ def test_the_embedded_tiny_model_is_asked_for_real_and_its_nonsense_leaves_the_t
     advised = guardian.advise(s, options, lambda prompt: asker.answer("fedse-tiny", prompt))
     assert advised.chosen in options
     assert advised.fallback or advised.advice  # what the model said, or why it did not stand
+
+
+def test_the_choice_is_kept_for_a_restart_of_the_same_run_and_not_for_another(tmp_path):
+    s = guardian.Sizing(guardian.Candidate(4, 256, "bf16", 10, 20), 100, 5, (), ("bf16",), "the model: small")
+    context = {"base_model": "m", "top_rank": 16, "fixed_rank": 0, "pins": [0, 0, "auto", 0]}
+    guardian.save_sizing(tmp_path / "guardian.json", s, context)
+    assert guardian.load_sizing(tmp_path / "guardian.json", context) == s
+    assert guardian.load_sizing(tmp_path / "guardian.json", {**context, "top_rank": 8}) is None
+    (tmp_path / "guardian.json").write_text("{not json")
+    assert guardian.load_sizing(tmp_path / "guardian.json", context) is None

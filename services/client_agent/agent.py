@@ -158,6 +158,13 @@ class ClientAgent:
             fixed = 8
             log.warning("the run's ranks are unknown; the guardian sizes for rank 8",
                         extra=log_fields(code=exc.code().name))
+        context = {"base_model": config.base_model, "top_rank": top, "fixed_rank": fixed,
+                   "pins": [config.lora_r, config.train_batch_tokens, config.precision, config.memory_limit_mb]}
+        kept = guardian.load_sizing(self.state.path / "guardian.json", context)
+        if kept is not None:  # a restart: the rank this client joined (and uploads) with
+            log.info("guardian keeps its earlier choice", extra=log_fields(reason=kept.reason()))
+            self.sizing = kept
+            return self.apply(config, kept.chosen)
         device = next(base.parameters()).device
         extra = 0 if is_tiny(base) else config.score_cache_mb * 1_000_000
         sizing = guardian.size(base, config, device, default_max_prompt_tokens(base), top, fixed,
@@ -172,11 +179,16 @@ class ClientAgent:
             name = config.base_model if config.guardian_model == "base" else config.guardian_model
             sizing = guardian.advise(sizing, options, lambda prompt: asker.answer(name, prompt), config.guardian_notes)
         guardian.log_sizing(sizing)
+        guardian.save_sizing(self.state.path / "guardian.json", sizing, context)
         self.sizing = sizing
-        c = sizing.chosen
+        return self.apply(config, sizing.chosen)
+
+    @staticmethod
+    def apply(config: ClientConfig, c: guardian.Candidate) -> ClientConfig:
+        """The config with the guardian's choice (alpha at --lora-alpha's ratio to rank 8 where it chose the rank)."""
+        alpha = config.lora_alpha if config.lora_r else max(1, round(c.lora_r * config.lora_alpha / 8))
         return dataclasses.replace(config, lora_r=c.lora_r, train_batch_tokens=c.batch_tokens, precision=c.precision,
-                                   lora_alpha=config.lora_alpha if config.lora_r else max(1, round(c.lora_r *
-                                                                                                  config.lora_alpha / 8)))
+                                   lora_alpha=alpha)
 
     def guardian_metrics(self) -> dict[str, float]:
         """The guardian's choices and the privacy budget, as a round's report carries them."""

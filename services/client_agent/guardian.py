@@ -12,7 +12,9 @@ tokens at the client's prompt width) and measures what the step held:
   - on a CPU, the bytes of the tensors autograd saved for the backward pass (counted once per
     storage, the frozen weights left out: they are resident already), plus the LoRA's gradients and
     AdamW's two moments. The step runs without activation checkpointing: an upper bound.
-The first candidate whose need fits is taken: need = resident + step + (a real model's --score-cache-mb)
+The choice is kept in the state directory (guardian.json): a restarted client joins again with it,
+at the rank its uploads have, as long as the base model and the run's ranks are the same. The first
+candidate whose need fits is taken: need = resident + step + (a real model's --score-cache-mb)
 + 10 %, resident being what the process holds with the model loaded (RSS, or CUDA's allocated bytes),
 against --memory-limit-mb (else the GPU's memory, or the cgroup's limit or the machine's available
 memory on a CPU). The rank comes first (a larger rank changes what is learnt; a smaller micro-batch
@@ -49,7 +51,7 @@ import torch
 from fedse import accounting
 from fedse.asking import AnswerError, json_object
 from fedse.files import atomic_write
-from fedse.machine import available_memory_bytes, resident_bytes
+from fedse.machine import available_memory_bytes, release_free_memory, resident_bytes
 from fedse.serving import log_fields
 
 from .federation import InsecureRun
@@ -192,7 +194,9 @@ def size(base, config, device: torch.device, width: int, top_rank: int, fixed_ra
     else:
         first = pick_precision("auto", base, device)
         precisions = [first] + (["bf16"] if first == "fp32" and device.type == "cpu" else [])
-    resident = resident_bytes(device) if resident is None else resident
+    if resident is None:
+        release_free_memory()  # what an earlier phase freed is not held
+        resident = resident_bytes(device)
     limit = limit_bytes or available_memory_bytes(device)
     tried: list[Candidate] = []
 
@@ -371,6 +375,27 @@ class PrivacyBudget:
         atomic_write(self.path, json.dumps({"run_id": self.run_id, "rounds": self.rounds, "declined": self.declined,
                                             "epsilon": self.epsilon, "delta": self.delta,
                                             "saved_unix": time.time()}).encode())
+
+
+def save_sizing(path: pathlib.Path, s: Sizing, context: dict) -> None:
+    """Keeps the choice in the state directory, with what it was made for (`context`: the base model and
+    the run's ranks), so that a restarted client joins again with the rank its uploads have."""
+    atomic_write(path, json.dumps({"context": context, "chosen": dataclasses.asdict(s.chosen),
+                                   "limit_bytes": s.limit_bytes, "resident_bytes": s.resident_bytes,
+                                   "pinned": list(s.pinned), "advice": s.advice, "fallback": s.fallback}).encode())
+
+
+def load_sizing(path: pathlib.Path, context: dict) -> Sizing | None:
+    """The choice kept for the same `context`, or None (none kept, another context, or unreadable)."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved["context"] != context:
+            return None
+        chosen = Candidate(**saved["chosen"])
+        return Sizing(chosen, int(saved["limit_bytes"]), int(saved["resident_bytes"]), (),
+                      tuple(saved["pinned"]), str(saved.get("advice", "")), str(saved.get("fallback", "")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def log_sizing(s: Sizing) -> None:
