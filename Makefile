@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels images clean
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-test.txt
@@ -68,7 +68,7 @@ bench-kernels: $(STAMP)
 ## Without Docker Hub: scripts/debian-base-image.sh, then PYTHON_IMAGE=localhost/fedse-base:bookworm.
 IMAGE ?= fedse
 GPU_IMAGE ?= fedse-gpu
-IMAGE_TAG ?= 0.1.0
+IMAGE_TAG ?= $(shell sed -n 's/^__version__ = "\(.*\)".*/\1/p' fedse/__init__.py)
 IMAGES ?= cpu gpu
 BUILDER ?= auto
 PYTHON_IMAGE ?=

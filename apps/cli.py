@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     # Ctrl-C too, even where the parent ran us with SIGINT ignored (Python then leaves it ignored).
     signal.signal(signal.SIGINT, _stop)
+    if argv and argv[0] in ("--version", "-V"):
+        from fedse import __version__
+
+        print(f"fedse {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fedse aggregator [options]     the aggregator service (fedse aggregator --help)\n"
               "       fedse env-server [options]     the environments' gRPC server (fedse env-server --help)\n"
@@ -42,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
               "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
               "directory, offline (fedse model --help)\n"
               "       fedse certs COMMAND [options]    the federation's CA and certificates: init, request, sign, "
-              "issue, show (fedse certs --help)")
+              "issue, show (fedse certs --help)\n"
+              "       fedse --version                  the version")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":

@@ -2,6 +2,8 @@
 
 import os as _os
 
+__version__ = "0.1.0"  # the one place the version is written: the package, `fedse --version`, logs, /metrics, images
+
 # fedse never downloads models: base models are the embedded tiny model or a local path.
 _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

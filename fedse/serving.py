@@ -16,6 +16,7 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fedse import __version__
 from fedse.inputs import status_message
 
 R = TypeVar("R")
@@ -67,11 +68,13 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(service: str, level: str = "INFO") -> None:
+    """JSON lines on stdout, the first of them saying which fedse this is."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.getLogger("fedse").info("starting", extra=log_fields(version=__version__))
 
 
 def log_fields(**fields: Any) -> dict[str, Any]:
@@ -291,6 +294,11 @@ class Service:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         self._stopped.wait()
+
+
+# Which fedse a process is: fedse_build_info{version="..."} 1 on every service's /metrics.
+BUILD = prometheus_client.Info("fedse_build", "The fedse version this process runs.")
+BUILD.info({"version": __version__})
 
 
 def start_metrics(port: int, address: str = "0.0.0.0") -> int:

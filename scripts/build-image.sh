@@ -75,6 +75,9 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 set -- "$@" -f docker/Dockerfile -t "$TAG" --label "org.opencontainers.image.variant=$VARIANT"
+# The image's version label: the package's (fedse/__init__.py, the one place it is written).
+VERSION=$(sed -n 's/^__version__ = "\(.*\)".*/\1/p' fedse/__init__.py)
+set -- "$@" --build-arg "VERSION=$VERSION"
 [ -n "$PYTHON_IMAGE" ] && set -- "$@" --build-arg "PYTHON_IMAGE=$PYTHON_IMAGE"
 for u in $ULIMITS; do set -- "$@" --ulimit "$u"; done
 

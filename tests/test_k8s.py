@@ -35,6 +35,7 @@ import shutil
 import pytest
 import yaml
 
+from fedse import __version__
 from support import K8S, KUBECTL, REPO, kustomize, service_module, write_scenario
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
 COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos", "secure-aggregation")
@@ -305,7 +306,7 @@ def test_default_is_the_whole_cpu_federation(scenario_tmp):
     assert set(services) == set(deployments) | set(jobs), "each workload has its own Service"
     assert set(by_name(docs, "PersistentVolumeClaim")) == {"aggregator", *(f"client-agent-{e}" for e in ENVS)}
     for w, c in containers(docs):
-        assert c["image"] == "fedse:0.1.0", (w["metadata"]["name"], c["image"])
+        assert c["image"] == f"fedse:{__version__}", (w["metadata"]["name"], c["image"])
     # Each client scores actions as `fedse run` scores its environment's with the tiny model.
     from apps.planning import scoring_for
     for env in ENVS:
@@ -552,9 +553,9 @@ def test_gpu_component(scenario_tmp, tmp_path):
     for w, c in containers(docs):
         cfg = program_config(w, c, tmp_path)
         if module_of(c) != "services.client_agent":
-            assert c["image"] == "fedse:0.1.0"
+            assert c["image"] == f"fedse:{__version__}"
             continue
-        assert c["image"] == "fedse-gpu:0.1.0"
+        assert c["image"] == f"fedse-gpu:{__version__}"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert cfg.policy == "generate" and cfg.base_model.startswith("/models/") and cfg.device in ("", "cuda")
         assert cfg.scoring == "sum"  # as `fedse run --scoring auto` with a real model
@@ -757,7 +758,7 @@ def test_onprem_runs_any_pair_on_a_gpu_with_the_model_from_a_node(scenario_tmp, 
         (c,) = pod_spec(job)["containers"]
         cfg = program_config(job, c, tmp_path)
         assert (cfg.env, cfg.client_id, cfg.env_server) == (env, f"org-{env}", f"env-server-{env}:50051"), name
-        assert c["image"] == "fedse-gpu:0.1.0" and c["resources"]["limits"]["nvidia.com/gpu"] == 1, name
+        assert c["image"] == f"fedse-gpu:{__version__}" and c["resources"]["limits"]["nvidia.com/gpu"] == 1, name
         # The federation's base model, set in the overlay, from the models volume; summed scores, as
         # `fedse run --scoring auto` gives a real model in every environment.
         assert cfg.base_model == "/models/Qwen2.5-7B-Instruct" and cfg.scoring == "sum", name

@@ -1,0 +1,41 @@
+"""The version is written once (fedse/__init__.py): the package, `fedse --version`, every service's logs
+and /metrics, and the image tags follow it."""
+
+import importlib.metadata
+import json
+import logging
+import pathlib
+import re
+
+import prometheus_client
+
+from apps.cli import main
+from fedse import __version__
+from fedse.serving import setup_logging
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_fedse_version_prints_the_packages_version_and_the_metadata_says_its_licence(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"fedse {__version__}\n"
+    assert importlib.metadata.version("fedse") == __version__
+    assert importlib.metadata.metadata("fedse")["License-Expression"] == "Apache-2.0"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+
+
+def test_every_service_says_its_version_in_its_first_log_line_and_on_metrics(capsys):
+    setup_logging("aggregator")
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert (first["service"], first["msg"], first["version"]) == ("aggregator", "starting", __version__)
+    logging.getLogger().handlers[:] = []
+    exposed = prometheus_client.generate_latest().decode()
+    assert f'fedse_build_info{{version="{__version__}"}} 1.0' in exposed
+
+
+def test_the_image_tags_follow_the_version():
+    for path in ("k8s/kustomization.yaml", "k8s/overlays/onprem/kustomization.yaml"):
+        tags = re.findall(r"newTag: (\S+)", (REPO / path).read_text())
+        assert tags and set(tags) == {__version__}, path
+    assert "IMAGE_TAG ?= $(shell sed" in (REPO / "Makefile").read_text()  # read from fedse/__init__.py
+    assert 'VERSION=$(sed -n' in (REPO / "scripts" / "build-image.sh").read_text()
