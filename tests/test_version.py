@@ -39,3 +39,14 @@ def test_the_image_tags_follow_the_version():
         assert tags and set(tags) == {__version__}, path
     assert "IMAGE_TAG ?= $(shell sed" in (REPO / "Makefile").read_text()  # read from fedse/__init__.py
     assert 'VERSION=$(sed -n' in (REPO / "scripts" / "build-image.sh").read_text()
+
+
+def test_the_package_declares_its_pinned_dependencies_and_a_test_extra():
+    def pins(name):
+        return {line.strip() for line in (REPO / name).read_text().splitlines()
+                if line.strip() and not line.startswith(("#", "-"))}
+    requires = importlib.metadata.requires("fedse") or []
+    plain = {r for r in requires if "extra ==" not in r}
+    test = {r.split(";")[0].strip() for r in requires if 'extra == "test"' in r}
+    assert plain == pins("requirements.txt") and test == pins("requirements-test.txt")
+    assert "torch==2.13.0" in plain  # pinned: a looser torch pulls a CUDA build of several GB
