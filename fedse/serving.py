@@ -302,10 +302,18 @@ BUILD.info({"version": __version__})
 
 
 def start_metrics(port: int, address: str = "0.0.0.0") -> int:
-    """Serves Prometheus /metrics on port (0 picks one); returns the bound port, or -1 if disabled."""
+    """Serves Prometheus /metrics on port (0 picks one); returns the bound port, or -1 if disabled.
+    For entry points: a port that cannot be bound (another service on this machine has it) stops the
+    process with one line on stderr saying what to give instead."""
     if port < 0:
         return -1
-    server, _thread = prometheus_client.start_http_server(port, addr=address)
+    try:
+        server, _thread = prometheus_client.start_http_server(port, addr=address)
+    except OSError as exc:
+        print(f"configuration error: --metrics-port {port} cannot be served on {address} ({exc.strerror or exc}): "
+              "another process has it (each service on one machine needs its own); give another port, 0 to pick "
+              "a free one, or -1 for no metrics", file=sys.stderr)
+        raise SystemExit(2) from None
     return server.server_port
 
 

@@ -50,3 +50,20 @@ def test_the_package_declares_its_pinned_dependencies_and_a_test_extra():
     test = {r.split(";")[0].strip() for r in requires if 'extra == "test"' in r}
     assert plain == pins("requirements.txt") and test == pins("requirements-test.txt")
     assert "torch==2.13.0" in plain  # pinned: a looser torch pulls a CUDA build of several GB
+
+
+def test_a_second_service_on_a_taken_metrics_port_stops_with_one_line():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "apps.cli", "env-server", "--address", "127.0.0.1:0",
+                               "--metrics-port", str(port), "--envs", "maze"],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]  # one line, no traceback
+    assert f"--metrics-port {port} cannot be served" in done.stderr and "0 to pick a free one" in done.stderr
