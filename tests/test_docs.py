@@ -226,7 +226,7 @@ SHOWN = {
     "deploy.md": ["11\n"],
     "environments.md": ["webshop "],
     # the services started by hand answer: the aggregator's run waits for its first client
-    "running-locally.md": ["round 0 of 3, waiting_for_clients"],
+    "running-locally.md": ["round 0 of 3, waiting_for_clients", "the adapted model writes:"],
     # the secure aggregator started by hand answers, and the component sets the aggregator's variable
     "secure-aggregation.md": ["round 0 of 3, waiting_for_clients", '"secureAggregation": true',
                               'value: "true"\n'],
