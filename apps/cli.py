@@ -117,26 +117,30 @@ def service(name: str, argv: list[str]) -> int:
     return serve(parse_or_exit(config, argv, prog=f"fedse {name}"))
 
 
-def tasks(argv: list[str]) -> int:
+@dataclasses.dataclass(frozen=True)
+class TasksConfig(Security):
     """Prints, via ListEnvironments and ListTasks, every environment of an env server: its task counts,
     turn limit and capabilities (an expert; listed admissible actions). Without --env-server, an env
-    server started here on a free loopback port hosts --envs (default: every registered environment)."""
-    import argparse
+    server started here on a free loopback port hosts --envs (default: every registered environment).
+    The TLS and token settings are the client's, for an env server that serves mTLS or a token."""
 
+    env_server: str = field("", "address of a running env server (empty: one started here for --envs)")
+    envs: str = field("", "environment specs to host here, as the env server's --envs (default: the built-ins "
+                          "and installed plugins)")
+    timeout_s: float = field(30.0, "seconds to wait for the env server")
+
+
+def tasks(argv: list[str]) -> int:
     import grpc
 
     from fedse import reach
-    from fedse.serving import insecure_channel
+    from fedse.security import channel
     from fedse.v1 import env_pb2 as epb
     from fedse.v1 import env_pb2_grpc as epb_grpc
 
-    parser = argparse.ArgumentParser(prog="fedse tasks", description=tasks.__doc__)
-    parser.add_argument("--env-server", default="", help="address of a running env server (plain gRPC)")
-    parser.add_argument("--envs", default="", help="environment specs to host here, as the env server's --envs "
-                                                   "(default: the built-ins and installed plugins)")
-    ns = parser.parse_args(argv)
+    cfg = parse_or_exit(TasksConfig, argv, prog="fedse tasks")
     server = None
-    target = ns.env_server
+    target, security = cfg.env_server, Security.from_config(cfg)
     if not target:
         from fedse.config import ConfigError
         from services.env_server import registry
@@ -144,22 +148,23 @@ def tasks(argv: list[str]) -> int:
 
         try:
             server, port = create_server(EnvServerConfig(address="127.0.0.1:0", metrics_port=-1,
-                                                         envs=ns.envs or ",".join(registry.known_names())))
+                                                         envs=cfg.envs or ",".join(registry.known_names())))
         except (ConfigError, registry.RegistryError) as exc:
             print(f"fedse tasks: {exc}", file=sys.stderr)
             return 2
         server.start()
-        target = f"127.0.0.1:{port}"
+        target, security = f"127.0.0.1:{port}", Security()
     try:
-        with insecure_channel(target) as channel:
-            reach.wait_ready(channel, target, Security(), "--env-server", timeout_s=30)
-            stub = epb_grpc.EnvServiceStub(channel)
-            envs = stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=30, wait_for_ready=True).environments
+        with channel(target, security) as ch:
+            reach.wait_ready(ch, target, security, "--env-server", timeout_s=cfg.timeout_s)
+            stub = epb_grpc.EnvServiceStub(ch)
+            envs = stub.ListEnvironments(epb.ListEnvironmentsRequest(), timeout=cfg.timeout_s,
+                                         wait_for_ready=True).environments
             width = max([10, *(len(e.name) for e in envs)])
             print(f"{'env':<{width}} {'train':>6} {'test':>6} {'max turns':>9} {'expert':>6} {'actions':>7}")
             for e in envs:
-                train = stub.ListTasks(epb.ListTasksRequest(env=e.name, split="train"), timeout=30)
-                test = stub.ListTasks(epb.ListTasksRequest(env=e.name, split="test"), timeout=30)
+                train = stub.ListTasks(epb.ListTasksRequest(env=e.name, split="train"), timeout=cfg.timeout_s)
+                test = stub.ListTasks(epb.ListTasksRequest(env=e.name, split="test"), timeout=cfg.timeout_s)
                 print(f"{e.name:<{width}} {len(train.task_ids):>6} {len(test.task_ids):>6} {train.max_turns:>9} "
                       f"{'yes' if e.has_expert else 'no':>6} {'listed' if e.lists_actions else 'written':>7}")
     except grpc.RpcError as exc:

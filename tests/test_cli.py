@@ -59,3 +59,23 @@ def test_fedse_env_server_serves_its_flags_and_variables_over_grpc(tmp_path, mon
     finally:
         proc.stop()
     assert proc.popen.returncode == 0  # SIGTERM: a graceful stop, as `python -m services.env_server`'s
+
+
+def test_fedse_tasks_speaks_mtls_to_an_env_server_that_serves_it(tmp_path, capsys):
+    from apps.cli import tasks
+    from services.env_server.server import EnvServerConfig, create_server
+    from support import Pki
+
+    pki = Pki(tmp_path)
+    server, port = create_server(EnvServerConfig(address="127.0.0.1:0", metrics_port=-1, envs="maze",
+                                                 tls_ca=pki.ca_pem, tls_cert=pki.server[0], tls_key=pki.server[1]))
+    server.start()
+    try:
+        target = f"127.0.0.1:{port}"
+        assert tasks(["--env-server", target, "--tls-ca", pki.ca_pem, "--tls-cert", pki.org_a[0],
+                      "--tls-key", pki.org_a[1]]) == 0
+        assert capsys.readouterr().out.splitlines()[1].split()[0] == "maze"
+        assert tasks(["--env-server", target, "--timeout-s", "3"]) == 1  # plain gRPC against mTLS
+        assert "fedse tasks: cannot connect" in capsys.readouterr().err
+    finally:
+        server.stop(0)
