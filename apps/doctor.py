@@ -27,12 +27,23 @@ from fedse.security import Security, channel
 from services.client_agent.config import ClientConfig
 
 
+# The client's settings doctor reads (it takes every client flag, so that the client's own command line
+# or FEDSE_* variables work as they are; --help lists these).
+SHOWN = ("client_id", "env", "env_server", "aggregator", "base_model", "device", "lora_r", "lora_alpha",
+         "lora_dropout", "target_modules", "seed", "require_secure_aggregation", "env_server_plain", "tls_ca",
+         "tls_cert", "tls_key", "token_file", "tls_server_name")
+
+
 class Failed(Exception):
     """A check that failed; the text says what to fix."""
 
 
 def doctor(argv: list[str]) -> int:
-    cfg = parse_or_exit(ClientConfig, argv, prog="fedse doctor")
+    cfg = parse_or_exit(ClientConfig, argv, prog="fedse doctor", shown=SHOWN,
+                        description="Checks that this client could join its federation, in the order a join needs "
+                                    "it, and stops at the first failure with one line saying what to fix: a dry run "
+                                    "(it joins, uploads and reports nothing). It takes the client's own flags and "
+                                    "FEDSE_* variables; those it reads are listed here.")
     sec = Security.from_config(cfg)
     problem = reach.diagnose(cfg.aggregator, sec, "--aggregator")  # one probe answers the first four checks
     steps: list[tuple[str, Callable[[ClientConfig], str]]] = [

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import sys
 import typing
-from typing import Any, Sequence, TypeVar
+from typing import Any, Collection, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -62,9 +62,11 @@ def _convert(kind: type, raw: str, name: str) -> Any:
 
 
 def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | None = None,
-          environ: dict[str, str] | None = None, prog: str | None = None) -> T:
+          environ: dict[str, str] | None = None, prog: str | None = None,
+          shown: Collection[str] | None = None) -> T:
     """Builds cls from argv and the environment; raises ConfigError on a bad value. `prog` names the
-    command in --help's usage line (default: the program's file name)."""
+    command in --help's usage line (default: the program's file name). `shown`: the fields --help
+    lists (default: all); the others are still read, from flags and the environment alike."""
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__)  # each help names its default
@@ -74,8 +76,10 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
         if item_type(hints[f.name]) is not None:
             flag = {"action": "append"}
             env_help += f", items separated by {os.pathsep!r}; the flag may be repeated"
+        listed = shown is None or f.name in shown
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str, **flag,
-                            help=f"{f.metadata.get('help', '')} [{env_help}] (default: {f.default!r})")
+                            help=f"{f.metadata.get('help', '')} [{env_help}] (default: {f.default!r})" if listed
+                            else argparse.SUPPRESS)
     ns = parser.parse_args(list(argv) if argv is not None else None)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -95,10 +99,11 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
     return cls(**values)
 
 
-def parse_or_exit(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
+def parse_or_exit(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None,
+                  description: str | None = None, shown: Collection[str] | None = None) -> T:
     """For entry points only: a bad setting stops the process with one line on stderr."""
     try:
-        return parse(cls, argv, prog=prog)
+        return parse(cls, argv, description=description, prog=prog, shown=shown)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

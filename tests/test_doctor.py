@@ -5,6 +5,7 @@ check passes for a client that can join, and each failure stops the checks with 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 
@@ -110,3 +111,18 @@ def test_a_lora_that_does_not_fit_the_run(tmp_path, pki, capsys):  # noqa: F811
         other.close()
         code, lines = run(capsys, agg, env, *mtls(pki), "--lora-r", "4")
     assert code == 1 and lines[-1].startswith("FAIL the base model and its LoRA: ") and "--lora-r" in lines[-1], lines
+
+
+def test_doctor_help_lists_only_the_settings_it_reads_but_takes_every_client_flag(capsys):
+    from apps.doctor import SHOWN, doctor
+
+    with pytest.raises(SystemExit):
+        doctor(["--help"])
+    listed = set(re.findall(r"^  --([a-z-]+)", capsys.readouterr().out, flags=re.M))
+    assert listed == {name.replace("_", "-") for name in SHOWN}
+    assert "explore-tasks" not in listed and "lr" not in listed
+    # A client's whole command line still parses (its training flags are read and left alone).
+    from fedse.config import parse
+    from services.client_agent.config import ClientConfig
+
+    assert parse(ClientConfig, ["--explore-tasks", "3", "--client-id", "org-a"], shown=SHOWN).explore_tasks == 3
