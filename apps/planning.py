@@ -57,7 +57,7 @@ class RunConfig:
                                                               "options (e.g. wordle?vocab_size=30)")
     demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
                            "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
-    rounds: int = setting(AggregatorConfig, "num_rounds")
+    rounds: int = setting(AggregatorConfig, "rounds")
     results: str = field("results", "folder for results.json, success.png, logs and state")
     base_model: str = setting(ClientConfig, "base_model")
     strategy: str = setting(AggregatorConfig, "strategy")

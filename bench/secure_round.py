@@ -2,7 +2,7 @@
 sizes: SmolLM2-135M's LoRA (r = 8 on every linear layer of its 30 blocks, 9.8 MB in fp32) and an
 80 MB one (Llama-2-7B's LoRA, r = 8, 32 blocks).
 
-Each case starts a real aggregator process (`python -m services.aggregator`, --num-rounds 1,
+Each case starts a real aggregator process (`python -m services.aggregator`, --rounds 1,
 --start-clients K, fedavg) and K client processes. Each client makes its adapter, joins, waits for
 the round to open, says ready; when all are ready they are told to go at once, and each:
   plain   uploads its adapter (FederationClient.upload), then waits until the round closed;
@@ -168,7 +168,7 @@ def run_case(work: pathlib.Path, k: int, size: str, mode: str, pki: pathlib.Path
     state = work / f"{size}-{k}-{mode}"
     state.mkdir()
     argv = ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(state),
-            "--run-id", "bench", "--num-rounds", "1", "--min-clients", "2", "--start-clients", str(k),
+            "--run-id", "bench", "--rounds", "1", "--min-clients", "2", "--start-clients", str(k),
             "--heartbeat-timeout-s", "3600", "--wait-after-min-s", "3600", "--secure-stage-timeout-s", "3600",
             "--max-adapter-mb", "1024"] + (["--secure-aggregation"] if secure else [])
     if mtls:

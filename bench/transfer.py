@@ -30,7 +30,7 @@ with fedse's own functions on the same bytes; in the real path the client's chun
 aggregator's per-chunk check and write overlap the transfer, the client's sha256 comes before it,
 the fsync and the rename after.
 
-Then one whole round, --repeats times, each on a fresh aggregator (--num-rounds 1 --min-clients 2)
+Then one whole round, --repeats times, each on a fresh aggregator (--rounds 1 --min-clients 2)
 with two client processes that join, wait for the round to open, download phi_0, upload their
 own adapter (no training) and wait until the round is closed (the run FINISHED): the wall time
 from the first upload starting to both clients having seen the round closed, and from the first
@@ -211,7 +211,7 @@ class Helper:
 
 def aggregator(state_dir: pathlib.Path, num_rounds: int, min_clients: int) -> Proc:
     return Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
-                               "--state-dir", str(state_dir), "--run-id", "bench", "--num-rounds", str(num_rounds),
+                               "--state-dir", str(state_dir), "--run-id", "bench", "--rounds", str(num_rounds),
                                "--min-clients", str(min_clients), "--round-deadline-s", "3600",
                                "--wait-after-min-s", "3600", "--heartbeat-timeout-s", "3600"], state_dir)
 

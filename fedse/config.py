@@ -30,8 +30,20 @@ class ConfigError(ValueError):
     """A missing or malformed setting; the message says which and what is expected."""
 
 
-def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
-    return dataclasses.field(default=default, metadata={"help": help})
+def field(default: Any, help: str, old: str = "") -> Any:  # noqa: A002 - mirrors argparse's name
+    """A setting: its flag is --NAME (the field's name, dashed) and its variable FEDSE_NAME. `old`: a
+    field name the setting had before, still read (--old-name, FEDSE_OLD_NAME) for a release, with a
+    warning on stderr saying the new name."""
+    return dataclasses.field(default=default, metadata={"help": help, **({"old": old} if old else {})})
+
+
+def _deprecated(old: str, new: str, variable: bool = False) -> None:
+    if variable:
+        print(f"warning: {env_name(old)} is deprecated and goes in the next release: set {env_name(new)}",
+              file=sys.stderr)
+    else:
+        print(f"warning: --{old.replace('_', '-')} is deprecated and goes in the next release: use "
+              f"--{new.replace('_', '-')}", file=sys.stderr)
 
 
 def env_name(field_name: str) -> str:
@@ -80,14 +92,24 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str, **flag,
                             help=f"{f.metadata.get('help', '')} [{env_help}] (default: {f.default!r})" if listed
                             else argparse.SUPPRESS)
+        if f.metadata.get("old"):
+            parser.add_argument("--" + f.metadata["old"].replace("_", "-"), dest="old:" + f.name, default=None,
+                                type=str, **flag, help=argparse.SUPPRESS)
     ns = parser.parse_args(list(argv) if argv is not None else None)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         raw = getattr(ns, f.name)
         source = "--" + f.name.replace("_", "-")
         kind = item_type(hints[f.name])
-        if raw is None and env_name(f.name) in environ:
-            raw, source = environ[env_name(f.name)], env_name(f.name)
+        old = f.metadata.get("old", "")
+        if raw is None and old and getattr(ns, "old:" + f.name) is not None:
+            raw, source = getattr(ns, "old:" + f.name), "--" + old.replace("_", "-")
+            _deprecated(old, f.name)
+        variable = next((name for name in (f.name, old) if name and env_name(name) in environ), None)
+        if raw is None and variable is not None:
+            raw, source = environ[env_name(variable)], env_name(variable)
+            if variable != f.name:
+                _deprecated(old, f.name, variable=True)
             if kind is not None:  # one variable holds every item
                 raw = [part for part in raw.split(os.pathsep) if part.strip()]
         if raw is None:

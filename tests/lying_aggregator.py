@@ -59,7 +59,7 @@ class LyingServicer(FederationServicer):
 
 
 def secure_settings(**over) -> dict:
-    return {"secure_aggregation": True, "num_rounds": 1, "min_clients": 2, "heartbeat_timeout_s": 1.5,
+    return {"secure_aggregation": True, "rounds": 1, "min_clients": 2, "heartbeat_timeout_s": 1.5,
             "heartbeat_interval_s": 0.3, "secure_stage_timeout_s": 5.0, **over}
 
 

@@ -36,7 +36,7 @@ NAMESPACE = "fedse"  # k8s/kustomization.yaml's
 # Flags the tests that run the manifests' containers add to shrink a run (a flag wins over its FEDSE_*
 # variable): how much work a round is, never ports, paths or names.
 BUDGET = {
-    "services.aggregator": ["--num-rounds=1"],
+    "services.aggregator": ["--rounds=1"],
     "services.client_agent": ["--expert-demos=2", "--explore-tasks=2", "--eval-tasks=2", "--epochs=1",
                               "--torch-threads=1"],
     "services.env_server": [],
@@ -136,7 +136,7 @@ def aggregator_in_process(state_dir: pathlib.Path, **settings) -> Iterator[tuple
     """A real aggregator on a free port (run "t", 2 rounds, 2 clients unless `settings` say
     otherwise): (aggregator, port, the run's state folder)."""
     cfg = AggregatorConfig(**{"address": "127.0.0.1:0", "metrics_port": -1, "state_dir": str(state_dir),
-                              "run_id": "t", "num_rounds": 2, "min_clients": 2, "torch_threads": 0, **settings})
+                              "run_id": "t", "rounds": 2, "min_clients": 2, "torch_threads": 0, **settings})
     agg, port = create_server(cfg)
     agg.start()
     try:

@@ -26,7 +26,7 @@ def test_mtls_federation_admits_its_clients_and_refuses_the_rest(tmp_path):
     env = Proc("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs", "maze",
                               "--metrics-port", "-1", *tls], logs)
     agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
-                              "--state-dir", str(tmp_path / "agg"), "--run-id", "m", "--num-rounds", "2",
+                              "--state-dir", str(tmp_path / "agg"), "--run-id", "m", "--rounds", "2",
                               "--min-clients", "1", "--allowed-clients", "org-a,org-c", *tls], logs)
     procs = [env, agg]
     try:

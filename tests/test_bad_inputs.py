@@ -259,7 +259,7 @@ def world(tmp_path_factory):
     env = Proc("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs", "maze",
                               "--metrics-port", "-1"], root)
     agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1",
-                              "--state-dir", str(root / "state"), "--run-id", "r", "--num-rounds", "2",
+                              "--state-dir", str(root / "state"), "--run-id", "r", "--rounds", "2",
                               "--min-clients", "2", "--round-deadline-s", "600", "--max-adapter-mb", "64"], root)
     try:
         env_target, agg_target = f"127.0.0.1:{env.port()}", f"127.0.0.1:{agg.port()}"

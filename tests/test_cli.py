@@ -42,9 +42,9 @@ def test_the_other_commands_help_names_them_too(command, capsys, monkeypatch):
 
 def test_a_bad_setting_stops_a_service_subcommand_with_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["aggregator", "--num-rounds", "0"])
+        cli.main(["aggregator", "--rounds", "0"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == "configuration error: --num-rounds must be at least 1, got 0\n"
+    assert capsys.readouterr().err == "configuration error: --rounds must be at least 1, got 0\n"
 
 
 def test_fedse_env_server_serves_its_flags_and_variables_over_grpc(tmp_path, monkeypatch):

@@ -11,13 +11,13 @@ from services.client_agent.config import ClientConfig
 
 
 def test_flags_win_over_environment_and_defaults_fill_the_rest():
-    cfg = parse(AggregatorConfig, ["--num-rounds", "7"], environ={"FEDSE_NUM_ROUNDS": "3", "FEDSE_STRATEGY": "weighted"})
-    assert cfg.num_rounds == 7 and cfg.strategy == "weighted" and cfg.min_clients == 1
+    cfg = parse(AggregatorConfig, ["--rounds", "7"], environ={"FEDSE_ROUNDS": "3", "FEDSE_STRATEGY": "weighted"})
+    assert cfg.rounds == 7 and cfg.strategy == "weighted" and cfg.min_clients == 1
     assert parse(AggregatorConfig, to_argv(cfg), environ={}) == cfg
 
 
 @pytest.mark.parametrize("argv,environ,match", [
-    (["--num-rounds", "zero"], {}, "--num-rounds: expected int"),
+    (["--rounds", "zero"], {}, "--rounds: expected int"),
     (["--strategy", "mode"], {}, "strategy 'mode' is unknown"),
     ([], {"FEDSE_MIN_CLIENTS": "0"}, "min-clients must be at least 1"),
 ])
@@ -82,3 +82,18 @@ def test_buffer_lines_from_before_texts_still_load_and_texts_round_trip(tmp_path
     with pytest.raises(ValueError, match="one per turn"):
         Trajectory(env="say", task_id=4, instruction="", turns=(("o", "a"),), success=True, reward=1.0,
                    source="file", round=-1, texts=("a", "b"))
+
+
+def test_an_old_setting_name_still_works_for_a_release_with_a_warning(capsys):
+    # --num-rounds became --rounds (fedse run's name); the old flag and variable still work, and say so.
+    assert parse(AggregatorConfig, ["--num-rounds", "4"], environ={}).rounds == 4
+    assert capsys.readouterr().err == "warning: --num-rounds is deprecated and goes in the next release: use --rounds\n"
+    assert parse(AggregatorConfig, [], environ={"FEDSE_NUM_ROUNDS": "6"}).rounds == 6
+    assert "FEDSE_NUM_ROUNDS is deprecated and goes in the next release: set FEDSE_ROUNDS" in capsys.readouterr().err
+    # The new name wins over the old; the old one never shows in --help.
+    assert parse(AggregatorConfig, ["--rounds", "2", "--num-rounds", "9"], environ={}).rounds == 2
+    assert parse(AggregatorConfig, [], environ={"FEDSE_ROUNDS": "3", "FEDSE_NUM_ROUNDS": "9"}).rounds == 3
+    with pytest.raises(SystemExit):
+        parse(AggregatorConfig, ["--help"], environ={})
+    out = capsys.readouterr().out
+    assert "--rounds ROUNDS" in out and "--num-rounds" not in out

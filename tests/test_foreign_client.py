@@ -25,7 +25,7 @@ def test_a_client_from_the_proto_alone_resumes_an_interrupted_upload(tmp_path):
                  B: rng.standard_normal((64, 8), dtype=numpy.float32)})
     sha = hashlib.sha256(data).hexdigest()
     assert len(data) > 12 * CHUNK
-    with aggregator_in_process(tmp_path, min_clients=1, num_rounds=1) as (_agg, port, run_dir), \
+    with aggregator_in_process(tmp_path, min_clients=1, rounds=1) as (_agg, port, run_dir), \
             grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = fpb_grpc.FederationServiceStub(channel)
         schema = fpb.AdapterSchema(tensors=[fpb.TensorSpec(name=A, shape=[8, 64], dtype="F32"),

@@ -102,7 +102,7 @@ def test_a_round_does_not_wait_for_a_client_that_declines_it(tmp_path):
     pm = get_peft_model(build_tiny_model(seed=0)[0], LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
     state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(pm).items()}
     schema = ad.Schema.of(state, json.dumps(pm.peft_config["default"].to_dict(), default=list))
-    with aggregator_in_process(tmp_path, min_clients=1, start_clients=2, num_rounds=2,
+    with aggregator_in_process(tmp_path, min_clients=1, start_clients=2, rounds=2,
                                heartbeat_timeout_s=600.0, wait_after_min_s=600.0) as (_agg, port, _dir):
         a, b = FederationClient(f"127.0.0.1:{port}", "org-a"), FederationClient(f"127.0.0.1:{port}", "org-b")
         a.join("maze", TINY_MODEL_NAME, schema)

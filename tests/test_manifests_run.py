@@ -18,7 +18,7 @@ args and its env exactly as rendered, except what only a cluster provides, which
   127.0.0.1, the address dialled here).
 Nothing else is changed, so a flag or FEDSE_* variable the program does not know, a wrong port, a
 Service that does not exist or a path outside every volume fails here. To keep the run short on
-2 cores, budget flags are added (a flag wins over its FEDSE_* variable): --num-rounds=1 on the
+2 cores, budget flags are added (a flag wins over its FEDSE_* variable): --rounds=1 on the
 aggregator, and --expert-demos=2 --explore-tasks=2 --eval-tasks=2 --epochs=1 --torch-threads=1 on
 each client agent. They change how much work a round is, not how the services are wired.
 

@@ -97,7 +97,7 @@ def test_run_config_passes_on_the_services_settings_with_their_defaults_but_the_
     assert cfg.explore_tasks == 16 != ClientConfig().explore_tasks  # a local run's, stated in LOCAL_DEFAULTS
     assert set(cfg.passed_on(ClientConfig)) >= {"base_model", "explore_tasks", "eval_tasks", "keep", "history", "lr"}
     assert cfg.passed_on(AggregatorConfig) == {
-        "num_rounds": 5, "strategy": "fedavg", "secure_aggregation": False, "round_deadline_s": 1800.0,
+        "rounds": 5, "strategy": "fedavg", "secure_aggregation": False, "round_deadline_s": 1800.0,
         "clip_norm": 0.0, "noise_multiplier": 0.0,
         "selector": "all", "clients_per_round": 0, "selection_fraction": 0.0, "fairness_rounds": 0,
         "selector_model": "", "mode": "sync", "async_concurrency": 0, "async_buffer": 0, "async_max_staleness": 8}
@@ -128,7 +128,7 @@ def test_each_process_is_planned_as_a_config_whose_flags_rebuild_it(tmp_path, mo
     env_server = env_server_config(cfg, fed.clients[0])
     aggregator = aggregator_config(cfg, fed, tmp_path / "state")
     assert env_server.envs == "maze,wordle?vocab_size=30" and env_server.metrics_port == -1
-    assert (aggregator.num_rounds, aggregator.start_clients, aggregator.min_clients) == (1, 1, 1)
+    assert (aggregator.rounds, aggregator.start_clients, aggregator.min_clients) == (1, 1, 1)
     for config in (client, env_server, aggregator):  # what the process is started with
         assert parse(type(config), to_argv(config), environ={}) == config
 

@@ -231,7 +231,7 @@ def test_the_aggregator_takes_each_clients_rank_refuses_what_does_not_fit_and_ke
 
     small, small_config = lora_state(2, 8, seed=1)   # scaling 4
     large, large_config = lora_state(4, 4, seed=2)   # scaling 1
-    with aggregator_in_process(tmp_path, strategy="hlora", max_lora_rank=4, num_rounds=2) as (agg, port, run_dir):
+    with aggregator_in_process(tmp_path, strategy="hlora", max_lora_rank=4, rounds=2) as (agg, port, run_dir):
         target = f"127.0.0.1:{port}"
         a, b, c = (FederationClient(target, name) for name in ("org-a", "org-b", "org-c"))
         assert a.join("maze", TINY_MODEL_NAME, ad.Schema.of(small, small_config)).config.max_lora_rank == 4
@@ -260,7 +260,7 @@ def test_the_aggregator_takes_each_clients_rank_refuses_what_does_not_fit_and_ke
                 bn = ranks.partner(name)
                 want = truncated_svd((4 * small[bn] @ small[name] + large[bn] @ large[name]) / 2, 4)
                 assert relative(g1[bn].double() @ g1[name].double(), want.double()) < 1e-4
-    with aggregator_in_process(tmp_path, strategy="hlora", max_lora_rank=4, num_rounds=2) as (agg, port, run_dir):
+    with aggregator_in_process(tmp_path, strategy="hlora", max_lora_rank=4, rounds=2) as (agg, port, run_dir):
         again = FederationClient(f"127.0.0.1:{port}", "org-a")
         status = again.stub.GetRunStatus(fpb.RunStatusRequest(), timeout=10)
         assert {cl.client_id: cl.lora_rank for cl in status.clients} == {"org-a": 2, "org-b": 4}

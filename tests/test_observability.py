@@ -325,7 +325,7 @@ def test_prometheus_scrapes_a_federation(tmp_path):
         procs.append(env)
         agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port",
                                   str(ports["aggregator"]), "--state-dir", str(tmp_path / "aggregator"),
-                                  "--run-id", "r", "--num-rounds", str(ROUNDS), "--min-clients", str(len(CLIENTS)),
+                                  "--run-id", "r", "--rounds", str(ROUNDS), "--min-clients", str(len(CLIENTS)),
                                   "--round-deadline-s", "600"], logs)
         procs.append(agg)
         env_port, agg_port = env.port(), agg.port()

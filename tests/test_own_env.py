@@ -55,7 +55,7 @@ def test_an_expertless_environment_without_actions_trains_on_files_and_federates
     demos = tmp_path / "say.jsonl"
     demos.write_text("".join(json.dumps(say_env.demo_record(i)) + "\n" for i in range(4, 10)))
     before = {(p, o): written(p, o) for p in ("eval", "explore") for o in ("parsed", "unparsed")}
-    with aggregator_in_process(tmp_path / "agg", num_rounds=1, min_clients=1) as (agg, port, run_dir):
+    with aggregator_in_process(tmp_path / "agg", rounds=1, min_clients=1) as (agg, port, run_dir):
         cfg = ClientConfig(client_id="org-say", env="say", env_server=env_target, aggregator=f"127.0.0.1:{port}",
                            state_dir=str(tmp_path / "state"), metrics_port=-1, demos=(str(demos),), expert_demos=5,
                            explore_tasks=2, eval_tasks=2, epochs=1, torch_threads=1, concurrency=2, max_new_tokens=24,

@@ -47,7 +47,7 @@ class Federation:
         self.procs: list[Proc] = []
         self.env = self.start_env_server("0")
         self.agg_flags = ["--metrics-port", "-1", "--state-dir", str(root / "aggregator"), "--run-id", "r",
-                          "--num-rounds", str(rounds), "--min-clients", str(len(clients)),
+                          "--rounds", str(rounds), "--min-clients", str(len(clients)),
                           "--round-deadline-s", "600"]
         for k, v in aggregator_flags.items():
             self.agg_flags += [f"--{k.replace('_', '-')}", v]

@@ -24,7 +24,7 @@ from support import aggregator_in_process, free_ports
 
 
 def settings(**over):
-    return {"secure_aggregation": True, "num_rounds": 1, "min_clients": 2, "heartbeat_timeout_s": 1.5,
+    return {"secure_aggregation": True, "rounds": 1, "min_clients": 2, "heartbeat_timeout_s": 1.5,
             "heartbeat_interval_s": 0.3, "secure_stage_timeout_s": 30.0, **over}
 
 

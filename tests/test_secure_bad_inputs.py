@@ -33,7 +33,7 @@ def wait_stage(fed: FederationClient, stage) -> fpb.RoundStatus:
 
 @pytest.fixture
 def run(tmp_path):
-    with aggregator_in_process(tmp_path, secure_aggregation=True, num_rounds=1, min_clients=2, start_clients=3,
+    with aggregator_in_process(tmp_path, secure_aggregation=True, rounds=1, min_clients=2, start_clients=3,
                                wait_after_min_s=1.0, heartbeat_timeout_s=60.0) as (agg, port, run_dir):
         target = f"127.0.0.1:{port}"
         feds = {cid: FederationClient(target, cid, retries=1, timeout_s=30) for cid in (*IDS, "org-d")}

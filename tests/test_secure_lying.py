@@ -348,7 +348,7 @@ def test_a_restart_while_unmasking_never_starts_another_attempt(tmp_path, mean_s
     from secure_party import trained
 
     cfg = AggregatorConfig(address="127.0.0.1:0", metrics_port=-1, state_dir=str(tmp_path), run_id="t",
-                           torch_threads=0, **secure_settings(start_clients=2, num_rounds=2))
+                           torch_threads=0, **secure_settings(start_clients=2, rounds=2))
     agg, port = create_server(cfg)
     agg.start()
     parties = [Party(f"127.0.0.1:{port}", f"org-{i}", 100 + i).join() for i in range(2)]

@@ -73,7 +73,7 @@ def test_clients_killed_before_and_after_their_masked_upload(tmp_path):
     target = f"127.0.0.1:{port}"
     log = open(tmp_path / "aggregator.log", "w")
     agg = subprocess.Popen([sys.executable, "-m", "apps.cli", "aggregator", "--address", target,
-                            "--secure-aggregation", "--num-rounds", "1", "--min-clients", "2", "--start-clients", "5",
+                            "--secure-aggregation", "--rounds", "1", "--min-clients", "2", "--start-clients", "5",
                             "--heartbeat-timeout-s", "3", "--heartbeat-interval-s", "0.5", "--metrics-port", "-1",
                             "--state-dir", str(tmp_path / "state"), "--run-id", "r"], stdout=log, stderr=log)
     parties = []

@@ -38,7 +38,7 @@ class AggregatorConfig(Security):
     metrics_port: int = field(9100, "Prometheus /metrics port (0 picks one, -1 disables)")
     run_id: str = field("fedse-run", "name of the run; files go under <state-dir>/<run-id>/")
     state_dir: str = field("state/aggregator", "directory for global adapters, uploads and metrics")
-    num_rounds: int = field(5, "number of federated rounds T")
+    rounds: int = field(5, "number of federated rounds T", old="num_rounds")
     min_clients: int = field(1, "clients needed to open round 0 (unless --start-clients), and uploads needed to close "
                                  "a round early")
     start_clients: int = field(0, "clients needed to open round 0 (0 = min-clients); set above min-clients, round 0 "
@@ -88,7 +88,7 @@ class AggregatorConfig(Security):
                                     "model directory (empty = the run's base model)")
     mode: str = field("sync", "'sync' (rounds: every selected client from one global adapter) or 'async' (FedBuff: "
                               "clients train when they can, and every --async-buffer uploads fold into a new "
-                              "version, stale ones weighted down; --num-rounds counts versions)")
+                              "version, stale ones weighted down; --rounds counts versions)")
     async_concurrency: int = field(0, "--mode async: clients training at once (0 = every joined client)")
     async_buffer: int = field(0, "--mode async: uploads folded into each new version (0 = --async-concurrency's, "
                                  "else every joined client)")
@@ -106,8 +106,8 @@ class AggregatorConfig(Security):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_rounds < 1:
-            raise ConfigError(f"--num-rounds must be at least 1, got {self.num_rounds}")
+        if self.rounds < 1:
+            raise ConfigError(f"--rounds must be at least 1, got {self.rounds}")
         if self.min_clients < 1:
             raise ConfigError(f"--min-clients must be at least 1, got {self.min_clients}")
         if self.start_clients < 0:
@@ -218,7 +218,7 @@ class AggregatorConfig(Security):
 
     def settings(self) -> RunSettings:
         return RunSettings(
-            run_id=self.run_id, num_rounds=self.num_rounds, min_clients=self.min_clients,
+            run_id=self.run_id, num_rounds=self.rounds, min_clients=self.min_clients,
             start_clients=self.start_clients,
             round_deadline_s=self.round_deadline_s, strategy=self.strategy,
             max_adapter_bytes=int(self.max_adapter_mb * 1024 * 1024), seed=self.seed,
@@ -303,7 +303,7 @@ def serve(config: AggregatorConfig) -> int:
                     "adapter; set --tls-ca, --tls-cert, --tls-key and --allowed-clients")
     agg.start()
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, run_id=config.run_id,
-                                         num_rounds=config.num_rounds, min_clients=config.min_clients,
+                                         num_rounds=config.rounds, min_clients=config.min_clients,
                                          strategy=config.strategy))
     agg.wait()
     return 0
