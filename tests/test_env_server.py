@@ -15,6 +15,7 @@ import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fedse import __version__
 from fedse.config import ConfigError, parse
 from fedse.serving import insecure_channel
 from fedse.v1 import env_pb2, env_pb2_grpc
@@ -350,6 +351,8 @@ def test_the_process_logs_its_port_serves_and_stops_on_sigterm():
          "--envs", "maze"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        first = json.loads(proc.stdout.readline())  # which fedse this is
+        assert first["msg"] == "starting" and first["version"] == __version__
         line = json.loads(proc.stdout.readline())
         assert line["msg"] == "serving" and line["port"] > 0 and line["service"] == "env_server"
         with insecure_channel(f"127.0.0.1:{line['port']}") as channel:
