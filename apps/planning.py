@@ -183,9 +183,11 @@ class RunConfig:
         --lora-r), with alpha at --lora-alpha/--lora-r's ratio."""
         given = self.rank_pairs()
         r = max((given[e] for e in envs if e in given), default=self.lora_r)
-        if not r:  # --lora-r 0: the guardian chooses, alpha read as rank 8's
+        if not r:  # --lora-r 0: the guardian chooses (guardian.alpha_for)
             return r, self.lora_alpha
-        return r, max(1, round(r * self.lora_alpha / (self.lora_r or 8)))
+        from services.client_agent.guardian import REFERENCE_RANK
+
+        return r, max(1, round(r * self.lora_alpha / (self.lora_r or REFERENCE_RANK)))
 
     def run_max_rank(self) -> int:
         """The aggregator's --max-lora-rank: 0 for a strategy of one rank, else --max-lora-rank or the largest

@@ -68,11 +68,12 @@ def release_free_memory() -> None:
         pass
 
 
-def _meminfo_bytes(field: str) -> int:
-    for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+def _proc_bytes(path: str, field: str) -> int:
+    """A "Field: N kB" line of a /proc file, in bytes; OSError where the file or the field is missing."""
+    for line in pathlib.Path(path).read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/meminfo has no {field}")
+    raise OSError(f"{path} has no {field}")
 
 
 def resident_bytes(device=None) -> int:
@@ -82,12 +83,9 @@ def resident_bytes(device=None) -> int:
 
         return int(torch.cuda.memory_allocated(device))
     try:
-        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return _proc_bytes("/proc/self/status", "VmRSS")
+    except (OSError, ValueError):
+        return 0
 
 
 def available_memory_bytes(device=None) -> int:
@@ -104,6 +102,6 @@ def available_memory_bytes(device=None) -> int:
     except (OSError, ValueError):
         pass
     try:
-        return _meminfo_bytes("MemAvailable") + resident_bytes()
+        return _proc_bytes("/proc/meminfo", "MemAvailable") + resident_bytes()
     except (OSError, ValueError):
         return 0

@@ -77,15 +77,20 @@ def scaling(config_json: str) -> float:
     return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
+def _factor_ranks(schema: Schema) -> set[int]:
+    """The ranks the schema's LoRA factors say (A: r x in, B: out x r); -1 for a factor that is not 2-D."""
+    specs = schema.by_name()
+    return {r for a, b in pairs(list(specs))
+            for r in (specs[a].shape[0] if len(specs[a].shape) == 2 else -1,
+                      specs[b].shape[1] if len(specs[b].shape) == 2 else -1)}
+
+
 def rank_of(schema: Schema) -> int:
     """The one rank of the schema's LoRA factors (A: r x in, B: out x r), which its config's r must say;
     AdapterError if the factors disagree or there are none."""
-    specs = schema.by_name()
-    found = {(specs[a].shape[0] if len(specs[a].shape) == 2 else -1,
-              specs[b].shape[1] if len(specs[b].shape) == 2 else -1) for a, b in pairs(list(specs))}
-    if not found:
+    ranks = _factor_ranks(schema)
+    if not ranks:
         raise AdapterError("the adapter has no lora_A/lora_B pairs: mixed ranks need LoRA factors")
-    ranks = {r for pair in found for r in pair}
     if len(ranks) != 1 or min(ranks) < 1:
         raise AdapterError(f"the adapter's LoRA factors have ranks {sorted(ranks)}: every lora_A must be r x in and "
                            "every lora_B out x r for one r (a rank_pattern per module is not supported)")
@@ -101,10 +106,8 @@ def rank_of(schema: Schema) -> int:
 
 def rank_or_zero(schema: Schema) -> int:
     """The schema's one LoRA rank as its factors say, or 0 when they do not say one."""
-    specs = schema.by_name()
-    found = {r for a, b in pairs(list(specs)) if len(specs[a].shape) == 2 and len(specs[b].shape) == 2
-             for r in (specs[a].shape[0], specs[b].shape[1])}
-    return found.pop() if len(found) == 1 else 0
+    ranks = _factor_ranks(schema)
+    return ranks.pop() if len(ranks) == 1 and min(ranks) >= 1 else 0
 
 
 def at_rank(schema: Schema, r: int, alpha: float) -> Schema:
@@ -198,15 +201,24 @@ def best_rank(b_cat: torch.Tensor, a_cat: torch.Tensor, rank: int, scale: float 
     q_a, r_a = torch.linalg.qr(a_cat.T)    # (in x p), (p x n)
     u, s, vh = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
     keep = min(rank, s.numel())
-    tol = float(s.max()) * max(r_b.shape[0], r_a.shape[0]) * torch.finfo(_F64).eps if s.numel() else 0.0
+    return svd_factors(q_b @ u[:, :keep], s, vh[:keep] @ q_a.T, rank, scale, max(r_b.shape[0], r_a.shape[0]))
+
+
+def svd_factors(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: int, scale: float, size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B', A', live) from an SVD U S V^H (float64; at least min(rank, len(S)) columns of U and rows of
+    V^H): B' = U_r sqrt(S_r / scale), A' = sqrt(S_r / scale) V^H_r, padded with zeros to `rank`. `live`
+    marks the singular values above the numerical noise of a `size`-sized matrix."""
+    keep = min(rank, s.numel())
+    tol = float(s.max()) * size * torch.finfo(_F64).eps if s.numel() else 0.0
     live = torch.zeros(rank, dtype=torch.bool)
     live[:keep] = s[:keep] > tol
     root = torch.zeros(rank, dtype=_F64)
     root[:keep] = torch.where(live[:keep], s[:keep] / scale, torch.zeros_like(s[:keep])).sqrt()
-    b_new = torch.zeros((b_cat.shape[0], rank), dtype=_F64)
-    a_new = torch.zeros((rank, a_cat.shape[1]), dtype=_F64)
-    b_new[:, :keep] = (q_b @ u[:, :keep]) * root[:keep]
-    a_new[:keep] = (root[:keep, None] * vh[:keep]) @ q_a.T
+    b_new = torch.zeros((u.shape[0], rank), dtype=_F64)
+    a_new = torch.zeros((rank, vh.shape[1]), dtype=_F64)
+    b_new[:, :keep] = u[:, :keep] * root[:keep]
+    a_new[:keep] = root[:keep, None] * vh[:keep]
     return b_new, a_new, live
 
 

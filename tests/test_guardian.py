@@ -157,10 +157,15 @@ def test_the_embedded_tiny_model_is_asked_for_real_and_its_nonsense_leaves_the_t
     at_256 = dataclasses.replace(AUTO, train_batch_tokens=256, lora_r=4)
     s = sized(base, at_256, limit_bytes=10**12)
     options = guardian.alternatives(base, at_256, s, CPU, 256)
-    asker = Asker(max_new_tokens=16, max_seconds=20.0)
-    advised = guardian.advise(s, options, lambda prompt: asker.answer("fedse-tiny", prompt))
-    assert advised.chosen in options
-    assert advised.fallback or advised.advice  # what the model said, or why it did not stand
+    answer = Asker(max_new_tokens=16, max_seconds=20.0).answer("fedse-tiny", guardian.prompt(s, options, ""))
+    assert isinstance(answer, str)  # the model ran (advise would turn a failure into a fallback)
+    advised = guardian.advise(s, options, lambda prompt: answer)
+    try:
+        chosen, _ = guardian.check_advice(answer, options)
+    except guardian.AnswerError:  # the tiny model writes no JSON: the tools' choice stands, and why is said
+        assert advised.chosen == s.chosen and repr(" ".join(answer.split())[:120]) in advised.fallback
+    else:
+        assert advised.chosen == chosen and not advised.fallback
 
 
 def test_the_choice_is_kept_for_a_restart_of_the_same_run_and_not_for_another(tmp_path):

@@ -565,10 +565,8 @@ class RoundKeeper:
                           self.run.members[cid].lora_scaling) for cid, a in records]
         assert self.run.schema is not None
         image, views = allocate(self.run.schema)  # phi_{t+1} is aggregated into its file image
-        mixed = bool(self.settings.max_lora_rank)
         aggregate(self.settings.strategy, updates, AdapterFile(self.store.global_path(round_)),
-                  self.settings.params, round_, out=views,
-                  out_scaling=ranks.RUN_SCALING if mixed else 1.0)
+                  self.settings.params, round_, out=views, out_scaling=ranks.RUN_SCALING)
         return image
 
     def _unmask(self, round_: int, u: Attempt, keys: tuple[list[bytes], list[tuple[bytes, int]]]) -> bytearray:

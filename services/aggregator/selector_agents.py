@@ -208,12 +208,12 @@ class LLMAgent(Policy):
         self.tools = ToolAgent(clients_per_round, fraction)
         # The round opens once the model answered: its answer is cut off after max_seconds.
         self.asker = Asker(max_new_tokens, max_seconds)
-        self.model, self.max_new_tokens, self.max_seconds = str(model), max_new_tokens, float(max_seconds)
+        self.model = str(model)
 
     def config(self) -> dict[str, Any]:
         count = self.tools.count.config() if self.tools.count is not None else {}
-        return {"name": self.name, **count, "model": self.model, "max_new_tokens": self.max_new_tokens,
-                "max_seconds": self.max_seconds}
+        return {"name": self.name, **count, "model": self.model, "max_new_tokens": self.asker.max_new_tokens,
+                "max_seconds": self.asker.max_seconds}
 
     def prompt(self, inp: SelectionInput, plan: Choice) -> str:
         """The question: the run's history and the tools' findings, as JSON, and the answer's form."""

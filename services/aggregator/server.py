@@ -21,7 +21,7 @@ from .selection import POLICIES, SelectionSettings
 from .servicer import FederationServicer
 from .state import RunSettings
 from .store import Store
-from .strategies import STRATEGIES, StrategyParams, validate_params
+from .strategies import BY_NAME, STRATEGIES, StrategyParams, validate_params
 
 
 # Worker threads: every client holds a WatchRound stream (one thread each) while it waits for a round,
@@ -144,8 +144,6 @@ class AggregatorConfig(Security):
 
     def _check_ranks(self) -> None:
         """Mixed ranks need a strategy that combines factors of different shapes."""
-        from .strategies import BY_NAME
-
         if self.max_lora_rank < 0:
             raise ConfigError(f"--max-lora-rank must be 0 (one rank) or more, got {self.max_lora_rank}")
         mixed = [name for name, s in BY_NAME.items() if s.mixed]
@@ -191,7 +189,7 @@ class AggregatorConfig(Security):
                 f"sum of the masked adapters, and {self.strategy} needs each client's values (a median, a trimmed "
                 "mean or the products B_k A_k are not functions of a sum); use --strategy fedavg or weighted "
                 "(zero-pad with mixed ranks), or turn secure aggregation off")
-        if self.noise_multiplier > 0 and self.strategy not in ("fedavg", "zero-pad"):
+        if self.noise_multiplier > 0 and not BY_NAME[self.strategy].noise_calibrated:
             raise ConfigError("--noise-multiplier with --secure-aggregation calibrates the clients' noise for the "
                               "unweighted mean: use --strategy fedavg, or set --noise-multiplier 0")
         if self.secure_threshold != 0 and self.secure_threshold < 2:

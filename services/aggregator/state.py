@@ -23,7 +23,7 @@ from fedse.serving import log_fields
 from .errors import NotJoined, NotSelected
 from .selection import Selection, SelectionSettings
 from .store import Store, config_with_base
-from .strategies import StrategyParams
+from .strategies import BY_NAME, StrategyParams
 from .uploads import Accepted, Stream
 
 log = logging.getLogger("aggregator.rounds")
@@ -100,7 +100,7 @@ class RunSettings:
         """(epsilon of one round, epsilon of `releases` rounds) at dp_delta (fedse.accounting), or None
         when the run is not differentially private: without clipping and noise nothing bounds a client's
         influence on what is published, and the noise is calibrated for fedavg's mean alone."""
-        if self.params.clip_norm <= 0 or self.params.noise_multiplier <= 0 or self.strategy not in ("fedavg", "zero-pad"):
+        if self.params.clip_norm <= 0 or self.params.noise_multiplier <= 0 or not BY_NAME[self.strategy].noise_calibrated:
             return None
         return accounting.epsilons(self.params.noise_multiplier, releases, self.dp_delta)
 

@@ -84,6 +84,7 @@ class Strategy:
     mixed = False  # takes clients of different LoRA ranks (the run's adapter is at the maximum rank)
     pads = False   # sees each client's adapter zero-padded to the run's rank (fedse.ranks.Padded)
     linear = True  # the result is a (weighted) mean of the uploads: clipping, noise and secure sums apply
+    noise_calibrated = False  # the Gaussian noise's std is calibrated for its result (the unweighted mean)
 
     def weights(self, successes: list[float]) -> list[float]:
         """Each client's weight in a mean, from its successful trajectories: all equal."""
@@ -100,6 +101,7 @@ class Strategy:
 
 class FedAvg(Strategy):
     name = "fedavg"
+    noise_calibrated = True
     description = "unweighted mean of A and of B, separately (the Fed-SE paper's default)"
 
 
@@ -152,6 +154,7 @@ class ZeroPad(Strategy):
     description = "mixed ranks, the naive baseline (HetLoRA): A and B zero-padded to the run's rank, then averaged"
     mixed = True
     pads = True
+    noise_calibrated = True  # fedavg over the padded adapters
 
 
 class Median(Strategy):
@@ -406,6 +409,36 @@ def _trimmed(clients: _Clients, name: str, cut: int, work: _Workspace) -> tuple[
     return out.view(shape), dtype
 
 
+def _stacked(clients: _Clients, a_name: str, b_name: str, coefficients: list[float]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.dtype, list[int]]:
+    """(A_cat, B_cat, A's dtype, B's dtype, the clients' ranks): the clients' factors stacked, float64,
+    A_cat = [A_1; ...; A_K] (sum r_k x in) and B_cat = [c_1 B_1 ... c_K B_K] (out x sum r_k), so that
+    B_cat A_cat = sum_k c_k B_k A_k. One client's tensors are loaded at a time, each written into stacks
+    made for K clients of the first one's rank (made larger where a later client's rank needs room)."""
+    k = len(clients)
+    a_dtype, a_tensors = clients.tensors(a_name)
+    b_dtype, b_tensors = clients.tensors(b_name)
+    a_cat = b_cat = torch.empty(0, dtype=_F64)
+    at, client_ranks = 0, []
+    for i, (a, b, c) in enumerate(zip(a_tensors, b_tensors, coefficients)):
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise ValueError(f"{a_name} {list(a.shape)} and {b_name} {list(b.shape)} are not LoRA factors "
+                             "A (r x in) and B (out x r); use a strategy that averages tensors separately")
+        r = a.shape[0]
+        if at + r > a_cat.shape[0]:  # room for this client and the rest at its rank
+            rows = at + r * (k - i)
+            a_cat = torch.cat([a_cat[:at], torch.empty((rows - at, a.shape[1]), dtype=_F64)]) if at else \
+                torch.empty((rows, a.shape[1]), dtype=_F64)
+            b_cat = torch.cat([b_cat[:, :at], torch.empty((b.shape[0], rows - at), dtype=_F64)], dim=1) if at else \
+                torch.empty((b.shape[0], rows), dtype=_F64)
+        a_cat[at:at + r] = a
+        b_cat[:, at:at + r] = b
+        b_cat[:, at:at + r] *= c
+        at += r
+        client_ranks.append(r)
+    return a_cat[:at], b_cat[:, :at], a_dtype, b_dtype, client_ranks
+
+
 def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
     """A', B' of rank r with B'A' the best rank-r approximation of (1/K) sum_k B_k A_k.
 
@@ -416,22 +449,8 @@ def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[
     of the clients' A rows instead (the product is unchanged), so e.g. all-zero B gives fedavg's result.
     """
     k = len(clients)
-    a_dtype, a_tensors = clients.tensors(a_name)
-    b_dtype, b_tensors = clients.tensors(b_name)
-    a_cat = b_cat = None
-    r = 0
-    for i, (a, b) in enumerate(zip(a_tensors, b_tensors)):
-        if a_cat is None or b_cat is None:
-            if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-                raise ValueError(f"{a_name} {list(a.shape)} and {b_name} {list(b.shape)} are not LoRA factors "
-                                 "A (r x in) and B (out x r); use a strategy that averages tensors separately")
-            r = a.shape[0]
-            a_cat = torch.empty((k * r, a.shape[1]), dtype=_F64)
-            b_cat = torch.empty((b.shape[0], k * r), dtype=_F64)
-        a_cat[i * r:(i + 1) * r] = a
-        b_cat[:, i * r:(i + 1) * r] = b
-    assert a_cat is not None and b_cat is not None
-    b_cat /= k
+    a_cat, b_cat, a_dtype, b_dtype, client_ranks = _stacked(clients, a_name, b_name, [1.0 / k] * k)
+    r = client_ranks[0]
     b_new, a_new, live = ranks.best_rank(b_cat, a_cat, r)
     mean_a = a_cat.view(k, r, -1).mean(dim=0)  # rows of dead components keep the mean A row
     a_new[~live] = mean_a[~live]
@@ -443,37 +462,20 @@ def _mixed_pair(clients: _Clients, a_name: str, b_name: str, weights: list[float
     """A', B' at phi_t's rank R with s_R B'A' the best rank-R approximation of
     dW = sum_k p_k s_k B_k A_k (p_k = weights normalised; s_k each client's scaling, s_R out_scaling).
 
-    Without `dense` (hlora): B_cat = [p_1 s_1 B_1 ... p_K s_K B_K] (out x sum r_k) and
-    A_cat = [A_1; ...; A_K] (sum r_k x in) give B_cat A_cat = dW, factored by fedse.ranks.best_rank (QR
-    and a small SVD; the out x in matrix is never formed). With `dense` (flexlora): dW formed, then a
-    full SVD. Either way, a component with no singular value left keeps B' column 0 and phi_t's A row."""
+    Without `dense` (hlora): the stacked factors (_stacked, B_k scaled by p_k s_k) give B_cat A_cat = dW,
+    factored by fedse.ranks.best_rank (QR and a small SVD; the out x in matrix is never formed). With
+    `dense` (flexlora): dW formed, then a full SVD. Either way, a component with no singular value left
+    keeps B' column 0 and phi_t's A row."""
     total = float(sum(weights))
-    a_dtype, a_tensors = clients.tensors(a_name)
-    b_dtype, b_tensors = clients.tensors(b_name)
-    a_parts, b_parts = [], []
-    for a, b, p, s in zip(a_tensors, b_tensors, weights, clients.lora_scalings):
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise ValueError(f"{a_name} {list(a.shape)} and {b_name} {list(b.shape)} are not LoRA factors "
-                             "A (r x in) and B (out x r)")
-        a_parts.append(a.to(_F64))
-        b_parts.append(b.to(_F64) * (p / total * s))
+    coefficients = [p / total * s for p, s in zip(weights, clients.lora_scalings)]
+    a_cat, b_cat, a_dtype, b_dtype, _ = _stacked(clients, a_name, b_name, coefficients)
     previous_a = clients.previous[a_name].to(_F64)
     rank = previous_a.shape[0]
     if dense:
-        delta = sum(b @ a for a, b in zip(a_parts, b_parts))
+        delta = b_cat @ a_cat
         u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
-        keep = min(rank, sv.numel())
-        tol = float(sv.max()) * max(delta.shape) * torch.finfo(_F64).eps if sv.numel() else 0.0
-        live = torch.zeros(rank, dtype=torch.bool)
-        live[:keep] = sv[:keep] > tol
-        root = torch.zeros(rank, dtype=_F64)
-        root[:keep] = torch.where(live[:keep], sv[:keep] / clients.out_scaling, torch.zeros_like(sv[:keep])).sqrt()
-        b_new = torch.zeros((delta.shape[0], rank), dtype=_F64)
-        a_new = torch.zeros((rank, delta.shape[1]), dtype=_F64)
-        b_new[:, :keep] = u[:, :keep] * root[:keep]
-        a_new[:keep] = root[:keep, None] * vh[:keep]
+        b_new, a_new, live = ranks.svd_factors(u, sv, vh, rank, clients.out_scaling, max(delta.shape))
     else:
-        b_new, a_new, live = ranks.best_rank(torch.cat(b_parts, dim=1), torch.cat(a_parts, dim=0), rank,
-                                             clients.out_scaling)
+        b_new, a_new, live = ranks.best_rank(b_cat, a_cat, rank, clients.out_scaling)
     a_new[~live] = previous_a[~live]
     return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}

@@ -165,16 +165,15 @@ class ClientAgent:
             log.info("guardian keeps its earlier choice", extra=log_fields(reason=kept.reason()))
             self.sizing = kept
             return self.apply(config, kept.chosen)
-        device = next(base.parameters()).device
+        device, width = next(base.parameters()).device, default_max_prompt_tokens(base)
         extra = 0 if is_tiny(base) else config.score_cache_mb * 1_000_000
-        sizing = guardian.size(base, config, device, default_max_prompt_tokens(base), top, fixed,
+        sizing = guardian.size(base, config, device, width, top, fixed,
                                config.memory_limit_mb * 1_000_000, extra,
                                on_try=lambda c: log.info("guardian measured", extra=log_fields(
                                    lora_r=c.lora_r, train_batch_tokens=c.batch_tokens, precision=c.precision,
                                    step_mb=round(c.step_bytes / 1e6), need_mb=round(c.need_bytes / 1e6))))
         if config.guardian_model:
-            width = default_max_prompt_tokens(base)
-            options = guardian.alternatives(base, config, sizing, device, width, extra)
+            options = guardian.alternatives(base, config, sizing, device, width, extra, fixed)
             asker = Asker(max_new_tokens=48, max_seconds=30.0)
             name = config.base_model if config.guardian_model == "base" else config.guardian_model
             sizing = guardian.advise(sizing, options, lambda prompt: asker.answer(name, prompt), config.guardian_notes)
@@ -185,10 +184,9 @@ class ClientAgent:
 
     @staticmethod
     def apply(config: ClientConfig, c: guardian.Candidate) -> ClientConfig:
-        """The config with the guardian's choice (alpha at --lora-alpha's ratio to rank 8 where it chose the rank)."""
-        alpha = config.lora_alpha if config.lora_r else max(1, round(c.lora_r * config.lora_alpha / 8))
+        """The config with the guardian's choice (guardian.alpha_for: alpha keeps its ratio where it chose the rank)."""
         return dataclasses.replace(config, lora_r=c.lora_r, train_batch_tokens=c.batch_tokens, precision=c.precision,
-                                   lora_alpha=alpha)
+                                   lora_alpha=guardian.alpha_for(config, c.lora_r))
 
     def guardian_metrics(self) -> dict[str, float]:
         """The guardian's choices and the privacy budget, as a round's report carries them."""

@@ -39,12 +39,13 @@ in the state directory (privacy.json, written before the upload), so a restart s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import pathlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -61,6 +62,26 @@ log = logging.getLogger("fedse.client.guardian")
 MIN_BATCH_TOKENS = 64
 DEFAULT_TOP_RANK = 16  # the largest rank tried where the run does not say one
 HEADROOM = 1.10  # need = 110 % of what was measured and resident
+REFERENCE_RANK = 8  # with --lora-r 0, --lora-alpha is read as this rank's: a chosen rank keeps the ratio
+
+
+def alpha_for(config, rank: int) -> int:
+    """The LoRA alpha of `rank`: --lora-alpha where the rank is pinned, else at its ratio to REFERENCE_RANK."""
+    return config.lora_alpha if config.lora_r else max(1, round(rank * config.lora_alpha / REFERENCE_RANK))
+
+
+@contextlib.contextmanager
+def lora_on(base, config, rank: int, add_lora: Callable | None = None) -> Iterator:
+    """The base model with a LoRA of `rank` while the block runs; the base model bare again after it
+    (peft's unload gives back the same module)."""
+    from .model import add_lora as default_add_lora
+
+    peft = (add_lora or default_add_lora)(base, r=rank, alpha=alpha_for(config, rank), dropout=config.lora_dropout,
+                                          target_modules=config.lora_targets(), seed=config.seed)
+    try:
+        yield peft
+    finally:
+        peft.unload()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +91,12 @@ class Candidate:
     precision: str
     step_bytes: int = 0
     need_bytes: int = 0
+
+    @staticmethod
+    def measured(lora_r: int, batch_tokens: int, precision: str, step: int, held: int) -> "Candidate":
+        """A candidate whose step held `step` bytes, in a process that holds `held` besides (resident and
+        the score cache): it needs HEADROOM times both."""
+        return Candidate(lora_r, batch_tokens, precision, step, int((held + step) * HEADROOM))
 
     def describe(self) -> str:
         return (f"rank {self.lora_r}, {self.batch_tokens} tokens a micro-batch, {self.precision}: needs "
@@ -173,10 +200,8 @@ def size(base, config, device: torch.device, width: int, top_rank: int, fixed_ra
     top_rank; `extra_bytes`: what the client holds besides the step (its score cache). The base model
     comes back without a LoRA. `resident`: what the process holds (None: measured now). DoesNotFit where
     nothing fits."""
-    from .model import add_lora as default_add_lora
     from .model import pick_precision
 
-    add_lora = add_lora or default_add_lora
     pinned = []
     if config.lora_r:
         ranks, pinned = [config.lora_r], pinned + [f"rank {config.lora_r}"]
@@ -198,66 +223,50 @@ def size(base, config, device: torch.device, width: int, top_rank: int, fixed_ra
         release_free_memory()  # what an earlier phase freed is not held
         resident = resident_bytes(device)
     limit = limit_bytes or available_memory_bytes(device)
-    tried: list[Candidate] = []
+    tried: list[Candidate] = []  # what the search measured, in order (the smallest, which fits, is not listed)
 
     def measure(r: int, t: int, precision: str, peft) -> Candidate:
-        held = step_bytes(peft, t, width, precision, device)
-        c = Candidate(r, t, precision, held, int((resident + held + extra_bytes) * HEADROOM))
-        tried.append(c)
+        c = Candidate.measured(r, t, precision, step_bytes(peft, t, width, precision, device), resident + extra_bytes)
         on_try(c)
         return c
 
     # The smallest setting first: where even it does not fit, nothing will, and the search ends at once.
-    peft = add_lora(base, r=ranks[-1], alpha=max(1, round(ranks[-1] * config.lora_alpha / 8)),
-                    dropout=config.lora_dropout, target_modules=config.lora_targets(), seed=config.seed)
-    try:
+    # It is also the search's last candidate, so the search below always ends at a setting that fits.
+    with lora_on(base, config, ranks[-1], add_lora) as peft:
         least = measure(ranks[-1], tokens[-1], precisions[-1], peft)
-    finally:
-        base = peft.unload()
     if least.need_bytes > limit:
         raise DoesNotFit(f"no setting fits this machine's memory limit of {limit / 1e6:.0f} MB (resident "
                          f"{resident / 1e6:.0f} MB): the smallest, {least.describe()}; give more memory "
                          "(--memory-limit-mb), a smaller model, or pin a smaller --train-batch-tokens")
     for precision in precisions:
         for r in ranks:
-            peft = add_lora(base, r=r, alpha=max(1, round(r * config.lora_alpha / 8)), dropout=config.lora_dropout,
-                            target_modules=config.lora_targets(), seed=config.seed)
-            try:
+            with lora_on(base, config, r, add_lora) as peft:
                 for t in tokens:
-                    c = least if (r, t, precision) == (least.lora_r, least.batch_tokens, least.precision) else \
-                        measure(r, t, precision, peft)
+                    if (r, t, precision) == (least.lora_r, least.batch_tokens, least.precision):
+                        return Sizing(least, limit, resident, tuple(tried), tuple(pinned))
+                    c = measure(r, t, precision, peft)
+                    tried.append(c)
                     if c.need_bytes <= limit:
-                        return Sizing(c, limit, resident, tuple(x for x in tried if x is not least or c is least),
-                                      tuple(pinned))
-            finally:
-                base = peft.unload()
-    return Sizing(least, limit, resident, tuple(tried), tuple(pinned))  # only the smallest fits
+                        return Sizing(c, limit, resident, tuple(tried), tuple(pinned))
+    raise AssertionError("unreachable: the search ends at the smallest setting, which fits")
 
 
 # ---- the model's advice --------------------------------------------------------------------------
 
 def alternatives(base, config, s: Sizing, device: torch.device, width: int, extra_bytes: int = 0,
-                 add_lora: Callable | None = None) -> list[Candidate]:
-    """The options a model may choose among: the tools' choice, then each smaller rank and half the
-    micro-batch (where not pinned), each measured and kept where it fits."""
-    from .model import add_lora as default_add_lora
-
-    add_lora = add_lora or default_add_lora
+                 fixed_rank: int = 0, add_lora: Callable | None = None) -> list[Candidate]:
+    """The options a model may choose among: the tools' choice, then each smaller rank (unless the rank is
+    pinned, or `fixed_rank` is the run's one rank) and half the micro-batch (unless pinned), each
+    measured and kept where it fits."""
     c = s.chosen
-    wanted = [] if config.lora_r else [(r, c.batch_tokens) for r in ranks_from(c.lora_r)[1:]]
+    wanted = [] if config.lora_r or fixed_rank else [(r, c.batch_tokens) for r in ranks_from(c.lora_r)[1:]]
     if not config.train_batch_tokens and c.batch_tokens // 2 >= MIN_BATCH_TOKENS:
         wanted.append((c.lora_r, c.batch_tokens // 2))
-    if any(p.startswith("rank ") for p in s.pinned):
-        wanted = [w for w in wanted if w[0] == c.lora_r]
     options = [c]
     for r, t in wanted:
-        peft = add_lora(base, r=r, alpha=max(1, round(r * config.lora_alpha / 8)), dropout=config.lora_dropout,
-                        target_modules=config.lora_targets(), seed=config.seed)
-        try:
-            held = step_bytes(peft, t, width, c.precision, device)
-        finally:
-            base = peft.unload()
-        option = Candidate(r, t, c.precision, held, int((s.resident_bytes + held + extra_bytes) * HEADROOM))
+        with lora_on(base, config, r, add_lora) as peft:
+            step = step_bytes(peft, t, width, c.precision, device)
+        option = Candidate.measured(r, t, c.precision, step, s.resident_bytes + extra_bytes)
         if option.need_bytes <= s.limit_bytes:
             options.append(option)
     return options
