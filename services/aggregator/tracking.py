@@ -1,0 +1,283 @@
+"""The run, tracked where researchers compare runs: TensorBoard, MLflow and Weights & Biases.
+
+`--track KIND:WHERE` (repeatable) names each destination:
+
+  tensorboard:DIR   event files under DIR/<run-id>-<start time> (torch.utils.tensorboard's writer)
+  mlflow:URI        a run in the MLflow experiment "fedse" at URI: a tracking server (http://...,
+                    databricks, sqlite:///...) or a local directory, MLflow's file store, which works offline
+  wandb:PROJECT     a W&B run in PROJECT (wandb's own login or WANDB_API_KEY; WANDB_MODE=offline works)
+
+Only the aggregator tracks, so only it holds tracking credentials; clients send nothing more than
+the metrics they already report. What goes out:
+  - the run's settings, once (secrets and key paths left out);
+  - every client's report of round r as `<metric>/<client id>` at step r, as it arrives;
+  - when round r closes, the mean over the clients that reported it as `<metric>/mean`, with
+    `round/uploads`, `round/seconds` and `round/aggregate_seconds`; the final round (the clients'
+    evaluation of the last adapter) has its mean once every member reported it, or when the
+    aggregator stops.
+
+A destination that fails never stops the run: the failure is logged and counted
+(fedse_aggregator_tracking_errors_total), and the run goes on. Events are written by one
+background thread, so a slow tracking server never holds up a round. A restarted aggregator
+resumes the same TensorBoard directory, MLflow run and W&B run (their names are kept in
+tracking.json beside the run's state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import os
+import pathlib
+import queue
+import re
+import threading
+import time
+from typing import Any, Protocol
+
+import prometheus_client
+
+from fedse.files import atomic_write
+from fedse.serving import log_fields
+
+log = logging.getLogger("aggregator.tracking")
+
+KINDS = {
+    "tensorboard": "tensorboard:DIR, event files under DIR (needs the tensorboard package)",
+    "mlflow": "mlflow:URI, a tracking server or a local directory (needs mlflow or mlflow-skinny)",
+    "wandb": "wandb:PROJECT, a Weights & Biases project (needs wandb)",
+}
+EXPERIMENT = "fedse"  # the MLflow experiment every run goes to; runs are named by run id
+STATE_NAME = "tracking.json"
+SECRET_WORDS = ("token", "key", "secret", "password")  # settings never sent, whatever they hold
+CLOSE_TIMEOUT_S = 30.0
+
+ERRORS = prometheus_client.Counter("fedse_aggregator_tracking_errors", "Events a tracking destination failed to "
+                                   "take (logged; the run goes on).", ["backend"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    kind: str
+    where: str
+
+    @classmethod
+    def parse(cls, spec: str) -> "Target":
+        kind, sep, where = spec.partition(":")
+        if not sep or kind not in KINDS or not where.strip():
+            raise ValueError(f"--track {spec!r}: give KIND:WHERE, one of " + "; ".join(KINDS.values()))
+        return cls(kind, where.strip())
+
+
+def public_settings(settings: dict[str, Any]) -> dict[str, str]:
+    """The settings as text, less any whose name says it holds or points to a secret."""
+    return {name: ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            for name, value in sorted(settings.items())
+            if not any(word in name.lower() for word in SECRET_WORDS)}
+
+
+class Destination(Protocol):
+    kind: str
+
+    def settings(self, values: dict[str, str]) -> None: ...
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoard:
+    kind = "tensorboard"
+
+    def __init__(self, log_dir: pathlib.Path):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def settings(self, values: dict[str, str]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        table = "| setting | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in values.items())
+        self.writer.add_text("settings", table, 0)
+        for summary in hparams(values, {"test_success/mean": math.nan}):  # the HParams dashboard's view of the run
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")  # what MLflow allows in a metric or parameter name
+
+
+class MLflow:
+    kind = "mlflow"
+
+    def __init__(self, uri: str, run_name: str, run_id: str | None):
+        if "://" not in uri and not uri.startswith(("file:", "databricks")):
+            # A directory: MLflow's file store, which works offline; MLflow 3 asks to opt in to it.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = pathlib.Path(uri).resolve().as_uri()
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        if run_id is None:
+            found = self.client.get_experiment_by_name(EXPERIMENT)
+            experiment = found.experiment_id if found else self.client.create_experiment(EXPERIMENT)
+            run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
+        self.run_id = run_id
+
+    def settings(self, values: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(MLFLOW_KEY.sub("_", k), v[:6000]) for k, v in values.items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(MLFLOW_KEY.sub("_", k), v, now, step) for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandB:
+    kind = "wandb"
+
+    def __init__(self, project: str, run_name: str, run_id: str | None, directory: pathlib.Path):
+        import wandb
+
+        self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=str(directory),
+                              reinit="create_new")
+        self.run_id = self.run.id
+
+    def settings(self, values: dict[str, str]) -> None:
+        self.run.config.update(values, allow_val_change=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def check_installed(targets: list[Target]) -> None:
+    """Raises ValueError, saying what to install, for a destination whose library is missing."""
+    for t in targets:
+        if importlib.util.find_spec(MODULES[t.kind]) is None:
+            package = "wandb" if t.kind == "wandb" else "fedse[track] (tensorboard and mlflow-skinny)"
+            raise ValueError(f"--track {t.kind}:{t.where} needs the {MODULES[t.kind]} package, which is not "
+                             f"installed: pip install {package}")
+
+
+class Tracker:
+    """The run's destinations and the thread that writes to them. report(), round_closed() and
+    close() are quick: they queue events (called under the round keeper's lock). The destinations
+    are opened by that thread too, so an unreachable tracking server never delays the start."""
+
+    def __init__(self, targets: list[Target], root: pathlib.Path, run_id: str, num_rounds: int,
+                 settings: dict[str, Any], reports: list[tuple[str, int, dict[str, float]]] = ()):
+        check_installed(targets)
+        self.num_rounds = num_rounds
+        self._rounds: dict[int, dict[str, dict[str, float]]] = {}  # round -> client -> its report
+        for cid, r, values in reports:  # a restarted aggregator's means count what came before
+            self._rounds.setdefault(r, {})[cid] = values
+        self._final_logged = False
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self.destinations: list[Destination] = []
+        self._thread = threading.Thread(target=self._write, args=(targets, root, run_id), name="tracking",
+                                        daemon=True)
+        self._thread.start()
+        self._queue.put(("settings", public_settings(settings)))
+
+    def _open(self, targets: list[Target], root: pathlib.Path, run_id: str) -> None:
+        """Each destination, resuming the one a previous start of this run opened; one that fails to
+        open is logged, counted and left out."""
+        path = root / STATE_NAME
+        kept: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+        started = time.strftime("%Y%m%d-%H%M%S")
+        for t in targets:
+            key = f"{t.kind}:{t.where}"
+            try:
+                if t.kind == "tensorboard":
+                    name = kept.get(key, f"{run_id}-{started}")
+                    d: Any = TensorBoard(pathlib.Path(t.where) / name)
+                    kept[key] = name
+                elif t.kind == "mlflow":
+                    d = MLflow(t.where, run_id, kept.get(key))
+                    kept[key] = d.run_id
+                else:
+                    d = WandB(t.where, run_id, kept.get(key), root)
+                    kept[key] = d.run_id
+            except Exception as exc:  # noqa: BLE001 - the run goes on without it
+                ERRORS.labels(t.kind).inc()
+                log.error("tracking destination could not be opened; the run goes on without it",
+                          extra=log_fields(backend=t.kind, where=t.where, error=f"{type(exc).__name__}: {exc}"[:300]))
+                continue
+            self.destinations.append(d)
+            log.info("tracking the run", extra=log_fields(backend=t.kind, where=t.where, name=kept[key]))
+        atomic_write(path, json.dumps(kept, indent=1, sort_keys=True).encode())
+
+    def report(self, client_id: str, round_: int, values: dict[str, float], members: int) -> None:
+        """A client's report of a round (each recorded once, as the round keeper records it)."""
+        self._rounds.setdefault(round_, {})[client_id] = dict(values)
+        self._queue.put(("scalars", (round_, {f"{name}/{client_id}": v for name, v in values.items()})))
+        if round_ == self.num_rounds and len(self._rounds[round_]) >= members and not self._final_logged:
+            self._final_logged = True
+            self._queue.put(("scalars", (round_, self._means(round_))))
+
+    def round_closed(self, round_: int, uploads: int, seconds: float, aggregate_seconds: float) -> None:
+        self._queue.put(("scalars", (round_, {**self._means(round_), "round/uploads": float(uploads),
+                                              "round/seconds": seconds, "round/aggregate_seconds": aggregate_seconds})))
+
+    def _means(self, round_: int) -> dict[str, float]:
+        reports = list(self._rounds.get(round_, {}).values())
+        names = sorted({name for values in reports for name in values})
+        return {f"{name}/mean": sum(v[name] for v in reports if name in v) / sum(name in v for v in reports)
+                for name in names}
+
+    def close(self) -> None:
+        """Writes what is queued (the final round's mean as it stands), then closes each destination."""
+        if not self._final_logged and self._rounds.get(self.num_rounds):
+            self._final_logged = True
+            self._queue.put(("scalars", (self.num_rounds, self._means(self.num_rounds))))
+        self._queue.put(None)
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+    def _write(self, targets: list[Target], root: pathlib.Path, run_id: str) -> None:
+        self._open(targets, root, run_id)
+        while (event := self._queue.get()) is not None:
+            kind, payload = event
+            for d in self.destinations:
+                try:
+                    if kind == "settings":
+                        d.settings(payload)
+                    else:
+                        d.scalars(*payload)
+                except Exception as exc:  # noqa: BLE001 - a tracking server's failure never stops the run
+                    ERRORS.labels(d.kind).inc()
+                    log.warning("tracking destination failed; the run goes on",
+                                extra=log_fields(backend=d.kind, error=f"{type(exc).__name__}: {exc}"[:300]))
+        for d in self.destinations:
+            try:
+                d.close()
+            except Exception as exc:  # noqa: BLE001
+                ERRORS.labels(d.kind).inc()
+                log.warning("tracking destination failed to close",
+                            extra=log_fields(backend=d.kind, error=f"{type(exc).__name__}: {exc}"[:300]))
