@@ -39,6 +39,10 @@ def test_the_image_tags_follow_the_version():
         assert tags and set(tags) == {__version__}, path
     assert "IMAGE_TAG ?= $(shell sed" in (REPO / "Makefile").read_text()  # read from fedse/__init__.py
     assert 'VERSION=$(sed -n' in (REPO / "scripts" / "build-image.sh").read_text()
+    # The guides name the images the version's tag (fedse:X.Y.Z, fedse-gpu:X.Y.Z, newTag: X.Y.Z).
+    for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        named = re.findall(r"(?:fedse(?:-gpu)?:|newTag: |IMAGE_TAG=)(\d+\.\d+\.\d+)", doc.read_text())
+        assert set(named) <= {__version__}, (doc.name, named)
 
 
 def test_the_package_declares_its_pinned_dependencies_and_a_test_extra():
