@@ -15,12 +15,30 @@ def main(argv: list[str]) -> int:
     makes them). The operator makes the CA (init), signs each organisation's request (sign) and issues
     the servers' certificates (issue); an organisation makes its key and a request (request), and sends
     only the request. show prints what a certificate says and warns before it expires."""
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    for new, old in RENAMED.items():  # the old spelling works for a release, with a warning
+        if getattr(ns, "old_" + new, None) is not None:
+            print(f"warning: fedse certs {ns.command} {old} is deprecated and goes in the next release: use "
+                  f"--{new.replace('_', '-')}", file=sys.stderr)
+            if not getattr(ns, new):
+                setattr(ns, new, getattr(ns, "old_" + new))
+    if ns.command in ("init", "request") and not ns.out_dir:
+        parser.parse_args([ns.command, "--out-dir"])  # argparse's own "expected one argument" line, exit 2
     try:
         return ns.handler(ns)
     except CertError as exc:
         print(f"fedse certs {ns.command}: {exc}", file=sys.stderr)
         return 1
+
+
+# Flags renamed so that one name means one thing: --out-dir a directory written, --out a file
+# written, --ca-dir the CA's directory, --ca-cert its certificate. New name -> old spelling.
+RENAMED = {"out_dir": "--dir", "ca_cert": "--ca"}
+
+
+def _renamed(p: argparse.ArgumentParser, new: str) -> None:
+    p.add_argument(RENAMED[new], dest="old_" + new, default=None, help=argparse.SUPPRESS)
 
 
 def _parser():
@@ -36,12 +54,14 @@ def _parser():
         return p
 
     p = command("init", _init, "the operator: make the federation CA, ca.pem and its key ca-key.pem", pki.CA_DAYS)
-    p.add_argument("--dir", required=True, help="where to write them")
+    p.add_argument("--out-dir", default="", help="where to write them")
+    _renamed(p, "out_dir")
     p.add_argument("--name", default=pki.CA_NAME, help=f"the CA's name (default: {pki.CA_NAME!r})")
     p = command("request", _request, "an organisation: make its key ID-key.pem and the request ID.csr to send "
                 "to the operator")
     p.add_argument("--client-id", required=True, help="the organisation's client id")
-    p.add_argument("--dir", required=True, help="where to write them")
+    p.add_argument("--out-dir", default="", help="where to write them")
+    _renamed(p, "out_dir")
     p.add_argument("--force", action="store_true", help="replace files that exist already")
     p = command("sign", _sign, "the operator: sign an organisation's request; its client id becomes the "
                 "certificate's first subject alternative name", pki.LEAF_DAYS)
@@ -56,10 +76,11 @@ def _parser():
     p.add_argument("--ip", action="append", default=[], help="IP addresses clients dial, comma-separated")
     p.add_argument("--out-dir", required=True, help="where to write them")
     p = command("show", _show, "print a certificate's (or request's) identity, names, issuer and validity; "
-                "warn if it expires within 30 days; exit 1 if it has expired (or --ca did not sign it)")
+                "warn if it expires within 30 days; exit 1 if it has expired (or --ca-cert did not sign it)")
     p.add_argument("file", metavar="FILE", help="a PEM certificate (or a .csr)")
-    p.add_argument("--ca", default="", help="the federation CA's certificate (ca.pem): also check that it signed FILE "
-                                            "(exit 1 if not)")
+    p.add_argument("--ca-cert", default="", help="the federation CA's certificate (ca.pem): also check that it signed "
+                                                 "FILE (exit 1 if not)")
+    _renamed(p, "ca_cert")
     return parser
 
 
@@ -68,14 +89,14 @@ def _listed(values: list[str]) -> list[str]:
 
 
 def _init(ns) -> int:
-    cert, key = pki.init_ca(pathlib.Path(ns.dir), ns.name, ns.days, ns.force)
+    cert, key = pki.init_ca(pathlib.Path(ns.out_dir), ns.name, ns.days, ns.force)
     print(f"wrote {cert}: the federation CA's certificate; send it to every organisation and server (--tls-ca)\n"
           f"wrote {key}: the CA's key (mode 0600); keep it offline, it signs every certificate of the federation")
     return 0
 
 
 def _request(ns) -> int:
-    key, csr = pki.request(ns.client_id, pathlib.Path(ns.dir), ns.force)
+    key, csr = pki.request(ns.client_id, pathlib.Path(ns.out_dir), ns.force)
     print(f"wrote {key}: your private key (mode 0600); it never leaves your organisation\n"
           f"wrote {csr}: your certificate request; send it to the federation's operator, who sends back your "
           f"certificate and the federation CA's")
@@ -102,7 +123,7 @@ def _issue(ns) -> int:
 
 
 def _show(ns) -> int:
-    shown = pki.show(pathlib.Path(ns.file), pathlib.Path(ns.ca) if ns.ca else None)
+    shown = pki.show(pathlib.Path(ns.file), pathlib.Path(ns.ca_cert) if ns.ca_cert else None)
     print("\n".join(shown.lines))
     if shown.warning:
         print(f"warning: {shown.warning}", file=sys.stderr)

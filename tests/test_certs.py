@@ -56,13 +56,13 @@ def lifetime(cert: x509.Certificate) -> datetime.timedelta:
 
 @pytest.fixture
 def ca(tmp_path, capsys) -> pathlib.Path:
-    rc, _, err = fedse_certs(capsys, "init", "--dir", tmp_path / "ca", "--name", "Example federation CA")
+    rc, _, err = fedse_certs(capsys, "init", "--out-dir", tmp_path / "ca", "--name", "Example federation CA")
     assert rc == 0, err
     return tmp_path / "ca"
 
 
 def requested(tmp_path, capsys, client_id: str) -> pathlib.Path:
-    rc, _, err = fedse_certs(capsys, "request", "--client-id", client_id, "--dir", tmp_path / client_id)
+    rc, _, err = fedse_certs(capsys, "request", "--client-id", client_id, "--out-dir", tmp_path / client_id)
     assert rc == 0, err
     return tmp_path / client_id / f"{client_id}.csr"
 
@@ -79,7 +79,7 @@ def csr_of(subject: str, sans: list[str] | None = None) -> bytes:
 
 # ---- what each command writes ------------------------------------------------------------------------
 def test_init_makes_a_self_signed_ca_that_signs_only_end_certificates(tmp_path, capsys):
-    rc, out, _ = fedse_certs(capsys, "init", "--dir", tmp_path / "ca", "--name", "Example federation CA")
+    rc, out, _ = fedse_certs(capsys, "init", "--out-dir", tmp_path / "ca", "--name", "Example federation CA")
     assert rc == 0
     cert_path, key_path = tmp_path / "ca" / "ca.pem", tmp_path / "ca" / "ca-key.pem"
     assert (mode(cert_path), mode(key_path)) == (0o644, 0o600)
@@ -96,7 +96,7 @@ def test_init_makes_a_self_signed_ca_that_signs_only_end_certificates(tmp_path, 
 
 
 def test_request_makes_the_organisations_key_and_a_request_named_by_its_client_id(tmp_path, capsys):
-    rc, out, _ = fedse_certs(capsys, "request", "--client-id", "org-a", "--dir", tmp_path)
+    rc, out, _ = fedse_certs(capsys, "request", "--client-id", "org-a", "--out-dir", tmp_path)
     assert rc == 0
     key_path, csr_path = tmp_path / "org-a-key.pem", tmp_path / "org-a.csr"
     assert (mode(key_path), mode(csr_path)) == (0o600, 0o644)
@@ -161,10 +161,10 @@ def test_show_prints_identity_names_issuer_validity_and_purpose(ca, tmp_path, ca
 def test_show_with_ca_checks_that_the_ca_signed_it(ca, tmp_path, capsys):
     cert = tmp_path / "org-a.pem"
     fedse_certs(capsys, "sign", "--ca-dir", ca, "--csr", requested(tmp_path, capsys, "org-a"), "--out", cert)
-    rc, out, err = fedse_certs(capsys, "show", cert, "--ca", ca / "ca.pem")
+    rc, out, err = fedse_certs(capsys, "show", cert, "--ca-cert", ca / "ca.pem")
     assert rc == 0 and f"  signed by {ca / 'ca.pem'}: yes\n" in out and err == ""
-    fedse_certs(capsys, "init", "--dir", tmp_path / "other", "--name", "Example federation CA")  # the same name
-    rc, out, err = fedse_certs(capsys, "show", cert, "--ca", tmp_path / "other" / "ca.pem")
+    fedse_certs(capsys, "init", "--out-dir", tmp_path / "other", "--name", "Example federation CA")  # the same name
+    rc, out, err = fedse_certs(capsys, "show", cert, "--ca-cert", tmp_path / "other" / "ca.pem")
     assert rc == 1 and "signed by" in out and out.rstrip().endswith(": NO")
     assert err.startswith(f"warning: {cert} is not signed by the CA in ") and err.count("\n") == 1
 
@@ -186,17 +186,17 @@ def test_show_warns_a_month_before_expiry_and_fails_once_expired(ca, tmp_path, c
 # ---- refusals ----------------------------------------------------------------------------------------
 def test_nothing_is_overwritten_without_force(ca, tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in ca.iterdir()}
-    rc, out, err = fedse_certs(capsys, "init", "--dir", ca)
+    rc, out, err = fedse_certs(capsys, "init", "--out-dir", ca)
     assert rc == 1 and out == ""
     assert err == f"fedse certs init: {ca / 'ca.pem'} exists already: pass --force to replace it, or choose " \
                   f"another directory\n"
     assert {p.name: p.read_bytes() for p in ca.iterdir()} == before
     # A request whose key exists writes neither file (the key is checked before anything is written).
     (tmp_path / "org-a-key.pem").write_text("a key of its own")
-    rc, _, err = fedse_certs(capsys, "request", "--client-id", "org-a", "--dir", tmp_path)
+    rc, _, err = fedse_certs(capsys, "request", "--client-id", "org-a", "--out-dir", tmp_path)
     assert rc == 1 and "org-a-key.pem exists already: pass --force" in err
     assert not (tmp_path / "org-a.csr").exists()
-    rc, _, _ = fedse_certs(capsys, "init", "--dir", ca, "--force")
+    rc, _, _ = fedse_certs(capsys, "init", "--out-dir", ca, "--force")
     assert rc == 0 and (ca / "ca-key.pem").read_bytes() != before["ca-key.pem"] and mode(ca / "ca-key.pem") == 0o600
 
 
@@ -226,7 +226,7 @@ def test_a_request_for_a_bad_client_id_is_refused(ca, tmp_path, capsys, subject,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["request", "--client-id", "org/a", "--dir", "{tmp}"], "--client-id 'org/a' is not valid: use 1-63"),
+    (["request", "--client-id", "org/a", "--out-dir", "{tmp}"], "--client-id 'org/a' is not valid: use 1-63"),
     (["sign", "--ca-dir", "{tmp}", "--csr", "{tmp}/x.csr", "--out", "{tmp}/x.pem"], "cannot read the certificate "
                                                                                     "request"),
     (["sign", "--ca-dir", "{tmp}", "--csr", "{csr}", "--out", "{tmp}/x.pem"], "give --ca-dir the directory "
@@ -294,3 +294,18 @@ def test_the_request_flow_admits_an_allowed_organisation_and_refuses_another(ca,
                 fpb_grpc.FederationServiceStub(ch).GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"),
                                                                   timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_old_flag_spellings_work_for_a_release_with_a_warning(tmp_path, capsys):
+    rc, _, err = fedse_certs(capsys, "init", "--dir", tmp_path / "ca")
+    assert rc == 0 and (tmp_path / "ca" / "ca.pem").exists()
+    assert "--dir is deprecated" in err and "use --out-dir" in err
+    rc, _, err = fedse_certs(capsys, "request", "--client-id", "org-a", "--dir", tmp_path / "org-a")
+    assert rc == 0 and (tmp_path / "org-a" / "org-a.csr").exists() and "use --out-dir" in err
+    fedse_certs(capsys, "sign", "--ca-dir", tmp_path / "ca", "--csr", tmp_path / "org-a" / "org-a.csr",
+                "--out", tmp_path / "org-a.pem")
+    rc, out, err = fedse_certs(capsys, "show", tmp_path / "org-a.pem", "--ca", tmp_path / "ca" / "ca.pem")
+    assert rc == 0 and "ca.pem: yes" in out and "use --ca-cert" in err
+    with pytest.raises(SystemExit) as stopped:  # neither spelling: argparse's own line, exit 2
+        fedse_certs(capsys, "init")
+    assert stopped.value.code == 2 and "--out-dir" in capsys.readouterr().err
