@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check images clean
+.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check cli-reference images clean
 
 $(STAMP): requirements.txt requirements-test.txt requirements-track.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
@@ -98,3 +98,7 @@ images:
 
 clean:
 	rm -rf $(VENV) results
+
+## docs/cli.md, the command-line reference, rewritten from the parsers (a test checks it is current).
+cli-reference: $(STAMP)
+	$(PY) -m apps.reference docs/cli.md

@@ -407,3 +407,14 @@ def test_builtin_environments_table_is_what_fedse_tasks_prints():
         name, train, test, turns, *_ = line.split()
         printed[name] = (int(train), int(test), int(turns))
     assert printed == documented
+
+
+def test_the_command_line_reference_is_what_the_parsers_print():
+    """docs/cli.md is written from the parsers (make cli-reference); a flag added, renamed or
+    reworded without rewriting it fails here."""
+    from apps.reference import reference
+
+    page = (REPO / "docs" / "cli.md").read_text()
+    assert page == reference(), "docs/cli.md is out of date: run `make cli-reference` and commit it"
+    for flag in ("--rounds", "--track", "--out-dir", "--ca-cert", "--guardian"):
+        assert f"  {flag} " in page, flag
