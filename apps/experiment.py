@@ -184,7 +184,8 @@ def _finished(path: pathlib.Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     # Launchers before "complete" wrote results.json only for finished runs.
-    done = results.get("config") == dataclasses.asdict(cfg) and results.get("complete", True)
+    # Compared as JSON holds them (a list setting is a tuple here, a list there).
+    done = results.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) and results.get("complete", True)
     return results if done else None
 
 

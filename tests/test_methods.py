@@ -100,7 +100,8 @@ def test_run_config_passes_on_the_services_settings_with_their_defaults_but_the_
         "rounds": 5, "strategy": "fedavg", "secure_aggregation": False, "round_deadline_s": 1800.0,
         "clip_norm": 0.0, "noise_multiplier": 0.0,
         "selector": "all", "clients_per_round": 0, "selection_fraction": 0.0, "fairness_rounds": 0,
-        "selector_model": "", "mode": "sync", "async_concurrency": 0, "async_buffer": 0, "async_max_staleness": 8}
+        "selector_model": "", "mode": "sync", "async_concurrency": 0, "async_buffer": 0, "async_max_staleness": 8,
+        "track": ()}
 
 
 def test_each_topology_plans_its_aggregators_and_clients():

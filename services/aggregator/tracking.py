@@ -57,6 +57,8 @@ CLOSE_TIMEOUT_S = 30.0
 
 ERRORS = prometheus_client.Counter("fedse_aggregator_tracking_errors", "Events a tracking destination failed to "
                                    "take (logged; the run goes on).", ["backend"])
+for _kind in KINDS:  # every backend's series exists from the start, at 0
+    ERRORS.labels(_kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +132,23 @@ class MLflow:
 
         self.client = MlflowClient(tracking_uri=uri)
         if run_id is None:
-            found = self.client.get_experiment_by_name(EXPERIMENT)
-            experiment = found.experiment_id if found else self.client.create_experiment(EXPERIMENT)
+            experiment = self._experiment()
             run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
         self.run_id = run_id
+
+    def _experiment(self) -> str:
+        """The experiment's id, made if missing; another aggregator (fedse run --topology local
+        starts several) may make it at the same moment, so a refused creation reads it again."""
+        found = self.client.get_experiment_by_name(EXPERIMENT)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(EXPERIMENT)
+        except Exception:  # noqa: BLE001 - it exists now (MLflow's error type differs by store)
+            found = self.client.get_experiment_by_name(EXPERIMENT)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def settings(self, values: dict[str, str]) -> None:
         from mlflow.entities import Param
