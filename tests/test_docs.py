@@ -1,13 +1,15 @@
 """The documentation: README.md and the guides under docs/.
 
 - Every command block a guide marks as tested (the line `<!-- tested -->` right before a ```sh
-  fence) runs, in order, as a person following the guide would run it: from the root of a scratch
-  directory holding a copy of k8s/ (the guides edit the on-prem overlay), with the virtualenv's
+  fence) runs, in order, as a person following the guides would run it: every guide after the
+  other (README.md, its four paths' guides, the rest), in one shell (a block starts in the
+  directory and with the variables the one before left), from the root of one scratch directory
+  holding a copy of k8s/ (the guides edit the on-prem overlay), with the virtualenv's
   commands on PATH. Those blocks need no cluster: `kubectl apply -k DIR` builds DIR with
   `kubectl kustomize`, and any other kubectl command fails the test.
 - A block marked `<!-- tested: serves -->` starts a service that runs until stopped, as a person
   starts one in a terminal of its own: the test starts it, waits for the line it logs once it
-  answers (`serving`; a client agent's `started`), runs the blocks after it, and stops it at the
+  answers (`serving`; a client agent's `joined`), runs the blocks after it, and stops it at the
   end (SIGTERM to its process group, then SIGKILL); one that exits before is a failure. The ports a
   guide's blocks name on this machine (`127.0.0.1:N`, `0.0.0.0:N`, `--metrics-port N`) become free
   ports, the same one for the same number throughout the guide, and a port a service leaves to its
@@ -27,6 +29,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -171,7 +174,7 @@ class Terminals:
     """The services a guide's blocks start, each as in a terminal of its own: in a process group of
     its own, running until the guide's blocks are done, then stopped (SIGTERM, then SIGKILL)."""
 
-    READY = ('"msg": "serving"', '"msg": "started"')  # the servers' line, and a client agent's
+    READY = ('"msg": "serving"', '"msg": "joined"')  # the servers' line, and a client agent's once it joined
 
     def __init__(self, doc: pathlib.Path, root: pathlib.Path, env: dict[str, str]):
         self.doc, self.root, self.env = doc, root, env
@@ -235,21 +238,61 @@ SHOWN = {
 }
 
 
-@pytest.mark.parametrize("doc", GUIDES_WITH_TESTS, ids=lambda d: d.name)
-def test_tested_commands_run(doc, tmp_path):
-    blocks = marked_blocks(doc)
-    if KUBECTL is None and any("kubectl" in b.text for b in blocks):
-        pytest.skip("kubectl not found (the guide's blocks build kustomizations)")
+# README.md's four paths, each ending in its guide, in the order README.md gives them.
+PATHS = ["running-locally.md", "deploy.md", "join-a-federation.md", "environments.md"]
+
+
+def in_reading_order(guides: list[pathlib.Path]) -> list[pathlib.Path]:
+    """README.md, its four paths' guides, then the other guides in the order README.md links them,
+    then the rest by name: the order a person starting at the front door follows them in."""
+    readme = REPO / "README.md"
+    linked = [REPO / "docs" / name for name in PATHS]
+    linked += [REPO / target for target in links(readme) if target.startswith("docs/") and target.endswith(".md")]
+    order = [readme] + [d for i, d in enumerate(linked) if d not in linked[:i]]
+    return sorted(guides, key=lambda d: (order.index(d) if d in order else len(order), d.name))
+
+
+class Shell:
+    """One shell for every block of every guide, as a person types them in one terminal: each block
+    starts in the working directory and with the variables (exported or not) the previous one left."""
+
+    # What bash sets itself, which a block's state does not carry over.
+    OWN = re.compile(r"^declare -[-a-zA-Z]* (BASH[A-Z_]*|_|PIPESTATUS|FUNCNAME|GROUPS|SHELLOPTS|BASHOPTS|PPID|UID|EUID|"
+                     r"SHLVL|OLDPWD|PWD|RANDOM|SRANDOM|SECONDS|LINENO|EPOCHSECONDS|EPOCHREALTIME|HISTCMD|DIRSTACK|"
+                     r"OPTIND|OPTERR|COMP_WORDBREAKS|IFS)=")
+
+    def __init__(self, root: pathlib.Path):
+        self.state = root / ".shell-state"
+        self.state.write_text(f"cd {shlex.quote(str(root))}\n")
+
+    def script(self, block: str, keep: bool = True) -> str:
+        """The block, started from the shell's state, saving the state it leaves (`keep`)."""
+        save = (f"\n{{ declare -p | grep -v -E {shlex.quote(self.OWN.pattern)} | grep -v -E '^declare -[a-zA-Z]*r '; "
+                f"echo \"cd $(printf %q \"$PWD\")\"; }} > {shlex.quote(str(self.state))}.new && "
+                f"mv {shlex.quote(str(self.state))}.new {shlex.quote(str(self.state))}") if keep else ""
+        return f"source {shlex.quote(str(self.state))}\nset -e -o pipefail\n{block}{save}\n"
+
+
+def test_the_guides_work_in_order_in_one_shell(tmp_path):
+    """Every guide's tested blocks, every guide after the other in reading order, as one person
+    follows them: one shell (its directory and variables carry over), one working directory (the
+    state directories the guides name are shared: a guide that reuses another's with other settings
+    fails here), the ports the guides name. The services a guide starts stop at its end."""
+    guides = in_reading_order(GUIDES_WITH_TESTS)
+    if KUBECTL is None and any("kubectl" in b.text for d in guides for b in marked_blocks(d)):
+        pytest.skip("kubectl not found (the guides' blocks build kustomizations)")
     env = sandbox(tmp_path)
-    ports, out = LocalPorts(), ""
-    with Terminals(doc, tmp_path, env) as terminals:
-        for block in blocks:
-            if block.serves:
-                terminals.start(block.line, ports(block.text))
-            else:
-                out += run_block(doc, block.line, ports(block.text), tmp_path, env)
-    for shown in SHOWN.get(doc.name, []):
-        assert shown in out, f"{doc.name}: its tested blocks did not print {shown!r}:\n{out[-3000:]}"
+    shell, ports = Shell(tmp_path), LocalPorts()
+    for doc in guides:
+        out = ""
+        with Terminals(doc, tmp_path, env) as terminals:
+            for block in marked_blocks(doc):
+                if block.serves:
+                    terminals.start(block.line, shell.script(ports(block.text), keep=False))
+                else:
+                    out += run_block(doc, block.line, shell.script(ports(block.text)), tmp_path, env)
+        for shown in SHOWN.get(doc.name, []):
+            assert shown in out, f"{doc.name}: its tested blocks did not print {shown!r}:\n{out[-3000:]}"
 
 
 def test_the_guides_mark_what_a_test_can_run():
@@ -418,3 +461,14 @@ def test_the_command_line_reference_is_what_the_parsers_print():
     assert page == reference(), "docs/cli.md is out of date: run `make cli-reference` and commit it"
     for flag in ("--rounds", "--track", "--out-dir", "--ca-cert", "--guardian"):
         assert f"  {flag} " in page, flag
+
+
+def test_one_shell_carries_the_directory_and_variables_from_block_to_block(tmp_path):
+    shell, env = Shell(tmp_path), sandbox(tmp_path)
+    doc = REPO / "README.md"
+    run_block(doc, 1, shell.script("mkdir -p work && cd work\nRUN_DIR=$PWD/results\nexport TOKEN_FILE=t"),
+              tmp_path, env)
+    out = run_block(doc, 2, shell.script('echo "$RUN_DIR $TOKEN_FILE $(pwd)"'), tmp_path, env)
+    assert out == f"{tmp_path}/work/results t {tmp_path}/work\n"
+    with pytest.raises(AssertionError, match="exited 1"):  # a failing command stops its block, as set -e does
+        run_block(doc, 3, shell.script("false\necho not reached"), tmp_path, env)
