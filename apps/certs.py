@@ -8,6 +8,7 @@ import sys
 
 from fedse import certs as pki
 from fedse.certs import CertError
+from fedse.config import deprecated
 
 
 def main(argv: list[str]) -> int:
@@ -19,12 +20,11 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     for new, old in RENAMED.items():  # the old spelling works for a release, with a warning
         if getattr(ns, "old_" + new, None) is not None:
-            print(f"warning: fedse certs {ns.command} {old} is deprecated and goes in the next release: use "
-                  f"--{new.replace('_', '-')}", file=sys.stderr)
+            deprecated(old.lstrip("-"), new)
             if not getattr(ns, new):
                 setattr(ns, new, getattr(ns, "old_" + new))
     if ns.command in ("init", "request") and not ns.out_dir:
-        parser.parse_args([ns.command, "--out-dir"])  # argparse's own "expected one argument" line, exit 2
+        parser.error(f"{ns.command}: the following argument is required: --out-dir")  # exit 2
     try:
         return ns.handler(ns)
     except CertError as exc:

@@ -40,7 +40,8 @@ def field(default: Any, help: str, old: str = "", sep: str = "") -> Any:  # noqa
                                                         **({"sep": sep} if sep else {})})
 
 
-def _deprecated(old: str, new: str, variable: bool = False) -> None:
+def deprecated(old: str, new: str, variable: bool = False) -> None:
+    """Says on stderr that a setting's old name goes in the next release, and its new one."""
     if variable:
         print(f"warning: {env_name(old)} is deprecated and goes in the next release: set {env_name(new)}",
               file=sys.stderr)
@@ -108,12 +109,12 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | No
         old = f.metadata.get("old", "")
         if raw is None and old and getattr(ns, "old:" + f.name) is not None:
             raw, source = getattr(ns, "old:" + f.name), "--" + old.replace("_", "-")
-            _deprecated(old, f.name)
+            deprecated(old, f.name)
         variable = next((name for name in (f.name, old) if name and env_name(name) in environ), None)
         if raw is None and variable is not None:
             raw, source = environ[env_name(variable)], env_name(variable)
             if variable != f.name:
-                _deprecated(old, f.name, variable=True)
+                deprecated(old, f.name, variable=True)
             if kind is not None:  # one variable holds every item
                 sep = f.metadata.get("sep", os.pathsep)
                 raw = [part for part in (raw.split() if sep == " " else raw.split(sep)) if part.strip()]

@@ -189,15 +189,12 @@ class WandB:
         self.run.finish()
 
 
-MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-
-
 def check_installed(targets: list[Target]) -> None:
     """Raises ValueError, saying what to install, for a destination whose library is missing."""
     for t in targets:
-        if importlib.util.find_spec(MODULES[t.kind]) is None:
+        if importlib.util.find_spec(t.kind) is None:  # each kind is its library's module name
             package = "wandb" if t.kind == "wandb" else "fedse[track] (tensorboard and mlflow-skinny)"
-            raise ValueError(f"--track {t.kind}:{t.where} needs the {MODULES[t.kind]} package, which is not "
+            raise ValueError(f"--track {t.kind}:{t.where} needs the {t.kind} package, which is not "
                              f"installed: pip install {package}")
 
 
