@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check cli-reference images clean
+.PHONY: install run experiment model test proto bench bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check cli-reference images clean
 
 $(STAMP): requirements.txt requirements-test.txt requirements-track.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
@@ -43,7 +43,11 @@ package-check:
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels
+bench: bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels
+
+## The model's tokens/s and share of the matmul peak, per phase (ARGS="--base-model DIR" for a real model).
+bench-model: $(STAMP)
+	$(PY) bench/model_throughput.py $(ARGS)
 
 bench-env: $(STAMP)
 	$(PY) bench/env_throughput.py

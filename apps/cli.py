@@ -303,7 +303,24 @@ def format_status(st) -> str:
         guarded = guardian_line(cl.metrics)
         if guarded:
             lines.append(f"{'':<20} {guarded}")
+        worked = work_line(cl.metrics)
+        if worked:
+            lines.append(f"{'':<20} {worked}")
     return "\n".join(lines)
+
+
+def work_line(m) -> str:
+    """How fast a client's model ran through its last round's phases, from the metrics it reported
+    ("" where it has none): "model: eval 410 tokens/s (MFU 31%, 8% padding), train ..."."""
+    parts = []
+    for phase in ("eval", "explore", "train"):
+        rate = m.get(f"{phase}_tokens_per_s")
+        if rate is None:
+            continue
+        details = [f"MFU {100 * m[f'{phase}_mfu']:.0f}%"] if f"{phase}_mfu" in m else []
+        details.append(f"{100 * m.get(f'{phase}_padding', 0):.0f}% padding")
+        parts.append(f"{phase} {rate:,.0f} tokens/s ({', '.join(details)})")
+    return "model: " + ", ".join(parts) if parts else ""
 
 
 def guardian_line(m) -> str:

@@ -265,6 +265,22 @@ def upload_mb_per_round(results: dict[str, Any]) -> float:
     return statistics.mean(sent) / 1e6 if sent else math.nan
 
 
+WORK_PHASES = ("eval", "explore", "train")
+
+
+def work_rates(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per phase, the mean over a run's client rounds of tokens/s and MFU (where reported): how fast
+    its model ran (work.py counts what)."""
+    rows = [r for rows in results["envs"].values() for r in rows]
+    out: dict[str, dict[str, float]] = {}
+    for phase in WORK_PHASES:
+        for key in ("tokens_per_s", "mfu"):
+            got = [r[f"{phase}_{key}"] for r in rows if f"{phase}_{key}" in r]
+            if got:
+                out.setdefault(phase, {})[key] = statistics.mean(got)
+    return out
+
+
 def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
               runs: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     """Per method: per-seed final success per env and micro average, gains, bytes; plus the table."""
@@ -280,7 +296,8 @@ def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
         scored[name] = {"group": group, "key": key, "round": round_, "env": env_values,
                         "avg": [micro_average(r, round_) for r in per_seed],
                         "mb_per_round": statistics.mean(upload_mb_per_round(r) for r in per_seed)
-                        if round_ else 0.0}
+                        if round_ else 0.0,
+                        "work": [work_rates(r) for r in per_seed]}
 
     if "fedse" in cfg.method_keys():
         score(PRETRAINED, "main", "fedse", 0)
@@ -339,7 +356,26 @@ def table(summary: dict[str, Any]) -> str:
             label = fedse if name == "Fed-SE" else name
             lines.append(f"| {label} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                          + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} | {s['mb_per_round']:.2f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + work_table(scored))
+
+
+def work_table(scored: dict[str, Any]) -> list[str]:
+    """The model's throughput per method and phase, tokens/s (MFU), means over seeds and client
+    rounds; no lines where no run reported any."""
+    def cell(s: dict[str, Any], phase: str) -> str:
+        rates = [w[phase]["tokens_per_s"] for w in s.get("work", []) if phase in w]
+        if not rates:
+            return "-"
+        mfu = [w[phase]["mfu"] for w in s["work"] if "mfu" in w.get(phase, {})]
+        return f"{statistics.mean(rates):,.0f}" + (f" ({100 * statistics.mean(mfu):.0f}%)" if mfu else "")
+
+    rows = [(name, [cell(s, p) for p in WORK_PHASES]) for name, s in scored.items() if name != PRETRAINED]
+    rows = [(name, cells) for name, cells in rows if any(c != "-" for c in cells)]
+    if not rows:
+        return []
+    return ["", "Model throughput, tokens/s (MFU against this machine's measured matmul peak), mean over seeds and "
+                "client rounds:", "", "| Method | " + " | ".join(WORK_PHASES) + " |", "|---|" + "---:|" * len(WORK_PHASES)] \
+        + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
 
 
 def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], dict[str, Any]],

@@ -105,3 +105,72 @@ def available_memory_bytes(device=None) -> int:
         return _proc_bytes("/proc/meminfo", "MemAvailable") + resident_bytes()
     except (OSError, ValueError):
         return 0
+
+
+_PEAKS: dict[tuple[str, str, int], float] = {}
+
+
+def matmul_peak(dtype: str = "fp32", device=None, seconds: float = 0.3, sizes: tuple[int, ...] | None = None) -> float:
+    """This machine's matmul rate in FLOP/s: square matrix products of `dtype` ("fp32" or "bf16") on
+    `device` (default the CPU), with the process's torch threads, each size run for about `seconds`
+    after a warm-up, the best size's rate. What model-FLOPs utilisation (MFU) is measured against:
+    the rate a model's own matmuls could reach here, not a datasheet's. Remembered per process for
+    the default sizes (1,024 and 2,048 on a CPU, 4,096 and 8,192 on a GPU)."""
+    import time
+
+    import torch
+
+    dev = torch.device(device or "cpu")
+    key = (dtype, str(dev), torch.get_num_threads())
+    if sizes is None and key in _PEAKS:
+        return _PEAKS[key]
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    best = 0.0
+    for n in sizes or ((4096, 8192) if dev.type == "cuda" else (1024, 2048)):
+        a = torch.randn(n, n, device=dev).to(torch_dtype)
+        b = torch.randn(n, n, device=dev).to(torch_dtype)
+        torch.mm(a, b)  # warm-up: kernels chosen, memory touched
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
+        runs, t0 = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b)
+            runs += 1
+            if runs % 4 == 0 or dev.type != "cuda":
+                sync()
+                elapsed = time.perf_counter() - t0
+                if elapsed >= seconds:
+                    break
+        best = max(best, 2.0 * n ** 3 * runs / elapsed)
+    if sizes is None:
+        _PEAKS[key] = best
+    return best
+
+
+def gpu_state(index: int = 0) -> dict[str, float | str]:
+    """What a GPU is doing now, from NVIDIA's management library (the `gpu` extra installs its
+    bindings, nvidia-ml-py): its name, SM clock and the most it can reach (MHz), power draw (W),
+    utilisation (%) and memory in use by every process on it (MB). A benchmark records it beside its
+    figures, since a card that is throttled or shared gives lower ones. Empty where the bindings or
+    a driver are missing."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return {}
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(h)
+        return {"name": name.decode() if isinstance(name, bytes) else name,
+                "sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "max_sm_clock_mhz": float(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "utilisation_pct": float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
+                "memory_used_mb": pynvml.nvmlDeviceGetMemoryInfo(h).used / 2 ** 20}
+    except pynvml.NVMLError:
+        return {}
+    finally:
+        pynvml.nvmlShutdown()

@@ -7,8 +7,13 @@ runs, and when it ends:
     {"msg": "progress", "phase": "training", "round": 1, "done": 12, "total": 40, "unit": "steps",
      "elapsed_s": 61.2, "left_s": 142.8, ...}
 
+Given a count of the model's tokens (`tokens`: computed and padding so far), a line also says how
+fast the phase runs through them (`tokens_per_s`, since the phase started) and what share of the
+positions computed were padding (`padding`).
+
 `fedse run` reads the last such line of each client's log (`last_progress`) and shows it
-(`describe`) while no new round result arrives: `round 1 training: 12/40 steps, 1m01s, ~2m23s left`.
+(`describe`) while no new round result arrives:
+`round 1 training: 12/40 steps, 1m01s, ~2m23s left, 410 tokens/s, 3% padding`.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ class PhaseProgress:
     """Counts the units of work of one phase (episodes, optimizer steps) and logs progress lines."""
 
     def __init__(self, log: logging.Logger, phase: str, total: int, unit: str, every_s: float = EVERY_S,
-                 clock: Callable[[], float] = time.monotonic, **fields: Any):
+                 clock: Callable[[], float] = time.monotonic,
+                 tokens: Callable[[], tuple[int, int]] | None = None, **fields: Any):
         self.log, self.phase, self.total, self.unit = log, phase, total, unit
+        self.tokens = tokens
+        self.tokens_at_start = tokens() if tokens is not None else (0, 0)
         self.every_s, self.clock, self.fields = every_s, clock, fields
         self.done = 0
         self.steps_done = 0
@@ -60,9 +68,15 @@ class PhaseProgress:
         if self.steps_left is not None and self.steps_done > 0 and self.done < self.total:
             by_steps = elapsed * self.steps_left / self.steps_done
             left = by_steps if left is None else min(left, by_steps)
+        rates = {}
+        if self.tokens is not None:
+            (t0, p0), (t1, p1) = self.tokens_at_start, self.tokens()
+            if t1 > t0 and elapsed > 0:
+                rates = {"tokens_per_s": round((t1 - t0) / elapsed, 1),
+                         "padding": round((p1 - p0) / (t1 - t0 + p1 - p0), 3)}
         self.log.info(PROGRESS_MSG, extra=log_fields(
             phase=self.phase, **self.fields, done=self.done, total=self.total, unit=self.unit,
-            elapsed_s=round(elapsed, 1), **({"left_s": round(left, 1)} if left is not None else {})))
+            elapsed_s=round(elapsed, 1), **({"left_s": round(left, 1)} if left is not None else {}), **rates))
 
 
 def tail_lines(path: str | os.PathLike, max_bytes: int = TAIL_BYTES) -> list[str] | None:
@@ -110,5 +124,7 @@ def describe(entry: dict[str, Any]) -> str:
             f"{entry.get('unit', '')}, {duration(float(entry.get('elapsed_s', 0)))}")
     if entry.get("left_s") is not None:
         text += f", ~{duration(float(entry['left_s']))} left"
+    if entry.get("tokens_per_s") is not None:
+        text += f", {float(entry['tokens_per_s']):,.0f} tokens/s, {100 * float(entry.get('padding', 0)):.0f}% padding"
     return text
 

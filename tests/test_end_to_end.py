@@ -31,6 +31,11 @@ def test_local_federation_runs_every_round(tmp_path):
         assert all(0.0 <= r["test_success"] <= 1.0 for r in rows)
         trained = [r for r in rows if "train_loss" in r]
         assert len(trained) == 1 and all(r["upload_bytes"] > 0 for r in trained)
+        # The model's work, counted per phase and reported with the round (work.py).
+        (r0,) = trained
+        assert r0["train_tokens"] > 0 and r0["eval_tokens"] > 0 and r0["explore_tokens"] > 0, env
+        assert 0 < r0["eval_mfu"] < 1 and 0 < r0["train_mfu"] < 1 and r0["peak_flops"] > 1e8, env
+        assert 0 <= r0["eval_padding"] < 1 and r0["train_tokens_per_s"] > 0, env
         # The buffer only grows: expert seeds plus kept successes.
         sizes = [r["buffer"] for r in rows]
         assert sizes == sorted(sizes) and sizes[0] > 0
@@ -58,6 +63,8 @@ def test_local_federation_runs_every_round(tmp_path):
         ends = {(e["phase"], e["round"]): e for e in lines if e["msg"] == PROGRESS_MSG and e["done"] == e["total"]}
         assert {("expert demonstrations", -1), ("evaluating", 0), ("exploring", 0), ("training", 0),
                 ("evaluating", 1)} <= set(ends), (env, sorted(ends))
+        # A phase that ran the model says how fast it ran through its tokens.
+        assert ends["training", 0]["tokens_per_s"] > 0 and 0 <= ends["evaluating", 0]["padding"] < 1, env
         assert ends[("evaluating", 0)]["total"] == 2 and ends[("exploring", 0)]["total"] == 4
         assert ends[("training", 0)]["unit"] == "steps" and ends[("training", 0)]["total"] >= 1
     # Every global adapter was exported as a PEFT directory.

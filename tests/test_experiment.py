@@ -161,3 +161,19 @@ def test_a_model_from_a_local_path_runs_the_experiment(tmp_path):
     results = json.loads((tmp_path / "exp" / "runs" / "fedse-seed0" / "results.json").read_text())
     assert results["base_model"] == model_dir and [r["round"] for r in results["envs"]["maze"]] == [0, 1]
     assert f"{model_dir}, budget full" in (tmp_path / "exp" / "table.md").read_text()
+
+
+def test_the_models_throughput_per_method_and_phase_follows_the_table():
+    cfg = ex.ExperimentConfig(envs="maze", seeds=2, rounds=1, methods="fedse,local")
+    runs = {}
+    for key, rate in (("fedse", 100.0), ("local", 300.0)):
+        for seed in (0, 1):
+            r = results_of({"maze": [(0.0, 10), (0.5, 10)]})
+            r["envs"]["maze"][0].update({"eval_tokens_per_s": rate + 100 * seed, "eval_mfu": 0.2,
+                                         "train_tokens_per_s": 50.0})
+            runs[key, seed] = r
+    summary = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)
+    lines = summary["table"].splitlines()
+    at = lines.index("| Method | eval | explore | train |")
+    # Means over seeds and client rounds: the first round's rate and MFU, where reported.
+    assert lines[at + 2:] == ["| Fed-SE | 150 (20%) | - | 50 |", "| Local | 350 (20%) | - | 50 |"]

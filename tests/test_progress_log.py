@@ -103,3 +103,18 @@ def test_fedse_run_shows_what_changed_of_each_running_client(tmp_path):
     seen: dict[str, str] = {}
     assert progress_lines(clients, seen) == ["org-maze: round 2 evaluating maze: 0/20 episodes, 0s"]
     assert progress_lines(clients, seen) == []  # nothing new
+
+
+def test_a_phase_that_runs_the_model_says_its_tokens_per_second_and_padding(tmp_path):
+    path = tmp_path / "client.log"
+    log, clock = json_logger(path, "progress-test-tokens"), Clock()
+    counted = [1000, 0]  # tokens computed and padding positions, as work.Work.totals gives them
+    p = PhaseProgress(log, "evaluating", 2, "episodes", clock=clock, round=0, tokens=lambda: tuple(counted))
+    assert "tokens_per_s" not in last_progress(path)  # nothing run yet
+    clock.now += 4.0
+    counted[0] += 3200
+    counted[1] += 800
+    p.advance(2)
+    entry = last_progress(path)
+    assert entry["tokens_per_s"] == 800.0 and entry["padding"] == 0.2  # of this phase's only
+    assert describe(entry) == "round 0 evaluating: 2/2 episodes, 4s, 800 tokens/s, 20% padding"

@@ -49,7 +49,7 @@ from fedse import adapter as ad
 from fedse import ranks, secagg
 from fedse.asking import Asker
 from fedse.secagg import SecureError
-from fedse.machine import available_cores, release_free_memory
+from fedse.machine import available_cores, matmul_peak, release_free_memory
 from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
@@ -62,8 +62,8 @@ from .config import ClientConfig
 from .envclient import EnvClient, EnvInfo
 from .federation import FederationClient, InsecureRun, StaleRound, refuse_insecure, selected
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
-from .metrics import (BUFFER, KEPT, LORA_RANK, LOSS, PHASE_SECONDS, PRIVACY_EPSILON, ROUND, ROUNDS_DECLINED,
-                      TRAIN_BATCH_TOKENS, TRAIN_SECONDS, init_client)
+from .metrics import (BUFFER, FLOPS, KEPT, LORA_RANK, LOSS, MFU, PEAK_FLOPS, PHASE_SECONDS, PRIVACY_EPSILON, ROUND,
+                      ROUNDS_DECLINED, TOKENS, TRAIN_BATCH_TOKENS, TRAIN_SECONDS, init_client)
 from .playing import Player
 from .prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
 from .resume import Phase, Progress, Resume, decide_resume
@@ -75,6 +75,14 @@ from .tasks import EnvTasks, capabilities, env_tasks, writing
 from .trainer import train_lora, training_examples
 
 log = logging.getLogger("client_agent")
+
+
+def count_work(phase: str, kind: str | None, tokens: int, flops: float) -> None:
+    """The model's work (work.Work) on the Prometheus counters, as it is counted."""
+    if kind is not None and tokens:
+        TOKENS.labels(phase, kind).inc(tokens)
+    if flops:
+        FLOPS.labels(phase).inc(flops)
 
 
 @dataclasses.dataclass
@@ -127,6 +135,9 @@ class ClientAgent:
         self.writes: set[str] = set()  # the environments that list no actions (run() asks the env server)
         self.player = Player(config, self.model, self.tokenizer, self.precision, self.max_prompt_tokens, self.fmt,
                              self.react_fmt, self.tokenize)
+        self.work = self.player.scorer.work
+        self.work.watch(count_work)
+        self._peak_flops: float | None = None
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
                                                  prompt_format=type(self.fmt).__name__,
@@ -398,8 +409,11 @@ class ClientAgent:
         self.load_global(r.round)
         started = time.perf_counter()
         since = self.player.written_so_far()
-        r.metrics = self.player.evaluate(r.tasks, r.round)
+        before = self.work.snapshot()
+        with self.work.phase("eval"):
+            r.metrics = self.player.evaluate(r.tasks, r.round)
         r.metrics["eval_s"] = time.perf_counter() - started
+        r.metrics.update(self.work_done(before, "eval", r.metrics["eval_s"]))
         PHASE_SECONDS.labels("eval").observe(r.metrics["eval_s"])
         if r.final:  # after the last round: only evaluate phi_T and report
             r.metrics["buffer"] = float(len(self.buffer))
@@ -455,7 +469,9 @@ class ClientAgent:
         where the agent writes its actions, `explore_parseable_action_rate`."""
         t0 = time.perf_counter()
         since = self.player.written_so_far()
-        trajs = self.player.explore(tasks, round_, self.cfg.seed * 100_003 + round_)
+        before = self.work.snapshot()
+        with self.work.phase("explore"):
+            trajs = self.player.explore(tasks, round_, self.cfg.seed * 100_003 + round_)
         kept = to_keep(trajs, self.cfg.keep)
         self.buffer.extend(kept)
         successes = sum(t.success for t in trajs)
@@ -464,6 +480,7 @@ class ClientAgent:
         PHASE_SECONDS.labels("explore").observe(time.perf_counter() - t0)
         metrics = {"kept": float(len(kept)), "buffer": float(len(self.buffer)), **count_demos(self.buffer, tasks),
                    "explore_s": time.perf_counter() - t0}
+        metrics.update(self.work_done(before, "explore", metrics["explore_s"]))
         if trajs:
             metrics["explore_success"] = successes / len(trajs)
         self.player.parseable_since(since, metrics, "explore_parseable_action_rate")
@@ -489,14 +506,16 @@ class ClientAgent:
 
         def on_step(step: dict) -> None:
             if not progress:
-                progress.append(PhaseProgress(log, RoundPhase.TRAINING.value, step["steps"], "steps", round=round_))
+                progress.append(PhaseProgress(log, RoundPhase.TRAINING.value, step["steps"], "steps", round=round_,
+                                              tokens=self.work.totals))
             progress[0].advance()
-        with torch.random.fork_rng(devices=devices):
+        before = self.work.snapshot()
+        with torch.random.fork_rng(devices=devices), self.work.phase("train"):
             torch.manual_seed(seed)
             result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
                                 checkpointing=not is_tiny(self.model), precision=self.precision,
-                                release_memory=not is_tiny(self.model), progress=on_step)
+                                release_memory=not is_tiny(self.model), progress=on_step, work=self.work)
         self.loaded_round = None
         release_free_memory()
         t2 = time.perf_counter()
@@ -504,11 +523,23 @@ class ClientAgent:
         PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = ad.encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
         metrics = {"examples": float(turns), "sequences": float(len(examples)), "train_s": t2 - t1,
-                   "upload_bytes": float(len(data))}
+                   "upload_bytes": float(len(data)), **self.work_done(before, "train", t2 - t1)}
         if math.isfinite(result["loss"]):  # no loss where nothing was trained (metrics are finite values)
             LOSS.set(result["loss"])
             metrics["train_loss"] = result["loss"]
         return data, turns, metrics
+
+    def work_done(self, before, phase: str, seconds: float) -> dict[str, float]:
+        """The model's work in one phase since `before` (Work.snapshot), as round metrics, with its
+        MFU against this machine's matmul peak at the model's precision (measured once, at the first
+        phase that ran the model) also on the MFU gauge."""
+        if self._peak_flops is None and self.work.tokens != before[0]:
+            self._peak_flops = matmul_peak(self.precision, self.device)
+            PEAK_FLOPS.set(self._peak_flops)
+        done = self.work.since(before, phase, seconds, self._peak_flops)
+        if f"{phase}_mfu" in done:
+            MFU.labels(phase).set(done[f"{phase}_mfu"])
+        return done
 
     def upload(self, p: Progress, data: bytes, metrics: dict[str, float]) -> bool:
         """Uploads the saved adapter; True once the aggregator acknowledged it. False when the round
@@ -572,6 +603,8 @@ class ClientAgent:
     def finish_round(self, round_: int, metrics: dict[str, Any]) -> None:
         # The most memory this process has held so far (Linux reports kB), for sizing its pod.
         metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if self._peak_flops:  # what its MFU figures are measured against
+            metrics["peak_flops"] = self._peak_flops
         metrics.update(self.guardian_metrics())
         PRIVACY_EPSILON.set(self.budget.spent() if self.budget.active else 0.0)
         metrics = {k: float(v) for k, v in metrics.items()}

@@ -24,6 +24,7 @@ from .actions import ACTION_LINE, CUED_ACTION_LINE, Written, cut_after_action, h
 from .model import autocast
 from .policy import ActionScorer
 from .prompts import ACTION_CUE, fallback_action, inner_model, parse_react, thought_before_cue
+from .work import Work, causal_context
 
 # The most tokens of an action line written after ACTION_CUE (an action is at most
 # prompts.MAX_WRITTEN_ACTION_CHARS characters).
@@ -44,6 +45,26 @@ class ActionLineDone:
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
         return torch.tensor([has_action_line(t, self.line) for t in texts], dtype=torch.bool,
                             device=input_ids.device)
+
+
+def count_generation(work: Work, prompt_lengths: list[int], new: torch.Tensor, eos: list[int], pad_id: int) -> None:
+    """Counts a generation's passes in `work`: the prompts read (left-padded to the longest), then
+    one position per row and step, of which a row's tokens up to its end (its first end-of-turn
+    token, kept, or the padding generate writes once a stopping criterion finished the row) are
+    generated tokens and the rest padding."""
+    rows, steps = new.shape
+    width = max(prompt_lengths)
+    work.forward(sum(prompt_lengths), causal_context(prompt_lengths), padded=rows * width - sum(prompt_lengths))
+    ends, pads = set(eos), new.cpu().tolist()
+    written = []
+    for n, row in zip(prompt_lengths, pads):
+        k = next((i + 1 for i, t in enumerate(row) if t in ends), None)
+        if k is None:
+            k = next((i for i, t in enumerate(row) if t == pad_id), steps)
+        written.append(k)
+        work.forward(k, causal_context([k], n), kind="generated")
+    work.forward(0, 0, padded=rows * steps - sum(written))
+    work.head(sum(written))
 
 
 class ActionWriter:
@@ -94,6 +115,7 @@ class ActionWriter:
                                     max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                                     pad_token_id=pad_id, eos_token_id=eos or None,
                                     stopping_criteria=[ActionLineDone(sc.tokenizer, L, line)])
+        count_generation(sc.work, [len(e) for e in encoded], gen[:, L:], eos, pad_id)
         texts = sc.tokenizer.batch_decode(gen[:, L:], skip_special_tokens=True)
         return [cut_after_action(t, line) for t in texts]
 

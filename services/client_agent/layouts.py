@@ -27,6 +27,7 @@ from fedse.machine import release_free_memory
 from .model import bucket_length
 from .prefixes import PrefixCache, PrefixTree
 from .prompts import inner_model
+from .work import Work, causal_context
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per layer
 
@@ -93,14 +94,15 @@ class Batch:
     where: list[int]
     totals: list[torch.Tensor | None]
 
-    def add(self, lm, hidden: torch.Tensor, targets: list[Target]) -> None:
+    def add(self, runner: Runner, hidden: torch.Tensor, targets: list[Target]) -> None:
         """Adds log p(target) to the totals for each target, predicted from hidden[target.at]
         (hidden: [N, d]), to its prompt's candidate (every candidate where it is shared). The
         output layer runs once per distinct state: a start several candidates share predicts all
         their next tokens from one (so its logits never outnumber a pass's columns)."""
         states, which = torch.unique(torch.tensor([t.at for t in targets]), return_inverse=True)
         h = hidden[states.to(hidden.device)]
-        head = lm.get_output_embeddings()
+        head = runner.lm.get_output_embeddings()
+        runner.work.head(len(states))
         with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
             logits = head(h.to(head.weight.dtype)).float()
         tokens = torch.tensor([t.token for t in targets], device=h.device)
@@ -121,14 +123,15 @@ class Batch:
 @dataclasses.dataclass(frozen=True)
 class Runner:
     """What every layout's passes need: the model (a PeftModel or a plain causal LM), its device,
-    the pad token, the most (rows x row length) tokens of one pass, and whether passes are padded to
-    bucket lengths (model.bucket_length)."""
+    the pad token, the most (rows x row length) tokens of one pass, whether passes are padded to
+    bucket lengths (model.bucket_length), and where the passes' tokens are counted."""
 
     model: Any
     device: torch.device
     pad_id: int
     max_batch_tokens: int
     bucket: bool
+    work: Work
 
     @property
     def lm(self):
@@ -167,8 +170,11 @@ class Packed(Layout):
         allowed = torch.zeros((B, T, T), dtype=torch.bool)
         targets: list[Target] = []
         causal = torch.ones((P, P), dtype=torch.bool).tril()
+        real = context = 0
         for b, it in enumerate(batch.items):
             n = len(it.prompt)
+            real += n + it.tree.width
+            context += causal_context([n]) + it.tree.context(n)
             start = P - n
             ids[b, start:P] = torch.tensor(it.prompt, dtype=torch.long)
             pos[b, start:P] = torch.arange(n)
@@ -184,10 +190,10 @@ class Packed(Layout):
             idle[start:used] = False
             idle_pos = idle.nonzero().squeeze(1)
             allowed[b, idle_pos, idle_pos] = True
-        lm = runner.lm
-        hidden = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
-                                  position_ids=pos.to(dev), use_cache=False).last_hidden_state
-        batch.add(lm, hidden.flatten(0, 1), targets)
+        hidden = runner.lm.get_decoder()(input_ids=ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
+                                         position_ids=pos.to(dev), use_cache=False).last_hidden_state
+        runner.work.forward(real, context, padded=B * T - real)
+        batch.add(runner, hidden.flatten(0, 1), targets)
 
 
 class Cached(Layout):
@@ -214,10 +220,12 @@ class Cached(Layout):
             pos[b, P - n:] = torch.arange(n)
         first = lm.get_decoder()(input_ids=ids.to(dev), attention_mask=att.to(dev), position_ids=pos.to(dev),
                                  use_cache=True)
+        lengths = [len(it.prompt) for it in batch.items]
+        runner.work.forward(sum(lengths), causal_context(lengths), padded=B * P - sum(lengths))
         layers = [(layer.keys, layer.values) for layer in first.past_key_values.layers]
         # Shared-prefix tokens and every suffix's first token are predicted from the prompt pass.
         targets = [t for b, it in enumerate(batch.items) for t in it.first_targets(b, b * P + P - 1)]
-        batch.add(lm, first.last_hidden_state.flatten(0, 1), targets)
+        batch.add(runner, first.last_hidden_state.flatten(0, 1), targets)
         rows = sorted(self._rows(batch.items), key=lambda row: row[1].width)
         c0 = 0
         while c0 < len(rows):
@@ -263,10 +271,13 @@ class Cached(Layout):
             allowed[r, pad, P + pad] = True  # padding attends to itself only (finite, never read)
         sel_d = sel.to(dev)
         past = DynamicCache(ddp_cache_data=[(k.index_select(0, sel_d), v.index_select(0, sel_d)) for k, v in layers])
-        lm = runner.lm
-        hidden = lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
-                                  position_ids=s_pos.to(dev), past_key_values=past, use_cache=True).last_hidden_state
-        batch.add(lm, hidden.flatten(0, 1), targets)
+        hidden = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
+                                         position_ids=s_pos.to(dev), past_key_values=past,
+                                         use_cache=True).last_hidden_state
+        real = sum(tree.width for _, tree in rows)
+        runner.work.forward(real, sum(tree.context(len(batch.items[b].prompt)) for b, tree in rows),
+                            padded=R * W - real)
+        batch.add(runner, hidden.flatten(0, 1), targets)
 
 
 class Reuse(Layout):
@@ -284,7 +295,7 @@ class Reuse(Layout):
     def run(self, runner: Runner, batch: Batch) -> None:
         for b, it in enumerate(batch.items):
             layers, hidden, start = self._prompt_pass(runner, it)
-            batch.add(runner.lm, hidden, it.first_targets(b, len(it.prompt) - 1 - start))
+            batch.add(runner, hidden, it.first_targets(b, len(it.prompt) - 1 - start))
             self._candidate_passes(runner, batch, b, layers)
             del hidden
             # A prompt's passes free tensors of many sizes; glibc would keep most of them resident
@@ -311,6 +322,7 @@ class Reuse(Layout):
             input_ids=torch.tensor([ids[start:] + [runner.pad_id] * (width - n_new)], device=dev),
             position_ids=torch.arange(start, start + width, device=dev).unsqueeze(0),
             past_key_values=past, use_cache=True)
+        runner.work.forward(n_new, causal_context([n_new], start), padded=width - n_new, cached=start)
         # Keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but
         # attention reads them in bf16, so bf16 keys halve the cache and change no score.
         # All layers' keys and values in one block: one allocation per cached prompt (a large one is
@@ -351,7 +363,8 @@ class Reuse(Layout):
             h = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev),
                                         position_ids=s_pos.to(dev), past_key_values=past,
                                         use_cache=True).last_hidden_state[0]
-            batch.add(runner.lm, h, targets)
+            runner.work.forward(tree.width, tree.context(n), padded=padded - tree.width)
+            batch.add(runner, h, targets)
 
 
 class Auto(Layout):

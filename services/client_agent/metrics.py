@@ -59,6 +59,29 @@ PHASE_SECONDS = prometheus_client.Histogram(
     "Wall time of one phase of a round: download, eval, explore, train, upload, or wait (for the next round).",
     ["phase"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
 
+# The model's work (work.py): tokens per phase and kind, model FLOPs, and the share of this machine's
+# measured matmul peak that they reached.
+WORK_PHASES = ("eval", "explore", "train", "other")
+TOKENS = prometheus_client.Counter(
+    "fedse_client_model_tokens",
+    "Tokens through the model, by phase (eval, explore, train, other) and kind: prompt (computed by scoring, "
+    "or read by a generation before it writes), cached (served from a reused prefix cache, not computed), "
+    "generated, train (forward and backward) and padding (positions computed that hold no token).",
+    ["phase", "kind"])
+FLOPS = prometheus_client.Counter(
+    "fedse_client_model_flops", "Model FLOPs of the tokens computed (padding and recomputation not counted), by "
+                                "phase.", ["phase"])
+PEAK_FLOPS = prometheus_client.Gauge(
+    "fedse_client_peak_flops", "This machine's measured matmul rate (FLOP/s) at the precision the model runs in: "
+                               "what MFU is measured against.")
+MFU = prometheus_client.Gauge(
+    "fedse_client_mfu_ratio", "Model-FLOPs utilisation of the last round's phase: its model FLOPs per second over "
+                              "the measured peak.", ["phase"])
+for _phase in WORK_PHASES:
+    FLOPS.labels(_phase)
+    for _kind in ("prompt", "cached", "generated", "train", "padding"):
+        TOKENS.labels(_phase, _kind)
+
 for _phase in ("expert", "explore", "eval"):
     STEPS.labels(_phase)
     for _outcome in ("success", "failure"):

@@ -101,7 +101,7 @@ class Player:
         while True:
             self.scorer.forget()  # the weights may have changed since the cached prompts were run
             progress = PhaseProgress(log, PHASE_WORDS.get(phase, phase), len(task_ids), "episodes", env=env.env,
-                                     round=round_)
+                                     round=round_, tokens=self.scorer.work.totals)
             try:
                 return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count,
                                     on_turns=progress.steps)

@@ -43,6 +43,7 @@ from .layouts import Batch, Prepared, Runner, make_layout
 from .model import autocast, micro_batches, pads_to_buckets
 from .prefixes import PrefixCache
 from .prompts import PlainFormat, PromptFormat, TokenCache, default_max_prompt_tokens, is_tiny
+from .work import Work
 
 BASELINE_CACHE_SIZE = 200_000  # candidate texts whose content-free log-likelihood is remembered
 
@@ -54,12 +55,14 @@ class ActionScorer:
                  max_prompt_tokens: int | None = None, max_batch_tokens: int | None = None,
                  method: str = "auto", packed_max_candidates: int = 16, group_size: int = 10,
                  fmt: PromptFormat | None = None, precision: str = "fp32", cache_bytes: int = 512 << 20,
-                 tokenize: TokenCache | None = None, bucket: bool | None = None, scoring: str = "sum"):
+                 tokenize: TokenCache | None = None, bucket: bool | None = None, scoring: str = "sum",
+                 work: Work | None = None):
         """`method` names the layout of the passes (layouts.make_layout): "packed", "cached",
         "reuse" or "auto" (Reuse for real models on CPU, else Packed up to `packed_max_candidates`
         candidates and Cached in rows of `group_size` above). `max_batch_tokens` bounds (rows x row
         length) per forward pass; larger inputs are split. `cache_bytes` bounds the prompts' KV
-        caches Reuse keeps."""
+        caches Reuse keeps. `work` counts the passes' tokens and FLOPs (work.Work; a new one by
+        default)."""
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -68,13 +71,14 @@ class ActionScorer:
         self.precision = precision
         self.tokenize = tokenize or TokenCache(tokenizer)  # shared with the prompt format and training
         pad = tokenizer.pad_token_id
+        self.work = work or Work.of(model)
         self.runner = Runner(
             model, self.device, pad if pad is not None else (tokenizer.eos_token_id or 0),
             # On one CPU thread 4096 was fastest (cache-sized activations); GPUs want much larger passes.
             max_batch_tokens or (4096 if self.device.type == "cpu" else 65536),
             # Passes padded to bucket lengths (model.bucket_length) where oneDNN would otherwise keep a
             # compiled kernel for every prompt length it meets: bf16 on a CPU, unless told otherwise.
-            pads_to_buckets(precision, self.device) if bucket is None else bucket)
+            pads_to_buckets(precision, self.device) if bucket is None else bucket, self.work)
         self.cache = PrefixCache(cache_bytes)
         self.layout = make_layout(method, self.device.type == "cpu" and not is_tiny(model), packed_max_candidates,
                                   group_size, self.cache)

@@ -55,6 +55,11 @@ class PrefixTree:
     def width(self) -> int:
         return len(self.tokens)
 
+    def context(self, n: int) -> int:
+        """The positions the tree's columns read in all after an n-token prompt: the prompt, their
+        shorter starts and themselves."""
+        return self.width * (n + 1) + sum(self.depths)
+
     def pack(self, n: int, ids_row: torch.Tensor, pos_row: torch.Tensor,
              among: torch.Tensor) -> list[tuple[int, int, int]]:
         """Writes the tree from column 0 of one row that follows an n-token prompt: its tokens, their

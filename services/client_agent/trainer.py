@@ -37,6 +37,7 @@ from .model import autocast, bucket_length, micro_batches, pads_to_buckets
 from .buffer import Trajectory
 from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_example,
                       encode_trajectory, format_target)
+from .work import Work, causal_context
 
 TINY_LR = 3e-3
 PAPER_LR = 5e-5
@@ -101,11 +102,13 @@ def _tensors(chunk: list[Encoded], pad_id: int, bucket: bool = False):
 
 
 def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens: int, pad_id: int,
-                         precision: str = "fp32", release_memory: bool = False, bucket: bool = False) -> float:
+                         precision: str = "fp32", release_memory: bool = False, bucket: bool = False,
+                         work: Work | None = None) -> float:
     """Adds to the parameters' .grad the gradient of the batch's mean target-token loss, computed in
     micro-batches of at most max_batch_tokens tokens (micro_batches); returns the summed token loss.
     `release_memory`: after each micro-batch, return the freed heap to the system (release_free_memory).
-    `bucket`: pad each micro-batch to its length's bucket (model.bucket_length)."""
+    `bucket`: pad each micro-batch to its length's bucket (model.bucket_length). `work` counts the
+    tokens and FLOPs (work.Work)."""
     inner = peft_model.get_base_model()
     decoder, head = inner.get_decoder(), inner.get_output_embeddings()
     device = head.weight.device
@@ -113,6 +116,7 @@ def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens:
     total = 0.0
     for run in micro_batches([len(e.ids) for e in batch], max_batch_tokens):
         ids, labels = (t.to(device) for t in _tensors([batch[i] for i in run], pad_id, bucket))
+        lengths = [len(batch[i].ids) for i in run]
         # Without a mask attention keeps its fused causal kernel (measured: a 2,880-token BabyAI
         # sequence padded by 9 tokens and masked made training 10x slower).
         with autocast(precision, device):
@@ -124,6 +128,9 @@ def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens:
         tok_loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:][where], reduction="sum")
         (tok_loss / n_tok).backward()
         total += float(tok_loss.detach())
+        if work is not None:
+            work.forward(sum(lengths), causal_context(lengths), padded=ids.numel() - sum(lengths), kind="train")
+            work.head(int(where.sum()), train=True)
         if release_memory:
             del hidden, logits, tok_loss
             release_free_memory()
@@ -146,7 +153,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                weight_decay: float = 0.0, max_grad_norm: float = 1.0,
                max_batch_tokens: int | None = None, checkpointing: bool = False, precision: str = "fp32",
                release_memory: bool = False, bucket: bool | None = None,
-               progress: Callable[[dict], None] | None = None) -> dict:
+               progress: Callable[[dict], None] | None = None, work: Work | None = None) -> dict:
     """Fine-tunes the LoRA parameters of `peft_model` in place on training sequences (or plain
     (prompt, action) pairs). batch_size counts agent turns per optimizer step (turn_batches), so a
     step sees as much of the agent's text whether turns come one per sequence or an episode each.
@@ -155,7 +162,8 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
     "steps", "examples" (sequences), "turns" (agent turns in them), "tokens" (target tokens per
     epoch), "seconds"}. `bucket`: pad micro-batches to bucket lengths (None: where
     model.pads_to_buckets says, bf16 on a CPU). `progress`, if given, is called after every
-    optimizer step with {"step", "steps", "epoch", "loss", "lr"}.
+    optimizer step with {"step", "steps", "epoch", "loss", "lr"}. `work` counts the tokens and FLOPs
+    (work.Work).
     """
     t0 = time.perf_counter()
     if epochs < 1 or batch_size < 1:
@@ -198,7 +206,8 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                 batch = [encoded[order[i]] for i in run]
                 n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
-                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, release_memory, bucket)
+                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, release_memory, bucket,
+                                                  work)
                 if max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 optimizer.step()
