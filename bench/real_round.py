@@ -9,9 +9,8 @@ the examples trained on and the client's peak resident memory, per environment:
     make model   # once: models/smollm2-135m-instruct
     .venv/bin/python bench/real_round.py [--envs maze] [--explore-tasks 16] [--eval-tasks 10] [-- extra fedse run flags]
 
-The issue's reference (before the chat format, KV reuse, bf16 and token-budget micro-batches):
-a SmolLM2 Maze round with 16 explorations and 10 test tasks took 14-17 minutes here (training
-440-600 s, exploration 200-260 s, evaluation 60-170 s).
+docs/results.md ("One round on this CPU") has its figures. `make bench-model` runs the same kind of
+round and reports the model's tokens per second in each phase instead.
 """
 
 from __future__ import annotations

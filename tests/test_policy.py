@@ -259,6 +259,44 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     assert 0 < small.cache.bytes <= 4_000_000 and 1 <= len(small.cache) < 6
 
 
+@pytest.mark.parametrize("bucket", [False, True])
+def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_prefix(bucket):
+    """Concurrent episodes' prompts are scored together: one pass for every prompt's new tokens,
+    each after the prefix the cache holds for it (of different lengths, or none), one pass for their
+    candidates; the scores are a direct pass's."""
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", bucket=bucket)
+    env = MazeEnv()
+    episodes = []  # per task, its prompts turn by turn
+    for task, length in ((1, 3), (4, 2), (6, 1)):
+        ep, turns, prompts = env.reset(task), [], []
+        for _ in range(length):
+            prompts.append(format_prompt(ep.instruction, turns, ep.observation, max_history=10))
+            action = ep.expert_action()
+            turns.append((ep.observation, action))
+            ep.step(action)
+        episodes.append(prompts)
+    scorer.score([episodes[0][0]], [MAZE_ACTIONS])
+    scorer.score([episodes[0][1], episodes[1][0]], [MAZE_ACTIONS, WORDS])
+    reuse = PrefixReuse(scorer.cache)
+    passes: list[int] = []
+    hook = model.get_base_model().get_input_embeddings().register_forward_hook(
+        lambda module, args, out: passes.append(args[0].shape[0]))
+    prompts = [episodes[0][2], episodes[1][1], episodes[2][0]]
+    cands = [MAZE_ACTIONS, WORDS, ["a", "bb", "ccc"]]
+    try:
+        scores = scorer.score(prompts, cands)
+    finally:
+        hook.remove()
+    for prompt, cs, s in zip(prompts, cands, scores):
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+    assert passes == [3, 3]  # the prompts, then their candidates: three rows each
+    # The first two continue their episodes' previous turns; the third episode's first prompt
+    # shares its start (the instruction) with the others.
+    assert reuse.hits == 3 and reuse.reused > sum(len(p) for p in (episodes[0][1], episodes[1][0])) - 6
+
+
 @pytest.mark.parametrize("method", ["packed", "cached", "reuse"])
 def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_free_prompt(method):
     model, tok = _model()
@@ -369,3 +407,39 @@ def test_written_actions_are_parsed_or_fall_back_counted_and_sampled_reproducibl
     b = writer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(3))
     c = writer.generate_texts(prompts, 12, greedy=False, generator=torch.Generator().manual_seed(4))
     assert a == b and a != c
+
+
+def test_a_merged_lora_scores_as_the_adapter_does_in_one_matmul_a_layer_and_leaves_the_weights_as_they_were():
+    from services.client_agent.model import get_adapter_state, merged_lora
+
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=160, method="packed")
+    prompts, cands = _maze_prompts(3), [MAZE_ACTIONS] * 3
+    plain = scorer.score(prompts, cands)
+    linears = [m for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    weights = [(m.get_base_layer().weight, m.get_base_layer().weight.clone()) for m in linears]
+    adapter = get_adapter_state(model)
+    factor_calls: list[int] = []
+    hooks = [m.lora_A["default"].register_forward_hook(lambda *a: factor_calls.append(1)) for m in linears]
+    try:
+        with merged_lora(model) as n:
+            assert n == len(linears) > 0
+            merged = scorer.score(prompts, cands)
+            assert all(m.get_base_layer().weight is not w for m, (w, _) in zip(linears, weights))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert factor_calls == []  # no LoRA factor ran: each layer was one matmul
+    for p, m in zip(plain, merged):
+        assert torch.allclose(p, m, atol=1e-4), (p, m)
+    # Afterwards: the same weight tensors, unchanged, and the adapter runs again as before.
+    for m, (w, copy) in zip(linears, weights):
+        assert m.get_base_layer().weight is w and torch.equal(w, copy) and not m.merged
+    assert all(torch.equal(v, get_adapter_state(model)[k]) for k, v in adapter.items())
+    again = scorer.score(prompts, cands)
+    assert all(torch.equal(p, a) for p, a in zip(plain, again))
+    # An error inside the block restores them too.
+    with pytest.raises(RuntimeError, match="boom"):
+        with merged_lora(model):
+            raise RuntimeError("boom")
+    assert all(m.get_base_layer().weight is w and not m.merged for m, (w, _) in zip(linears, weights))

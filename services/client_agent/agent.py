@@ -410,20 +410,22 @@ class ClientAgent:
         started = time.perf_counter()
         since = self.player.written_so_far()
         before = self.work.snapshot()
-        with self.work.phase("eval"):
-            r.metrics = self.player.evaluate(r.tasks, r.round)
-        r.metrics["eval_s"] = time.perf_counter() - started
-        r.metrics.update(self.work_done(before, "eval", r.metrics["eval_s"]))
-        PHASE_SECONDS.labels("eval").observe(r.metrics["eval_s"])
-        if r.final:  # after the last round: only evaluate phi_T and report
-            r.metrics["buffer"] = float(len(self.buffer))
-            r.metrics.update(count_demos(self.buffer, r.tasks))
-            self.player.parseable_since(since, r.metrics, "parseable_action_rate")
-            self.finish_round(r.round, r.metrics)
-            self.record(Progress(self.run_id, r.round, Phase.REPORTED.value, metrics=r.metrics))
-            return Phase.REPORTED
-        self.heartbeat.set(RoundPhase.EXPLORING, r.round)
-        successes, explored = self.explore(r.round, r.tasks)
+        # Acting only, until training: each LoRA layer runs as one merged matmul (model.merged_lora).
+        with mdl.merged_lora(self.model):
+            with self.work.phase("eval"):
+                r.metrics = self.player.evaluate(r.tasks, r.round)
+            r.metrics["eval_s"] = time.perf_counter() - started
+            r.metrics.update(self.work_done(before, "eval", r.metrics["eval_s"]))
+            PHASE_SECONDS.labels("eval").observe(r.metrics["eval_s"])
+            if r.final:  # after the last round: only evaluate phi_T and report
+                r.metrics["buffer"] = float(len(self.buffer))
+                r.metrics.update(count_demos(self.buffer, r.tasks))
+                self.player.parseable_since(since, r.metrics, "parseable_action_rate")
+                self.finish_round(r.round, r.metrics)
+                self.record(Progress(self.run_id, r.round, Phase.REPORTED.value, metrics=r.metrics))
+                return Phase.REPORTED
+            self.heartbeat.set(RoundPhase.EXPLORING, r.round)
+            successes, explored = self.explore(r.round, r.tasks)
         r.metrics.update(explored)
         self.player.parseable_since(since, r.metrics, "parseable_action_rate")
         r.progress = Progress(self.run_id, r.round, Phase.EXPLORED.value, num_successes=successes, metrics=r.metrics)

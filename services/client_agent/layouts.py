@@ -145,11 +145,11 @@ class Runner:
 
 
 class Layout:
-    """A way of laying out a batch's passes; `batches_prompts`: whether a pass holds several prompts
-    (else they run one at a time, and fewer concurrent episodes serve as well)."""
+    """A way of laying out a batch's passes; `concurrency`: how many episodes a client plays side by
+    side by default, whose turns' prompts then share passes."""
 
     name = ""
-    batches_prompts = True
+    concurrency = 16
 
     def run(self, runner: Runner, batch: Batch) -> None:
         raise NotImplementedError
@@ -281,60 +281,123 @@ class Cached(Layout):
 
 
 class Reuse(Layout):
-    """One prompt at a time: its tokens after the longest cached prefix run on that prefix's KV
-    cache (the result is cached in turn), then its candidates' later tokens in rows of at most
-    max_batch_tokens / 4 tokens on top of the prompt's cache, each candidate seeing the prompt and
-    its own earlier tokens only. No copies of a cache are made (every row has batch 1)."""
+    """The batch's prompts together, each from its longest cached prefix: one pass runs every
+    prompt's tokens after the prefix the cache holds for it (prefixes.PrefixCache), each row on its
+    own prefix (the prefixes laid side by side, right-aligned, in one cache, a 4D mask keeping each
+    row to its own); every prompt is cached in turn. Then one more pass runs every prompt's
+    candidates' later tokens as its prefix tree, in the row after that prompt, each seeing its
+    prompt and its own start; a prompt whose tree is wider than a row (max_batch_tokens / 4 tokens)
+    runs its candidates in passes of its own, on its cached prompt. Several episodes' turns so share
+    each pass: at a few dozen new tokens a turn, one pass per prompt left a CPU's matmuls mostly
+    idle."""
 
     name = "reuse"
-    batches_prompts = False
+    # Each episode keeps its prompt's KV cache between turns (the prefix cache's budget): four
+    # BabyAI episodes of 3,000 tokens already hold 280 MB of SmolLM2's.
+    concurrency = 4
 
     def __init__(self, cache: PrefixCache):
         self.cache = cache
 
     def run(self, runner: Runner, batch: Batch) -> None:
-        for b, it in enumerate(batch.items):
-            layers, hidden, start = self._prompt_pass(runner, it)
-            batch.add(runner, hidden, it.first_targets(b, len(it.prompt) - 1 - start))
-            self._candidate_passes(runner, batch, b, layers)
-            del hidden
-            # A prompt's passes free tensors of many sizes; glibc would keep most of them resident
-            # (measured: a WebShop evaluation held 3.9 GB with the cache at 441 MB; 2.1 GB returned so).
-            release_free_memory()
-
-    def _prompt_pass(self, runner: Runner, it: Prepared) -> tuple[KV, torch.Tensor, int]:
-        """Runs the prompt from its longest cached prefix and caches its keys and values: (those,
-        the hidden states of positions start .. len(prompt) - 1, start)."""
         from transformers import DynamicCache
 
-        dev = runner.device
-        ids = it.prompt
-        # Reuse at most up to the token before the prompt's end: its hidden state predicts the
-        # first scored token.
-        start, kv = self.cache.lookup(ids, it.n_prompt - 1)
-        past = DynamicCache(ddp_cache_data=[(k[:, :, :start], v[:, :, :start]) for k, v in kv]) \
-            if kv is not None and start > 0 else DynamicCache()
-        # With buckets the pass runs pad tokens after the prompt's: no prompt token sees them
-        # (causal), and their keys and values are cut off below.
-        n_new = len(ids) - start
-        width = bucket_length(n_new) if runner.bucket else n_new
-        run = runner.lm.get_decoder()(
-            input_ids=torch.tensor([ids[start:] + [runner.pad_id] * (width - n_new)], device=dev),
-            position_ids=torch.arange(start, start + width, device=dev).unsqueeze(0),
-            past_key_values=past, use_cache=True)
-        runner.work.forward(n_new, causal_context([n_new], start), padded=width - n_new, cached=start)
-        # Keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but
-        # attention reads them in bf16, so bf16 keys halve the cache and change no score.
-        # All layers' keys and values in one block: one allocation per cached prompt (a large one is
-        # mapped and unmapped whole) rather than 60 that interleave with the passes' (six BabyAI
-        # evaluation episodes: peak 1.92 GB instead of 2.02).
-        kv = run.past_key_values.layers
-        block = torch.stack([torch.stack((layer.keys[:, :, :len(ids)].to(layer.values.dtype),
-                                          layer.values[:, :, :len(ids)])) for layer in kv])
-        kv = past = run.past_key_values = None  # the per-layer tensors go now that the block holds them
-        layers = [(block[i, 0], block[i, 1]) for i in range(block.shape[0])]
-        self.cache.store(ids, layers)
-        return layers, run.last_hidden_state[0], start
+        dev, items = runner.device, batch.items
+        # Reuse at most up to the token before a prompt's end: its hidden state predicts the first scored token.
+        found = [self.cache.lookup(it.prompt, it.n_prompt - 1) for it in items]
+        starts = [start if kv is not None else 0 for start, kv in found]
+        news = [len(it.prompt) - s for it, s in zip(items, starts)]
+        B, C = len(items), max(starts)
+        N = bucket_length(max(news)) if runner.bucket else max(news)
+        past = DynamicCache()
+        if C > 0:
+            layers = []
+            for i in range(len(next(kv for _, kv in found if kv is not None))):
+                k0, v0 = next(kv[i] for _, kv in found if kv is not None)
+                k = k0.new_zeros((B, k0.shape[1], C, k0.shape[3]))
+                v = v0.new_zeros((B, v0.shape[1], C, v0.shape[3]))
+                for b, ((_, kv), s) in enumerate(zip(found, starts)):
+                    if s:
+                        k[b, :, C - s:] = kv[i][0][0, :, :s]
+                        v[b, :, C - s:] = kv[i][1][0, :, :s]
+                layers.append((k, v))
+            past = DynamicCache(ddp_cache_data=layers)
+            del layers
+        ids = torch.full((B, N), runner.pad_id, dtype=torch.long)
+        pos = torch.zeros((B, N), dtype=torch.long)
+        allowed = torch.zeros((B, N, C + N), dtype=torch.bool)
+        causal = torch.ones((N, N), dtype=torch.bool).tril()
+        targets: list[Target] = []
+        for b, (it, s, n) in enumerate(zip(items, starts, news)):
+            ids[b, :n] = torch.tensor(it.prompt[s:], dtype=torch.long)
+            pos[b] = torch.arange(s, s + N)
+            allowed[b, :n, C - s:C] = True
+            allowed[b, :, C:] = causal  # padding after the prompt sees it; no prompt token sees the padding
+            targets += it.first_targets(b, b * N + n - 1)
+        run = runner.lm.get_decoder()(input_ids=ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
+                                      position_ids=pos.to(dev), past_key_values=past, use_cache=True)
+        runner.work.forward(sum(news), sum(causal_context([n], s) for n, s in zip(news, starts)),
+                            padded=B * N - sum(news), cached=sum(starts))
+        batch.add(runner, run.last_hidden_state.flatten(0, 1), targets)
+        cache = run.past_key_values
+        run = None
+        # Each prompt's keys and values, its prefix's and its new tokens', cached as one block (one
+        # allocation per prompt, rather than one per layer interleaved with the passes'), keys in the
+        # values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but attention reads
+        # them in bf16, so bf16 keys halve the cache and change no score.
+        mine: list[KV] = []
+        for b, (it, s, n) in enumerate(zip(items, starts, news)):
+            cols = torch.cat([torch.arange(C - s, C), torch.arange(C, C + n)]).to(dev)
+            block = torch.stack([torch.stack((layer.keys[b:b + 1].index_select(2, cols).to(layer.values.dtype),
+                                              layer.values[b:b + 1].index_select(2, cols)))
+                                 for layer in cache.layers])
+            mine.append([(block[i, 0], block[i, 1]) for i in range(block.shape[0])])
+            self.cache.store(it.prompt, mine[-1])
+        row_cap = max(16, runner.max_batch_tokens // 4)
+        together = [b for b, it in enumerate(items) if it.tree.width <= row_cap]
+        if together and any(items[b].tree.width for b in together):
+            self._candidate_pass(runner, batch, together, cache, starts, news, C, N)
+        cache = None
+        for b in range(B):
+            if b not in together:
+                self._candidate_passes(runner, batch, b, mine[b])
+        # A batch's passes free tensors of many sizes; glibc would keep most of them resident
+        # (measured: a WebShop evaluation held 3.9 GB with the cache at 441 MB; 2.1 GB returned so).
+        release_free_memory()
+
+    @staticmethod
+    def _candidate_pass(runner: Runner, batch: Batch, rows: list[int], cache, starts: list[int], news: list[int],
+                        C: int, N: int) -> None:
+        """One pass of the prefix trees of the prompts `rows` (batch indices), each in the row of its
+        prompt in the prompts' pass's `cache` (prefix in columns C - start .. C, new tokens from C),
+        each column seeing its prompt and its own start only."""
+        from transformers import DynamicCache
+
+        dev, items = runner.device, batch.items
+        W = max(items[b].tree.width for b in rows)
+        W = bucket_length(W) if runner.bucket else W
+        R = len(rows)
+        s_ids = torch.full((R, W), runner.pad_id, dtype=torch.long)
+        s_pos = torch.zeros((R, W), dtype=torch.long)
+        allowed = torch.zeros((R, W, C + N + W), dtype=torch.bool)
+        targets: list[Target] = []
+        for r, b in enumerate(rows):
+            it, s, n = items[b], starts[b], news[b]
+            allowed[r, :, C - s:C + n] = True
+            for col, token, j in it.tree.pack(len(it.prompt), s_ids[r], s_pos[r], allowed[r, :, C + N:]):
+                targets.append(Target(b, r * W + col, token, j))
+            idle = torch.arange(it.tree.width, W)
+            s_pos[r, idle] = len(it.prompt)
+            allowed[r, idle, C + N + idle] = True  # padding attends to itself only (finite, never read)
+        sel = torch.tensor(rows, device=dev)
+        past = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, sel), layer.values.index_select(0, sel))
+                                            for layer in cache.layers]) if R < len(items) else cache
+        hidden = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
+                                         position_ids=s_pos.to(dev), past_key_values=past,
+                                         use_cache=True).last_hidden_state
+        real = sum(items[b].tree.width for b in rows)
+        runner.work.forward(real, sum(items[b].tree.context(len(items[b].prompt)) for b in rows), padded=R * W - real)
+        batch.add(runner, hidden.flatten(0, 1), targets)
 
     @staticmethod
     def _candidate_passes(runner: Runner, batch: Batch, b: int, layers: KV) -> None:

@@ -58,7 +58,7 @@ class Player:
                                    max_prompt_tokens=max_prompt_tokens, fmt=fmt, precision=precision,
                                    cache_bytes=cfg.score_cache_mb << 20, tokenize=tokenize, scoring=cfg.scoring)
         self.writer = ActionWriter(self.scorer)
-        self.concurrency = cfg.concurrency or (16 if self.scorer.layout.batches_prompts else 4)
+        self.concurrency = cfg.concurrency or self.scorer.layout.concurrency
 
     def model_policy(self, greedy: bool, generator: torch.Generator, writes: bool = False,
                      phase: str = "eval") -> Policy:

@@ -114,6 +114,9 @@ def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens:
     device = head.weight.device
     n_tok = max(1, sum(e.targets for e in batch))
     total = 0.0
+    # Shortest first, so that a micro-batch holds sequences of like lengths and pads little (the
+    # step's gradient is the same sum in any order).
+    batch = sorted(batch, key=lambda e: len(e.ids))
     for run in micro_batches([len(e.ids) for e in batch], max_batch_tokens):
         ids, labels = (t.to(device) for t in _tensors([batch[i] for i in run], pad_id, bucket))
         lengths = [len(batch[i].ids) for i in run]
