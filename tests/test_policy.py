@@ -261,8 +261,8 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
 
 @pytest.mark.parametrize("bucket", [False, True])
 def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_prefix(bucket):
-    """Concurrent episodes' prompts are scored together: one pass for every prompt's new tokens,
-    each after the prefix the cache holds for it (of different lengths, or none), one pass for their
+    """Concurrent episodes' prompts are scored together: one pass holds every prompt's new tokens,
+    each after the prefix the cache holds for it (of different lengths, or none), and its
     candidates; the scores are a direct pass's."""
     model, tok = _model()
     scorer = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", bucket=bucket)
@@ -291,7 +291,7 @@ def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_pr
     for prompt, cs, s in zip(prompts, cands, scores):
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
-    assert passes == [3, 3]  # the prompts, then their candidates: three rows each
+    assert passes == [3]  # one pass: each row a prompt's new tokens, then its candidates
     # The first two continue their episodes' previous turns; the third episode's first prompt
     # shares its start (the instruction) with the others.
     assert reuse.hits == 3 and reuse.reused > sum(len(p) for p in (episodes[0][1], episodes[1][0])) - 6
@@ -443,3 +443,27 @@ def test_a_merged_lora_scores_as_the_adapter_does_in_one_matmul_a_layer_and_leav
         with merged_lora(model):
             raise RuntimeError("boom")
     assert all(m.get_base_layer().weight is w and not m.merged for m, (w, _) in zip(linears, weights))
+
+
+def test_reuse_computes_a_start_that_episodes_of_one_batch_share_once():
+    """Two episodes' first prompts begin alike (the same instruction) and nothing is cached yet: the
+    second waits for a pass of its own, which starts from the first's cached prompt."""
+    model, tok = _model()
+    scorer = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse")
+    reuse = PrefixReuse(scorer.cache)
+    env = MazeEnv()
+    prompts = [format_prompt(env.reset(task).instruction, [], env.reset(task).observation, max_history=10)
+               for task in (1, 4)]
+    shared = len(os.path.commonprefix([tok(p, add_special_tokens=False)["input_ids"] for p in prompts]))
+    assert shared > 32
+    rows: list[int] = []
+    hook = model.get_base_model().get_input_embeddings().register_forward_hook(
+        lambda module, args, out: rows.append(args[0].shape[0]))
+    try:
+        scores = scorer.score(prompts, [MAZE_ACTIONS] * 2)
+    finally:
+        hook.remove()
+    assert rows == [1, 1] and reuse.hits == 1 and reuse.reused == shared
+    for prompt, s in zip(prompts, scores):
+        direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in MAZE_ACTIONS])
+        assert torch.allclose(s, direct, atol=1e-3), (s, direct)

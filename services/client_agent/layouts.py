@@ -25,11 +25,14 @@ import torch
 from fedse.machine import release_free_memory
 
 from .model import bucket_length
-from .prefixes import PrefixCache, PrefixTree
+from .prefixes import PrefixCache, PrefixTree, common_prefix
 from .prompts import inner_model
 from .work import Work, causal_context
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per layer
+# The fewest prompt tokens a prompt must share with an earlier one of its batch, beyond what the
+# prefix cache holds for it, to wait for a second pass that reuses them (Reuse.run).
+WORTH_WAITING = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,15 +284,15 @@ class Cached(Layout):
 
 
 class Reuse(Layout):
-    """The batch's prompts together, each from its longest cached prefix: one pass runs every
-    prompt's tokens after the prefix the cache holds for it (prefixes.PrefixCache), each row on its
-    own prefix (the prefixes laid side by side, right-aligned, in one cache, a 4D mask keeping each
-    row to its own); every prompt is cached in turn. Then one more pass runs every prompt's
-    candidates' later tokens as its prefix tree, in the row after that prompt, each seeing its
-    prompt and its own start; a prompt whose tree is wider than a row (max_batch_tokens / 4 tokens)
-    runs its candidates in passes of its own, on its cached prompt. Several episodes' turns so share
-    each pass: at a few dozen new tokens a turn, one pass per prompt left a CPU's matmuls mostly
-    idle."""
+    """The batch's prompts in one pass, each from its longest cached prefix: a row holds a prompt's
+    tokens after the prefix the cache holds for it (prefixes.PrefixCache), then its candidates'
+    later tokens as their prefix tree, on that prompt's own prefix (the prefixes laid side by side,
+    right-aligned, in one cache; a 4D mask keeps each row to its own prefix, each prompt token to
+    its earlier ones, each tree column to its prompt and its own start). Every prompt is then
+    cached for the turns and episodes that extend it. A prompt whose tree is wider than
+    max_batch_tokens / 4 tokens runs its candidates in passes of their own, on its cached prompt.
+    Several episodes' turns so share one pass: at a few dozen new tokens a turn, a pass per prompt
+    and another for its candidates left a CPU's matmuls mostly idle."""
 
     name = "reuse"
     # Each episode keeps its prompt's KV cache between turns (the prefix cache's budget): four
@@ -300,6 +303,21 @@ class Reuse(Layout):
         self.cache = cache
 
     def run(self, runner: Runner, batch: Batch) -> None:
+        """Prompts that begin as an earlier prompt of the batch does, by more than the cache holds
+        for them (episodes starting alike: the same instruction), wait for a second pass, which
+        finds that prompt cached: computed once, not once per episode."""
+        first: list[int] = []
+        later: list[int] = []
+        for b, it in enumerate(batch.items):
+            shared = max((common_prefix(it.prompt, batch.items[a].prompt) for a in first), default=0)
+            gain = min(shared, it.n_prompt - 1) - self.cache.match(it.prompt, it.n_prompt - 1)
+            (later if gain >= WORTH_WAITING else first).append(b)
+        for part in (first, later):
+            if part:
+                self._run(runner, Batch([batch.items[b] for b in part], [batch.where[b] for b in part],
+                                        batch.totals))
+
+    def _run(self, runner: Runner, batch: Batch) -> None:
         from transformers import DynamicCache
 
         dev, items = runner.device, batch.items
@@ -307,8 +325,11 @@ class Reuse(Layout):
         found = [self.cache.lookup(it.prompt, it.n_prompt - 1) for it in items]
         starts = [start if kv is not None else 0 for start, kv in found]
         news = [len(it.prompt) - s for it, s in zip(items, starts)]
+        row_cap = max(16, runner.max_batch_tokens // 4)
+        trees = [it.tree if it.tree.width <= row_cap else None for it in items]  # None: passes of its own
+        widths = [n + (t.width if t is not None else 0) for n, t in zip(news, trees)]
         B, C = len(items), max(starts)
-        N = bucket_length(max(news)) if runner.bucket else max(news)
+        N = bucket_length(max(widths)) if runner.bucket else max(widths)
         past = DynamicCache()
         if C > 0:
             layers = []
@@ -328,76 +349,46 @@ class Reuse(Layout):
         allowed = torch.zeros((B, N, C + N), dtype=torch.bool)
         causal = torch.ones((N, N), dtype=torch.bool).tril()
         targets: list[Target] = []
-        for b, (it, s, n) in enumerate(zip(items, starts, news)):
+        for b, (it, s, n, tree) in enumerate(zip(items, starts, news, trees)):
             ids[b, :n] = torch.tensor(it.prompt[s:], dtype=torch.long)
             pos[b] = torch.arange(s, s + N)
-            allowed[b, :n, C - s:C] = True
-            allowed[b, :, C:] = causal  # padding after the prompt sees it; no prompt token sees the padding
+            allowed[b, :, C - s:C] = True
+            allowed[b, :n, C:C + n] = causal[:n, :n]
             targets += it.first_targets(b, b * N + n - 1)
+            w = 0
+            if tree is not None:
+                w = tree.width
+                allowed[b, n:n + w, C:C + n] = True
+                for col, token, j in tree.pack(len(it.prompt), ids[b, n:], pos[b, n:], allowed[b, n:, C + n:]):
+                    targets.append(Target(b, b * N + n + col, token, j))
+            idle = torch.arange(n + w, N)
+            allowed[b, idle, C + idle] = True  # padding attends to itself only (finite, never read)
         run = runner.lm.get_decoder()(input_ids=ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
                                       position_ids=pos.to(dev), past_key_values=past, use_cache=True)
-        runner.work.forward(sum(news), sum(causal_context([n], s) for n, s in zip(news, starts)),
-                            padded=B * N - sum(news), cached=sum(starts))
+        done = sum(widths)
+        runner.work.forward(done, sum(causal_context([n], s) + (t.context(s + n) if t is not None else 0)
+                                      for n, s, t in zip(news, starts, trees)),
+                            padded=B * N - done, cached=sum(starts))
         batch.add(runner, run.last_hidden_state.flatten(0, 1), targets)
         cache = run.past_key_values
         run = None
-        # Each prompt's keys and values, its prefix's and its new tokens', cached as one block (one
-        # allocation per prompt, rather than one per layer interleaved with the passes'), keys in the
-        # values' dtype: under bf16 autocast rotary embeddings leave keys in fp32, but attention reads
-        # them in bf16, so bf16 keys halve the cache and change no score.
-        mine: list[KV] = []
-        for b, (it, s, n) in enumerate(zip(items, starts, news)):
+        # Each prompt's keys and values (its prefix's and its new tokens', not its candidates') cached
+        # as one block (one allocation per prompt, rather than one per layer interleaved with the
+        # passes'), keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in
+        # fp32, but attention reads them in bf16, so bf16 keys halve the cache and change no score.
+        for b, (it, s, n, tree) in enumerate(zip(items, starts, news, trees)):
             cols = torch.cat([torch.arange(C - s, C), torch.arange(C, C + n)]).to(dev)
             block = torch.stack([torch.stack((layer.keys[b:b + 1].index_select(2, cols).to(layer.values.dtype),
                                               layer.values[b:b + 1].index_select(2, cols)))
                                  for layer in cache.layers])
-            mine.append([(block[i, 0], block[i, 1]) for i in range(block.shape[0])])
-            self.cache.store(it.prompt, mine[-1])
-        row_cap = max(16, runner.max_batch_tokens // 4)
-        together = [b for b, it in enumerate(items) if it.tree.width <= row_cap]
-        if together and any(items[b].tree.width for b in together):
-            self._candidate_pass(runner, batch, together, cache, starts, news, C, N)
+            mine = [(block[i, 0], block[i, 1]) for i in range(block.shape[0])]
+            self.cache.store(it.prompt, mine)
+            if tree is None:
+                self._candidate_passes(runner, batch, b, mine)
         cache = None
-        for b in range(B):
-            if b not in together:
-                self._candidate_passes(runner, batch, b, mine[b])
         # A batch's passes free tensors of many sizes; glibc would keep most of them resident
         # (measured: a WebShop evaluation held 3.9 GB with the cache at 441 MB; 2.1 GB returned so).
         release_free_memory()
-
-    @staticmethod
-    def _candidate_pass(runner: Runner, batch: Batch, rows: list[int], cache, starts: list[int], news: list[int],
-                        C: int, N: int) -> None:
-        """One pass of the prefix trees of the prompts `rows` (batch indices), each in the row of its
-        prompt in the prompts' pass's `cache` (prefix in columns C - start .. C, new tokens from C),
-        each column seeing its prompt and its own start only."""
-        from transformers import DynamicCache
-
-        dev, items = runner.device, batch.items
-        W = max(items[b].tree.width for b in rows)
-        W = bucket_length(W) if runner.bucket else W
-        R = len(rows)
-        s_ids = torch.full((R, W), runner.pad_id, dtype=torch.long)
-        s_pos = torch.zeros((R, W), dtype=torch.long)
-        allowed = torch.zeros((R, W, C + N + W), dtype=torch.bool)
-        targets: list[Target] = []
-        for r, b in enumerate(rows):
-            it, s, n = items[b], starts[b], news[b]
-            allowed[r, :, C - s:C + n] = True
-            for col, token, j in it.tree.pack(len(it.prompt), s_ids[r], s_pos[r], allowed[r, :, C + N:]):
-                targets.append(Target(b, r * W + col, token, j))
-            idle = torch.arange(it.tree.width, W)
-            s_pos[r, idle] = len(it.prompt)
-            allowed[r, idle, C + N + idle] = True  # padding attends to itself only (finite, never read)
-        sel = torch.tensor(rows, device=dev)
-        past = DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, sel), layer.values.index_select(0, sel))
-                                            for layer in cache.layers]) if R < len(items) else cache
-        hidden = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
-                                         position_ids=s_pos.to(dev), past_key_values=past,
-                                         use_cache=True).last_hidden_state
-        real = sum(items[b].tree.width for b in rows)
-        runner.work.forward(real, sum(items[b].tree.context(len(items[b].prompt)) for b in rows), padded=R * W - real)
-        batch.add(runner, hidden.flatten(0, 1), targets)
 
     @staticmethod
     def _candidate_passes(runner: Runner, batch: Batch, b: int, layers: KV) -> None:

@@ -80,6 +80,13 @@ class PrefixTree:
 
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens a and b begin with alike."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(diff[0]) if len(diff) else m
+
+
 class PrefixCache:
     """KV caches of recent prompts, reused by later prompts that begin with the same tokens: the
     next turn of an episode (its prompt extends the previous one) and other episodes' prompts with
@@ -97,18 +104,25 @@ class PrefixCache:
         self._entries.clear()
         self.bytes = 0
 
-    def lookup(self, ids: Sequence[int], limit: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
-        """(L, kv): the longest cached prefix of ids[:limit] and the cache it is the start of."""
+    def _best(self, ids: Sequence[int], limit: int) -> tuple[int, int]:
+        """(L, i): the longest cached prefix of ids[:limit] and its entry (-1: none)."""
         query = np.asarray(ids[:limit], dtype=np.int64)
         best, best_i = 0, -1
         for i, (key, _, _) in enumerate(self._entries):
-            m = min(len(key), len(query))
-            if m <= best:
+            if min(len(key), len(query)) <= best:
                 continue
-            diff = np.flatnonzero(key[:m] != query[:m])
-            common = int(diff[0]) if len(diff) else m
+            common = common_prefix(key, query)
             if common > best:
                 best, best_i = common, i
+        return best, best_i
+
+    def match(self, ids: Sequence[int], limit: int) -> int:
+        """How long a prefix of ids[:limit] `lookup` would find (the cache's order unchanged)."""
+        return self._best(ids, limit)[0]
+
+    def lookup(self, ids: Sequence[int], limit: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """(L, kv): the longest cached prefix of ids[:limit] and the cache it is the start of."""
+        best, best_i = self._best(ids, limit)
         if best_i < 0:
             return 0, None
         entry = self._entries.pop(best_i)
