@@ -152,7 +152,7 @@ def plot(figures: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
     ax.barh([r["what"] for r in rows][::-1], [100 * (r.get("fraction") or 0) for r in rows][::-1])
     ax.set_xlabel(f"% of the measured {figures['precision']} matmul peak ({figures['peak_gflops']:.0f} GFLOP/s)")
-    ax.set_title(f"{figures['model']} on {figures['machine']}", fontsize=9)
+    ax.set_title(f"{figures['model']}, {figures['precision']}\n{figures['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

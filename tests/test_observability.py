@@ -233,7 +233,7 @@ def test_promtool_check_can_fail():
 
 def test_no_label_can_hold_trajectory_text():
     # Labels are fixed words or operator-chosen names; none is free text from an episode.
-    allowed = {"env", "outcome", "phase", "source", "stage", "client_id", "grpc_service", "grpc_method",
+    allowed = {"env", "outcome", "phase", "source", "stage", "kind", "client_id", "grpc_service", "grpc_method",
                "grpc_code"}
     metrics = [(name, obj) for module in (fedse.serving, services.aggregator.metrics, services.client_agent.metrics,
                                           services.env_server.metrics)

@@ -438,6 +438,10 @@ def test_a_merged_lora_scores_as_the_adapter_does_in_one_matmul_a_layer_and_leav
     assert all(torch.equal(v, get_adapter_state(model)[k]) for k, v in adapter.items())
     again = scorer.score(prompts, cands)
     assert all(torch.equal(p, a) for p, a in zip(plain, again))
+    # Where the merged copies would not fit in the room given, the layers run as they are.
+    with merged_lora(model, max_bytes=1000) as n:
+        assert n == 0 and not any(m.merged for m in linears)
+        assert all(torch.equal(p, s) for p, s in zip(plain, scorer.score(prompts, cands)))
     # An error inside the block restores them too.
     with pytest.raises(RuntimeError, match="boom"):
         with merged_lora(model):

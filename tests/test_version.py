@@ -53,6 +53,9 @@ def test_the_package_declares_its_pinned_dependencies_and_a_test_extra():
     plain = {r for r in requires if "extra ==" not in r}
     test = {r.split(";")[0].strip() for r in requires if 'extra == "test"' in r}
     assert plain == pins("requirements.txt") and test == pins("requirements-test.txt")
+    for extra in ("track", "gpu"):
+        assert {r.split(";")[0].strip() for r in requires if f'extra == "{extra}"' in r} == \
+            pins(f"requirements-{extra}.txt"), extra
     assert "torch==2.13.0" in plain  # pinned: a looser torch pulls a CUDA build of several GB
 
 

@@ -49,7 +49,7 @@ from fedse import adapter as ad
 from fedse import ranks, secagg
 from fedse.asking import Asker
 from fedse.secagg import SecureError
-from fedse.machine import available_cores, matmul_peak, release_free_memory
+from fedse.machine import available_cores, available_memory_bytes, matmul_peak, release_free_memory, resident_bytes
 from fedse.progress import PhaseProgress
 from fedse.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
@@ -410,8 +410,10 @@ class ClientAgent:
         started = time.perf_counter()
         since = self.player.written_so_far()
         before = self.work.snapshot()
-        # Acting only, until training: each LoRA layer runs as one merged matmul (model.merged_lora).
-        with mdl.merged_lora(self.model):
+        # Acting only, until training: each LoRA layer runs as one merged matmul (model.merged_lora),
+        # where a merged copy of the weights takes at most half the memory left.
+        room = available_memory_bytes(self.device) - resident_bytes(self.device)
+        with mdl.merged_lora(self.model, max_bytes=room // 2):
             with self.work.phase("eval"):
                 r.metrics = self.player.evaluate(r.tasks, r.round)
             r.metrics["eval_s"] = time.perf_counter() - started

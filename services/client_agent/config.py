@@ -64,9 +64,9 @@ class ClientConfig(Security):
                                        "trajectories, the paper) or 'round' (ablation 'no history': the expert "
                                        "demonstrations D_0 plus round t's kept trajectories only)")
     eval_tasks: int = field(0, "held-out test tasks evaluated per round (0 = all)")
-    concurrency: int = field(0, "episodes run at once (0 = 16 where a step's prompts are scored in one batched call: "
-                                "the tiny model, GPUs; 4 for a real model on CPU, which scores one prompt at a time "
-                                "from its cached previous turn, so that those caches stay in --score-cache-mb)")
+    concurrency: int = field(0, "episodes run at once, whose turns' prompts share the model's passes (0 = 16 for the "
+                                "tiny model and on GPUs; 4 for a real model on CPU, where each episode keeps its "
+                                "previous turn's KV cache, so that those caches stay in --score-cache-mb)")
     temperature: float = field(1.0, "sampling temperature during exploration")
     policy: str = field("score", "'score': rank admissible actions by log-likelihood; 'generate': parse ReAct text. "
                                  "In an environment that lists no actions the agent always writes its action "

@@ -130,26 +130,31 @@ def store_frozen_linears_in_bf16(model) -> int:
 
 
 @contextlib.contextmanager
-def merged_lora(peft_model, adapter: str = "default") -> Iterator[int]:
+def merged_lora(peft_model, adapter: str = "default", max_bytes: int | None = None) -> Iterator[int]:
     """Within the block, every LoRA linear layer runs as one matmul: its base weight replaced by
     W + scale * B A (computed in fp32, stored in W's dtype), its LoRA factors skipped; afterwards the
     original weights are back, the same tensors, untouched. For the phases that only act
     (evaluation, exploration): a layer's three calls (base, A, B) become one, which on a CPU at the
     few rows of a scoring pass is most of the time. Scores move only by rounding (fp32: ~1e-6; bf16:
     W + BA rounded once instead of the two products added). Holds one more copy of the adapted
-    weights meanwhile (SmolLM2-135M in bf16: ~200 MB). Yields how many layers were merged."""
+    weights meanwhile (SmolLM2-135M in bf16: ~200 MB; a 7B model's, 13 GB): where that would take
+    more than `max_bytes`, nothing is merged and the layers run as they are. Yields how many layers
+    were merged."""
+    layers = [m for m in peft_model.modules() if isinstance(m, LoraLinear) and adapter in m.lora_A
+              and not m.merged and adapter not in m.lora_variant]
+    need = sum(m.get_base_layer().weight.numel() * m.get_base_layer().weight.element_size() for m in layers)
+    if max_bytes is not None and need > max_bytes:
+        layers = []
     swapped = []
     try:
         with torch.no_grad():
-            for module in peft_model.modules():
-                if (isinstance(module, LoraLinear) and adapter in module.lora_A and not module.merged
-                        and adapter not in module.lora_variant):
-                    base = module.get_base_layer()
-                    original = base.weight
-                    merged = original.float() + module.get_delta_weight(adapter).float()
-                    base.weight = torch.nn.Parameter(merged.to(original.dtype), requires_grad=False)
-                    module.merged_adapters.append(adapter)
-                    swapped.append((module, base, original))
+            for module in layers:
+                base = module.get_base_layer()
+                original = base.weight
+                merged = original.float() + module.get_delta_weight(adapter).float()
+                base.weight = torch.nn.Parameter(merged.to(original.dtype), requires_grad=False)
+                module.merged_adapters.append(adapter)
+                swapped.append((module, base, original))
         yield len(swapped)
     finally:
         for module, base, original in swapped:
