@@ -184,11 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), {precision}, on {machine}",
           flush=True)
 
-    peaks = {"fp32": matmul_peak("fp32", device, seconds=args.seconds / 2, sizes=None if device.type == "cuda"
-                                 else (512, 1024, 2048))}
+    sizes = (4096, 8192) if device.type == "cuda" else (512, 1024, 2048)
+    peaks = {"fp32": matmul_peak("fp32", device, seconds=args.seconds / 2, sizes=sizes)}
     if device.type == "cuda" or cpu_has_native_bf16():
-        peaks["bf16"] = matmul_peak("bf16", device, seconds=args.seconds / 2, sizes=None if device.type == "cuda"
-                                    else (512, 1024, 2048))
+        peaks["bf16"] = matmul_peak("bf16", device, seconds=args.seconds / 2, sizes=sizes)
     for dtype, rate in peaks.items():
         print(f"matmul peak {dtype}: {rate / 1e9:,.1f} GFLOP/s", flush=True)
     # Right after the peak: whether the card ran at its clock, alone (the gpu extra's NVML bindings).

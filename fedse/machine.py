@@ -110,12 +110,13 @@ def available_memory_bytes(device=None) -> int:
 _PEAKS: dict[tuple[str, str, int], float] = {}
 
 
-def matmul_peak(dtype: str = "fp32", device=None, seconds: float = 0.3, sizes: tuple[int, ...] | None = None) -> float:
+def matmul_peak(dtype: str = "fp32", device=None, seconds: float = 0.2, sizes: tuple[int, ...] | None = None) -> float:
     """This machine's matmul rate in FLOP/s: square matrix products of `dtype` ("fp32" or "bf16") on
     `device` (default the CPU), with the process's torch threads, each size run for about `seconds`
     after a warm-up, the best size's rate. What model-FLOPs utilisation (MFU) is measured against:
     the rate a model's own matmuls could reach here, not a datasheet's. Remembered per process for
-    the default sizes (1,024 and 2,048 on a CPU, 4,096 and 8,192 on a GPU)."""
+    the default size (1,024 on a CPU, 8,192 on a GPU: a client measures it once, in about half a
+    second; `make bench-model` tries more sizes, for longer)."""
     import time
 
     import torch
@@ -126,7 +127,7 @@ def matmul_peak(dtype: str = "fp32", device=None, seconds: float = 0.3, sizes: t
         return _PEAKS[key]
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     best = 0.0
-    for n in sizes or ((4096, 8192) if dev.type == "cuda" else (1024, 2048)):
+    for n in sizes or ((8192,) if dev.type == "cuda" else (1024,)):
         a = torch.randn(n, n, device=dev).to(torch_dtype)
         b = torch.randn(n, n, device=dev).to(torch_dtype)
         torch.mm(a, b)  # warm-up: kernels chosen, memory touched
