@@ -471,3 +471,22 @@ def test_reuse_computes_a_start_that_episodes_of_one_batch_share_once():
     for prompt, s in zip(prompts, scores):
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in MAZE_ACTIONS])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
+
+
+def test_the_output_layer_runs_on_a_few_states_at_a_time_with_the_same_scores(monkeypatch):
+    from services.client_agent import layouts
+
+    model, tok = _model()
+    prompts, cands = _maze_prompts(2), [WORDS, MAZE_ACTIONS]
+    whole = ActionScorer(model, tok, max_prompt_tokens=160, method="packed").score(prompts, cands)
+    rows: list[int] = []
+    hook = model.get_base_model().get_output_embeddings().register_forward_hook(
+        lambda module, args, out: rows.append(args[0].shape[0]))
+    monkeypatch.setattr(layouts, "HEAD_ROWS", 3)
+    try:
+        parts = ActionScorer(model, tok, max_prompt_tokens=160, method="packed").score(prompts, cands)
+    finally:
+        hook.remove()
+    assert len(rows) > 2 and max(rows) == 3
+    for w, p in zip(whole, parts):
+        assert torch.allclose(w, p, atol=1e-5), (w, p)

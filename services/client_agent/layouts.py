@@ -33,6 +33,8 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per 
 # The fewest prompt tokens a prompt must share with an earlier one of its batch, beyond what the
 # prefix cache holds for it, to wait for a second pass that reuses them (Reuse.run).
 WORTH_WAITING = 32
+# The most hidden states the output layer runs on at once (Batch.add).
+HEAD_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,17 +103,22 @@ class Batch:
         """Adds log p(target) to the totals for each target, predicted from hidden[target.at]
         (hidden: [N, d]), to its prompt's candidate (every candidate where it is shared). The
         output layer runs once per distinct state: a start several candidates share predicts all
-        their next tokens from one (so its logits never outnumber a pass's columns)."""
+        their next tokens from one (so its logits never outnumber a pass's columns), on at most
+        HEAD_ROWS states at a time (a batch of Wordle prompts predicts 800 tokens: 160 MB of fp32
+        logits over SmolLM2's 49,152 tokens, twice with their log-softmax)."""
         states, which = torch.unique(torch.tensor([t.at for t in targets]), return_inverse=True)
         h = hidden[states.to(hidden.device)]
         head = runner.lm.get_output_embeddings()
         runner.work.head(len(states))
-        with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
-            logits = head(h.to(head.weight.dtype)).float()
-        tokens = torch.tensor([t.token for t in targets], device=h.device)
-        logp = torch.log_softmax(logits, dim=-1)[which.to(h.device), tokens]
-        del logits
-        logp = logp.cpu()
+        tokens = torch.tensor([t.token for t in targets])
+        logp = torch.empty(len(targets))
+        for c0 in range(0, len(states), HEAD_ROWS):
+            mine = (which >= c0) & (which < c0 + HEAD_ROWS)
+            with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
+                logits = head(h[c0:c0 + HEAD_ROWS].to(head.weight.dtype)).float()
+            rows, cols = (which[mine] - c0).to(h.device), tokens[mine].to(h.device)
+            logp[mine] = torch.log_softmax(logits, dim=-1)[rows, cols].cpu()
+            del logits
         items, cands = torch.tensor([t.item for t in targets]), torch.tensor([t.cand for t in targets])
         for b in set(items.tolist()):
             mine = items == b
