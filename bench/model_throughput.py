@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from fedse.machine import cpu_has_native_bf16, describe_cpu, gpu_state, matmul_peak  # noqa: E402
 from fedse.pretrained import TINY_MODEL_NAME, load_base, pick_device  # noqa: E402
@@ -41,6 +40,7 @@ from services.client_agent import model as mdl  # noqa: E402
 from services.client_agent.prompts import default_max_prompt_tokens, is_tiny  # noqa: E402
 from services.client_agent.trainer import DEFAULT_TRAIN_BATCH_TOKENS  # noqa: E402
 from services.client_agent.work import ModelShape, causal_context  # noqa: E402
+from real_round import one_round  # noqa: E402
 
 PHASES = ("eval", "explore", "train")
 
@@ -82,7 +82,7 @@ def plain_passes(model, precision: str, device: torch.device, seconds: float) ->
     s = timed(forward, seconds, sync)
     n = rows * window
     # transformers' forward runs the output layer on every position.
-    flops = shape.forward_flops(n, causal_context([window] * rows)) + 2.0 * shape.head * n
+    flops = shape.forward_flops(n, causal_context([window] * rows)) + shape.head_flops(n)
     out.append({"what": f"plain forward, {rows} x {window} tokens", "tokens_per_s": n / s, "flops_per_s": flops / s})
 
     peft_model = mdl.add_lora(model)
@@ -105,8 +105,7 @@ def plain_passes(model, precision: str, device: torch.device, seconds: float) ->
 
     s = timed(forward_backward, seconds, sync)
     n = rows * window
-    ctx = causal_context([window] * rows)
-    flops = 2 * 2.0 * shape.linear * n + 3 * 4.0 * shape.layers * shape.attention * ctx + 2 * 2.0 * shape.head * n
+    flops = shape.forward_flops(n, causal_context([window] * rows), train=True) + shape.head_flops(n, train=True)
     out.append({"what": f"forward + backward (LoRA{', checkpointing' if checkpointing else ''}), {rows} x {window} "
                         f"tokens", "tokens_per_s": n / s, "flops_per_s": flops / s})
     if checkpointing:
@@ -119,18 +118,10 @@ def client_rounds(base_model: str, envs: list[str], args: argparse.Namespace) ->
     """One `fedse run --rounds 1` per environment; each client's round-0 work metrics."""
     rows = []
     for env in envs:
-        out = pathlib.Path(tempfile.mkdtemp(prefix=f"fedse-bench-model-{env}-"))
-        cmd = [sys.executable, "-m", "apps.cli", "run", "--envs", env, "--rounds", "1", "--base-model", base_model,
-               "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
-               "--expert-demos", str(args.expert_demos), "--results", str(out), *args.extra]
-        print(f"[{env}] fedse {' '.join(cmd[3:])}", flush=True)
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:])
-            raise SystemExit(f"[{env}] fedse run failed ({proc.returncode}); logs in {out}/logs")
-        r0 = json.loads((out / "results.json").read_text())["envs"][env][0]
-        print(f"[{env}] done in {time.perf_counter() - started:.0f} s", flush=True)
+        (r0, *_), wall, _ = one_round(env, base_model, [
+            "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
+            "--expert-demos", str(args.expert_demos), *args.extra], prefix="fedse-bench-model")
+        print(f"[{env}] done in {wall:.0f} s", flush=True)
         for phase in PHASES:
             if f"{phase}_tokens_per_s" not in r0:
                 continue

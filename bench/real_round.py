@@ -26,6 +26,23 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def one_round(env: str, base_model: str, flags: list[str], prefix: str = "fedse-bench") -> tuple[list[dict], float, pathlib.Path]:
+    """`fedse run --envs ENV --rounds 1` of `base_model` with more `flags`, in a results folder of
+    its own: (the client's rows of results.json, one per round, the run's wall seconds, the folder).
+    Stops the bench with the run's output where it fails."""
+    out = pathlib.Path(tempfile.mkdtemp(prefix=f"{prefix}-{env}-"))
+    cmd = [sys.executable, "-m", "apps.cli", "run", "--envs", env, "--rounds", "1", "--base-model", base_model,
+           *flags, "--results", str(out)]
+    print(f"[{env}] fedse {' '.join(cmd[3:])}", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:])
+        raise SystemExit(f"[{env}] fedse run failed ({proc.returncode}); logs in {out}/logs")
+    return json.loads((out / "results.json").read_text())["envs"][env], wall, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
@@ -39,18 +56,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for env in [e.strip() for e in args.envs.split(",") if e.strip()]:
-        out = pathlib.Path(tempfile.mkdtemp(prefix=f"fedse-bench-{env}-"))
-        cmd = [sys.executable, "-m", "apps.cli", "run", "--envs", env, "--rounds", "1", "--base-model", args.base_model,
-               "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
-               "--expert-demos", str(args.expert_demos), "--lr", str(args.lr), "--results", str(out), *args.extra]
-        print(f"[{env}] {' '.join(cmd[2:])}", flush=True)
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wall = time.perf_counter() - started
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:])
-            raise SystemExit(f"[{env}] fedse run failed ({proc.returncode}); logs in {out}/logs")
-        r0, r1 = json.loads((out / "results.json").read_text())["envs"][env][:2]
+        (r0, r1, *_), wall, out = one_round(env, args.base_model, [
+            "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
+            "--expert-demos", str(args.expert_demos), "--lr", str(args.lr), *args.extra])
         rows.append({"env": env, "wall": wall, **{k: r0.get(k, float("nan")) for k in (
             "eval_s", "explore_s", "train_s", "examples", "sequences", "kept", "explore_success")},
             "round": r0["eval_s"] + r0["explore_s"] + r0["train_s"], "test_0": r0["test_success"],

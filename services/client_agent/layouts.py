@@ -340,8 +340,8 @@ class Reuse(Layout):
         past = DynamicCache()
         if C > 0:
             layers = []
-            for i in range(len(next(kv for _, kv in found if kv is not None))):
-                k0, v0 = next(kv[i] for _, kv in found if kv is not None)
+            some = next(kv for _, kv in found if kv is not None)  # shapes and dtypes of every layer's
+            for i, (k0, v0) in enumerate(some):
                 k = k0.new_zeros((B, k0.shape[1], C, k0.shape[3]))
                 v = v0.new_zeros((B, v0.shape[1], C, v0.shape[3]))
                 for b, ((_, kv), s) in enumerate(zip(found, starts)):

@@ -56,10 +56,16 @@ class ModelShape:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(linear, cfg.num_hidden_layers, heads * head_dim, lm.get_output_embeddings().weight.numel())
 
-    def forward_flops(self, tokens: int, context: int) -> float:
+    def forward_flops(self, tokens: int, context: int, train: bool = False) -> float:
         """A forward pass over `tokens` tokens that read `context` positions in all (each token
-        counts the positions it attends to, itself included)."""
-        return 2.0 * self.linear * tokens + 4.0 * self.layers * self.attention * context
+        counts the positions it attends to, itself included); `train`: with the backward pass
+        through the activations (1x the linear FLOPs again, 2x attention's)."""
+        linear, attention = 2.0 * self.linear * tokens, 4.0 * self.layers * self.attention * context
+        return 2 * linear + 3 * attention if train else linear + attention
+
+    def head_flops(self, rows: int, train: bool = False) -> float:
+        """The output layer on `rows` hidden states (`train`: and back through them)."""
+        return (2.0 if train else 1.0) * 2.0 * self.head * rows
 
 
 def causal_context(lengths, start: int = 0) -> int:
@@ -72,7 +78,7 @@ class Work:
     whoever watches (`watch`: Prometheus counters) as they are counted. `phase(name)` says which
     phase the passes inside it belong to."""
 
-    def __init__(self, shape: ModelShape | None = None):
+    def __init__(self, shape: ModelShape):
         self.shape = shape
         self.tokens: dict[tuple[str, str], int] = {(p, k): 0 for p in PHASES for k in KINDS}
         self.flops: dict[str, float] = {p: 0.0 for p in PHASES}
@@ -111,17 +117,13 @@ class Work:
         """A forward pass that computed `tokens` tokens of `kind` ("prompt", "generated" or "train":
         then with its backward pass), reading `context` positions in all, plus `padded` positions
         that hold none, after `cached` tokens a prefix cache served."""
-        flops = self.shape.forward_flops(tokens, context) if self.shape else 0.0
-        if kind == "train" and self.shape:  # the backward pass: 1x the linear FLOPs, 2x attention's
-            flops += 2.0 * self.shape.linear * tokens + 2 * 4.0 * self.shape.layers * self.shape.attention * context
-        self._add(kind, tokens, flops)
+        self._add(kind, tokens, self.shape.forward_flops(tokens, context, train=kind == "train"))
         self._add("padding", padded)
         self._add("cached", cached)
 
     def head(self, rows: int, train: bool = False) -> None:
         """The output layer ran on `rows` hidden states (and, training, back through them)."""
-        if self.shape:
-            self._add(None, 0, (2.0 if train else 1.0) * 2.0 * self.shape.head * rows)
+        self._add(None, 0, self.shape.head_flops(rows, train))
 
     def totals(self) -> tuple[int, int]:
         """Tokens computed (prompt, generated, train) and padding positions so far, every phase."""
