@@ -284,8 +284,10 @@ class Service:
             self.health_server.stop(0).wait()
         self._stopped.set()
 
-    def wait_for_termination(self, grace: float = 5.0) -> None:
-        """Blocks until SIGTERM or SIGINT, then stops gracefully (health goes NOT_SERVING first)."""
+    def stop_on_signals(self, grace: float = 5.0) -> None:
+        """SIGTERM or SIGINT from now on stops the server gracefully (health goes NOT_SERVING first).
+        Entry points call it before they announce their port: a signal sent the moment a process says it
+        serves (a supervisor, a test) must find the handler there, not the default action."""
 
         def on_signal(signum, _frame):
             logging.getLogger(self.name).info("shutting down", extra=log_fields(signal=signum))
@@ -293,6 +295,9 @@ class Service:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+
+    def wait_for_termination(self) -> None:
+        """Blocks until the server has stopped (after a signal, with stop_on_signals, or stop())."""
         self._stopped.wait()
 
 

@@ -321,6 +321,7 @@ def serve(config: AggregatorConfig) -> int:
         log.warning("secure aggregation without mTLS and --allowed-clients: anyone who reaches this port can "
                     "take part under any client id, and a threshold of its own ids could unmask one client's "
                     "adapter; set --tls-ca, --tls-cert, --tls-key and --allowed-clients")
+    agg.service.stop_on_signals()
     agg.start()
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, run_id=config.run_id,
                                          num_rounds=config.rounds, min_clients=config.min_clients,

@@ -121,6 +121,7 @@ def serve(config: EnvServerConfig) -> int:
     except ConfigError as exc:  # e.g. a --tls-key that is not --tls-cert's
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    server.stop_on_signals()
     server.start()
     server.ready([SERVICE_NAME])
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, envs=[
