@@ -6,7 +6,8 @@ models/smollm2-135m-instruct"`):
    (a CPU with AVX512-BF16 or AMX, a GPU);
 2. the base model alone at the shapes the client uses (its prompt window, the scorer's and the
    trainer's tokens per pass): a plain forward (transformers' own call, no cache), and a forward
-   plus backward with a LoRA on it, as the trainer runs it (checkpointing for a real model);
+   plus backward with a LoRA on it, as the trainer runs it (without checkpointing, and for a real
+   model also with every layer checkpointed: the trainer checkpoints what memory needs);
 3. the client's own work on each environment: a whole local federation of one client per
    environment (`fedse run --rounds 1`: real env server, aggregator and client agent processes),
    whose round-0 report says the tokens it computed per second in each phase, their MFU, the
@@ -61,7 +62,8 @@ def timed(fn, seconds: float, sync) -> float:
 
 def plain_passes(model, precision: str, device: torch.device, seconds: float) -> list[dict]:
     """A plain forward of the base model, and a forward plus backward with a LoRA (the trainer's
-    precision, checkpointing for a real model), at the client's shapes: rows x its prompt window,
+    precision; without checkpointing, then for a real model with every layer checkpointed), at the
+    client's shapes: rows x its prompt window,
     as many rows as the scorer's (forward) and the trainer's (backward) token budgets hold."""
     window = min(512, default_max_prompt_tokens(model))
     fwd_tokens = 4096 if device.type == "cpu" else 65536
@@ -89,9 +91,6 @@ def plain_passes(model, precision: str, device: torch.device, seconds: float) ->
     rows = max(1, train_tokens // window)
     ids = torch.randint(3, vocab, (rows, window), generator=gen).to(device)
     inner = peft_model.get_base_model()
-    checkpointing = not is_tiny(model)
-    if checkpointing:
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
 
     def forward_backward():
@@ -103,13 +102,17 @@ def plain_passes(model, precision: str, device: torch.device, seconds: float) ->
         loss.backward()
         peft_model.zero_grad(set_to_none=True)
 
-    s = timed(forward_backward, seconds, sync)
+    # The client checkpoints only the layers a micro-batch needs to fit its memory: both ends measured.
     n = rows * window
     flops = shape.forward_flops(n, causal_context([window] * rows), train=True) + shape.head_flops(n, train=True)
-    out.append({"what": f"forward + backward (LoRA{', checkpointing' if checkpointing else ''}), {rows} x {window} "
-                        f"tokens", "tokens_per_s": n / s, "flops_per_s": flops / s})
-    if checkpointing:
-        inner.gradient_checkpointing_disable()
+    for checkpointing in (False, True) if not is_tiny(model) else (False,):
+        if checkpointing:
+            inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        s = timed(forward_backward, seconds, sync)
+        out.append({"what": f"forward + backward (LoRA{', every layer checkpointed' if checkpointing else ''}), "
+                            f"{rows} x {window} tokens", "tokens_per_s": n / s, "flops_per_s": flops / s})
+        if checkpointing:
+            inner.activation_checkpointing_disable()
     peft_model.unload()  # the base model as it was
     return out
 

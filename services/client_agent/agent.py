@@ -72,7 +72,7 @@ from .secure import Contribution, Protection, ReleaseBook, SecureRound
 from .seeding import count_demos, seed_buffer
 from .state import StateDir
 from .tasks import EnvTasks, capabilities, env_tasks, writing
-from .trainer import train_lora, training_examples
+from .trainer import ActivationCost, Checkpointing, train_lora, training_examples
 
 log = logging.getLogger("client_agent")
 
@@ -138,6 +138,7 @@ class ClientAgent:
         self.work = self.player.scorer.work
         self.work.watch(count_work)
         self._peak_flops: float | None = None
+        self._activation_cost: ActivationCost | None = None  # measured at the first training
         log.info("model ready", extra=log_fields(base_model=config.base_model, device=str(self.device),
                                                  precision=self.precision, threads=torch.get_num_threads(),
                                                  prompt_format=type(self.fmt).__name__,
@@ -518,7 +519,7 @@ class ClientAgent:
             torch.manual_seed(seed)
             result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
-                                checkpointing=not is_tiny(self.model), precision=self.precision,
+                                checkpointing=self.checkpointing(), precision=self.precision,
                                 release_memory=not is_tiny(self.model), progress=on_step, work=self.work)
         self.loaded_round = None
         release_free_memory()
@@ -532,6 +533,21 @@ class ClientAgent:
             LOSS.set(result["loss"])
             metrics["train_loss"] = result["loss"]
         return data, turns, metrics
+
+    def checkpointing(self) -> bool | Checkpointing:
+        """Which layers of a real model recompute their activations in training: the fewest that keep a
+        micro-batch's activations within a quarter of the memory this client has left (--memory-limit-mb,
+        else the machine's or container's), so that several clients of one machine training at once stay
+        within it; none where the whole micro-batch fits (the tiny model never needs it)."""
+        if is_tiny(self.model):
+            return False
+        if self._activation_cost is None:
+            self._activation_cost = ActivationCost.measure(self.model, self.precision, self.device)
+            log.info("training activations measured", extra=log_fields(
+                kb_per_token=round(self._activation_cost.per_token / 1e3),
+                kb_per_token_checkpointed=round(self._activation_cost.checkpointed_per_token / 1e3)))
+        limit = self.cfg.memory_limit_mb * 1_000_000 or available_memory_bytes(self.device)
+        return Checkpointing(self._activation_cost, max(0, limit - resident_bytes(self.device)) / 4)
 
     def work_done(self, before, phase: str, seconds: float) -> dict[str, float]:
         """The model's work in one phase since `before` (Work.snapshot), as round metrics, with its

@@ -151,6 +151,7 @@ def step_bytes(peft_model, batch_tokens: int, width: int, precision: str, device
     """What one training step over a micro-batch of `batch_tokens` tokens (rows of `width`) holds beyond
     what is resident (see the module doc), measured on the model."""
     from .model import autocast
+    from .trainer import kept_by_autograd
 
     width = max(2, min(width, batch_tokens))
     rows = max(1, batch_tokens // width)
@@ -160,14 +161,10 @@ def step_bytes(peft_model, batch_tokens: int, width: int, precision: str, device
     for p in params:
         p.requires_grad_(True)
     lora = sum(p.numel() * p.element_size() for p in params)
-    frozen = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in frozen:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    def step() -> torch.Tensor:
+        with autocast(precision, device):
+            return peft_model(input_ids=ids, labels=ids).loss
 
     cuda = device.type == "cuda"
     if cuda:
@@ -176,17 +173,13 @@ def step_bytes(peft_model, batch_tokens: int, width: int, precision: str, device
         before = torch.cuda.memory_allocated(device)
     peft_model.train()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(precision, device):
-            loss = peft_model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        kept = kept_by_autograd(peft_model, step)
         if cuda:
             torch.cuda.synchronize(device)
             measured = torch.cuda.max_memory_allocated(device) - before + 2 * lora  # AdamW's moments
         else:
-            measured = sum(seen.values()) + 3 * lora  # gradients and AdamW's two moments
+            measured = kept + 3 * lora  # gradients and AdamW's two moments
     finally:
-        for p in params:
-            p.grad = None
         peft_model.eval()
     return int(measured)
 

@@ -14,7 +14,9 @@ of at most `max_batch_tokens` tokens (rows x padded width; a longer sequence run
 gradients accumulate, so the step is the one a whole batch would take
 (the loss is the mean over the batch's target tokens). `checkpointing` recomputes each layer's
 activations in the backward pass instead of keeping them (real models; the tiny model needs no
-help). `precision` "bf16" runs the forward and backward under bfloat16 autocast (the LoRA weights
+help): on every layer (True), or (a Checkpointing) on the fewest layers that bring each
+micro-batch's kept activations within the memory room it is given, none where the whole micro-batch
+fits (recomputing costs about a third more time). `precision` "bf16" runs the forward and backward under bfloat16 autocast (the LoRA weights
 and optimizer stay fp32).
 
 Default learning rate 3e-3 (TINY_LR): the paper's 5e-5 is for 7B models. On the tiny default model
@@ -25,6 +27,8 @@ MODEL_NOTES.md). For real LLMs pass the paper's value (PAPER_LR) or what their n
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -45,6 +49,124 @@ PAPER_LR = 5e-5
 # bf16 autocast: about 330 kB per token of budget at the peak (1,024: 1.6 GB for the whole process,
 # 2,048: 1.9 GB, 4,096: 2.6 GB; without checkpointing 2,048 takes 3.9 GB), and no slower at 1,024.
 DEFAULT_TRAIN_BATCH_TOKENS = 1024
+
+
+def kept_by_autograd(model, step: Callable[[], torch.Tensor]) -> int:
+    """The bytes of the tensors autograd keeps for the backward pass while `step` runs the forward pass
+    and returns a loss, counted once per storage and leaving out the model's parameters (resident
+    already); the loss is then back-propagated and the parameters' gradients cleared."""
+    frozen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in frozen:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step()
+        loss.backward()
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    return sum(seen.values())
+
+
+def _checkpointing_layers(inner) -> list[torch.nn.Module]:
+    """The decoder layers that can recompute their activations (transformers' GradientCheckpointingLayer)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in inner.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _checkpoint(layers: list[torch.nn.Module], k: int) -> None:
+    """k of the layers, spread evenly, recompute their activations in the backward pass; the others keep them."""
+    n = len(layers)
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = (i + 1) * k // n != i * k // n
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationCost:
+    """What autograd keeps for a training micro-batch, as measured on a model (ActivationCost.measure):
+    a row of w tokens keeps per_token * w + per_pair * w * w bytes with no layer checkpointed (per_pair:
+    attention that keeps its weights), and `checkpointed_per_token` * w with every one of the `layers`
+    checkpointed (each keeps only its input); k checkpointed layers save k / layers of the difference."""
+
+    layers: int
+    per_token: float
+    per_pair: float
+    checkpointed_per_token: float
+
+    def bytes(self, rows: int, width: int, checkpointed: int = 0) -> float:
+        full = self.per_token * width + self.per_pair * width * width
+        saved = (full - self.checkpointed_per_token * width) * checkpointed / max(1, self.layers)
+        return rows * (full - max(0.0, saved))
+
+    def fewest_checkpointed(self, rows: int, width: int, room: float) -> int:
+        """The fewest layers to checkpoint for rows x width tokens to keep at most `room` bytes (all of
+        them where even that does not fit: the micro-batch budget bounds it then)."""
+        full, least = self.bytes(rows, width), self.bytes(rows, width, self.layers)
+        if full <= room or self.layers == 0:
+            return 0
+        if least >= room:
+            return self.layers
+        k = int((full - room) / (full - least) * self.layers) + 1  # bytes fall linearly in k
+        return min(self.layers, k)
+
+    @classmethod
+    def measure(cls, peft_model, precision: str, device: torch.device, widths: tuple[int, int] = (64, 128)) -> \
+            "ActivationCost":
+        """Measured with one-row passes of random tokens (forward and backward through the decoder) at
+        two widths without checkpointing, and at the first with every layer checkpointed, leaving the
+        caller's random state as it was (dropout draws from it). A model whose layers cannot recompute
+        (no GradientCheckpointingLayer) has 0 layers: it never checkpoints."""
+        inner = peft_model.get_base_model()
+        decoder = inner.get_decoder()
+        layers = _checkpointing_layers(inner) if getattr(inner, "supports_gradient_checkpointing", False) else []
+        params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+        vocab = peft_model.get_input_embeddings().weight.shape[0]
+        gen = torch.Generator().manual_seed(0)
+
+        def kept(width: int, checkpointed: int) -> int:
+            ids = torch.randint(3, max(4, vocab), (1, width), generator=gen).to(device)
+            _checkpoint(layers, checkpointed)
+
+            def step() -> torch.Tensor:
+                with autocast(precision, device):
+                    return decoder(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean()
+
+            return kept_by_autograd(peft_model, step)
+
+        was_training = peft_model.training
+        for p in params:
+            p.requires_grad_(True)
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), contextlib.ExitStack() as undo:
+            undo.callback(peft_model.train, was_training)
+            peft_model.train()
+            if layers:
+                inner.activation_checkpointing_enable()
+                undo.callback(inner.activation_checkpointing_disable)
+            (w1, w2), (f1, f2) = widths, (kept(widths[0], 0), kept(widths[1], 0))
+            low = kept(w1, len(layers)) if layers else f1
+        per_pair = max(0.0, (f2 / w2 - f1 / w1) / (w2 - w1))
+        per_token = max(f1 / w1 - per_pair * w1, f2 / w2 - per_pair * w2)
+        return cls(len(layers), per_token, per_pair, low / w1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """Checkpoint, in each micro-batch, the fewest layers that keep its activations within `room` bytes
+    (ActivationCost.fewest_checkpointed)."""
+
+    cost: ActivationCost
+    room: float
+
+    def layers(self, rows: int, width: int) -> int:
+        return self.cost.fewest_checkpointed(rows, width, self.room)
 
 
 def training_examples(trajectories: list[Trajectory], fmt: PromptFormat, tokenize: TokenCache,
@@ -103,12 +225,12 @@ def _tensors(chunk: list[Encoded], pad_id: int, bucket: bool = False):
 
 def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens: int, pad_id: int,
                          precision: str = "fp32", release_memory: bool = False, bucket: bool = False,
-                         work: Work | None = None) -> float:
+                         work: Work | None = None, before: Callable[[int, int], None] | None = None) -> float:
     """Adds to the parameters' .grad the gradient of the batch's mean target-token loss, computed in
     micro-batches of at most max_batch_tokens tokens (micro_batches); returns the summed token loss.
     `release_memory`: after each micro-batch, return the freed heap to the system (release_free_memory).
     `bucket`: pad each micro-batch to its length's bucket (model.bucket_length). `work` counts the
-    tokens and FLOPs (work.Work)."""
+    tokens and FLOPs (work.Work). `before(rows, width)` is called before each micro-batch runs."""
     inner = peft_model.get_base_model()
     decoder, head = inner.get_decoder(), inner.get_output_embeddings()
     device = head.weight.device
@@ -120,6 +242,8 @@ def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens:
     for run in micro_batches([len(e.ids) for e in batch], max_batch_tokens):
         ids, labels = (t.to(device) for t in _tensors([batch[i] for i in run], pad_id, bucket))
         lengths = [len(batch[i].ids) for i in run]
+        if before is not None:
+            before(*ids.shape)
         # Without a mask attention keeps its fused causal kernel (measured: a 2,880-token BabyAI
         # sequence padded by 9 tokens and masked made training 10x slower).
         with autocast(precision, device):
@@ -154,7 +278,8 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                lr: float = TINY_LR, batch_size: int = 8, seed: int = 0,
                max_prompt_tokens: int | None = None, warmup_ratio: float = 0.05,
                weight_decay: float = 0.0, max_grad_norm: float = 1.0,
-               max_batch_tokens: int | None = None, checkpointing: bool = False, precision: str = "fp32",
+               max_batch_tokens: int | None = None, checkpointing: bool | Checkpointing = False,
+               precision: str = "fp32",
                release_memory: bool = False, bucket: bool | None = None,
                progress: Callable[[dict], None] | None = None, work: Work | None = None) -> dict:
     """Fine-tunes the LoRA parameters of `peft_model` in place on training sequences (or plain
@@ -163,7 +288,9 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
 
     Returns {"loss": mean target-token loss over the last epoch, "first_loss": over the first epoch,
     "steps", "examples" (sequences), "turns" (agent turns in them), "tokens" (target tokens per
-    epoch), "seconds"}. `bucket`: pad micro-batches to bucket lengths (None: where
+    epoch), "seconds", "recomputed" (the share of layer passes that recomputed their activations)}.
+    `checkpointing`: False, True (every layer) or a Checkpointing (the fewest layers a micro-batch
+    needs). `bucket`: pad micro-batches to bucket lengths (None: where
     model.pads_to_buckets says, bf16 on a CPU). `progress`, if given, is called after every
     optimizer step with {"step", "steps", "epoch", "loss", "lr"}. `work` counts the tokens and FLOPs
     (work.Work).
@@ -175,7 +302,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     if not examples:
         return {"loss": float("nan"), "first_loss": float("nan"), "steps": 0, "examples": 0, "turns": 0,
-                "tokens": 0, "seconds": 0.0}
+                "tokens": 0, "seconds": 0.0, "recomputed": 0.0}
     params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
     if not params:
         raise ValueError("train_lora: the model has no LoRA parameters (wrap it with add_lora first)")
@@ -198,8 +325,17 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
     n_target = sum(e.targets for e in encoded)
     inner = peft_model.get_base_model()
     was_training = peft_model.training
+    layers = _checkpointing_layers(inner) if checkpointing else []
+    passes = [0, 0]  # layer passes run, recomputed
+
+    def before(rows: int, width: int) -> None:
+        k = checkpointing.layers(rows, width) if isinstance(checkpointing, Checkpointing) else len(layers)
+        _checkpoint(layers, k)
+        passes[0] += len(layers)
+        passes[1] += k
+
     if checkpointing:
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     peft_model.train()
     step, epoch_losses = 0, []
     try:
@@ -210,7 +346,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                 n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
                 batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, release_memory, bucket,
-                                                  work)
+                                                  work, before if layers else None)
                 if max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 optimizer.step()
@@ -223,7 +359,8 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
             epoch_losses.append(loss_sum / max(n_target, 1))
     finally:
         if checkpointing:
-            inner.gradient_checkpointing_disable()
+            inner.activation_checkpointing_disable()
         peft_model.train(was_training)
     return {"loss": epoch_losses[-1], "first_loss": epoch_losses[0], "steps": step, "examples": len(encoded),
-            "turns": sum(e.turns for e in encoded), "tokens": n_target, "seconds": time.perf_counter() - t0}
+            "turns": sum(e.turns for e in encoded), "tokens": n_target, "seconds": time.perf_counter() - t0,
+            "recomputed": passes[1] / passes[0] if passes[0] else 0.0}

@@ -1,0 +1,111 @@
+"""Activation checkpointing where memory needs it: the measured cost of a micro-batch's activations,
+the fewest layers that bring it within a room, and training that recomputes exactly those layers and
+learns what it learns without them."""
+
+import pytest
+import torch
+
+from fedse.tinymodel import build_tiny_model
+from services.client_agent.model import add_lora, get_adapter_state
+from services.client_agent.trainer import (ActivationCost, Checkpointing, _checkpoint, _checkpointing_layers,
+                                           encode_pairs, kept_by_autograd, train_lora)
+from services.env_server.envs.maze import MazeEnv
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def examples():
+    env = MazeEnv()
+    pairs = []
+    for task in env.tasks("train")[:3]:
+        ep = env.reset(task)
+        for _ in range(4):
+            action = ep.expert_action()
+            pairs.append((ep.observation, action))
+            if ep.step(action).done:
+                break
+    return pairs
+
+
+def _lora(seed=0):
+    model, tok = build_tiny_model(seed)
+    return add_lora(model, seed=seed), tok
+
+
+def _kept(peft, rows, width, checkpointed):
+    """What autograd keeps over one decoder pass of rows x width tokens with `checkpointed` layers."""
+    inner = peft.get_base_model()
+    layers = _checkpointing_layers(inner)
+    ids = torch.randint(3, 200, (rows, width), generator=torch.Generator().manual_seed(1))
+    inner.activation_checkpointing_enable()
+    _checkpoint(layers, checkpointed)
+    peft.train()
+    try:
+        return kept_by_autograd(peft, lambda: inner.get_decoder()(input_ids=ids, use_cache=False)
+                                .last_hidden_state.square().mean())
+    finally:
+        inner.activation_checkpointing_disable()
+        peft.eval()
+
+
+def test_the_measured_cost_predicts_what_a_larger_micro_batch_keeps_and_leaves_the_caller_as_it_was():
+    peft, _ = _lora()
+    n_layers = len(_checkpointing_layers(peft.get_base_model()))
+    for mode in (False, True):
+        peft.train(mode)
+        rng = torch.get_rng_state()
+        cost = ActivationCost.measure(peft, "fp32", CPU)
+        assert torch.equal(torch.get_rng_state(), rng) and peft.training == mode
+    assert not peft.get_base_model().is_activation_checkpointing
+    assert cost.layers == n_layers >= 2
+    assert 0 < cost.checkpointed_per_token < cost.per_token
+    for rows, width, k in [(3, 200, 0), (3, 200, n_layers), (2, 300, n_layers // 2)]:
+        real = _kept(peft, rows, width, k)
+        assert cost.bytes(rows, width, k) == pytest.approx(real, rel=0.2), (rows, width, k)
+    assert _kept(peft, 3, 200, n_layers) < _kept(peft, 3, 200, 0) / 2
+
+
+def test_the_fewest_layers_checkpointed_are_the_least_that_fit_the_room():
+    cost = ActivationCost(layers=10, per_token=1000.0, per_pair=2.0, checkpointed_per_token=100.0)
+    full, least = cost.bytes(4, 256), cost.bytes(4, 256, 10)
+    assert full == 4 * (1000 * 256 + 2 * 256 * 256) and least == 4 * 100 * 256
+    assert cost.fewest_checkpointed(4, 256, full) == 0
+    assert cost.fewest_checkpointed(4, 256, least / 2) == 10  # nothing fits: every layer
+    for room in torch.linspace(least, full - 1, 37).tolist():
+        k = cost.fewest_checkpointed(4, 256, room)
+        assert cost.bytes(4, 256, k) <= room < cost.bytes(4, 256, k - 1), (room, k)
+
+
+def test_training_recomputes_exactly_the_layers_each_micro_batch_needs_and_learns_the_same(examples):
+    """Each checkpointed layer runs its forward twice (the recompute in the backward pass); counting
+    the calls into the layers' MLPs (on entry: a recompute stops once it has what the backward
+    needs) checks the trainer's own account, and the adapters must not depend on it."""
+    results = {}
+    for name in ("none", "roomy", "tight", "some", "all"):
+        peft, tok = _lora()
+        seqs = encode_pairs(tok, examples, 160)
+        cost = ActivationCost.measure(peft, "fp32", CPU)
+        width = max(len(e.ids) for e in seqs)
+        setting = {"none": False, "all": True,
+                   "roomy": Checkpointing(cost, cost.bytes(4, width) * 2),
+                   "tight": Checkpointing(cost, 1.0),
+                   "some": Checkpointing(cost, (cost.bytes(1, width) + cost.bytes(1, width, cost.layers)) / 2)}[name]
+        layers = _checkpointing_layers(peft.get_base_model())
+        calls = [0]
+        hooks = [layer.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for layer in layers]
+        stats = train_lora(peft, tok, seqs, epochs=1, batch_size=4, seed=3, max_batch_tokens=width,
+                           checkpointing=setting)
+        for h in hooks:
+            h.remove()
+        passes = len(seqs) * len(layers)  # a micro-batch of one sequence each: its width is the budget
+        assert calls[0] == pytest.approx(passes * (1 + stats["recomputed"])), name
+        assert not peft.get_base_model().is_activation_checkpointing
+        results[name] = (stats["recomputed"], get_adapter_state(peft))
+    assert results["none"][0] == results["roomy"][0] == 0
+    assert results["all"][0] == results["tight"][0] == 1
+    assert 0 < results["some"][0] < 1
+    reference = results["none"][1]
+    for name, (_, state) in results.items():
+        assert all(torch.allclose(state[k], reference[k], atol=1e-6) for k in reference), name
+    assert any(float(v.abs().max()) > 0 for k, v in reference.items() if "lora_B" in k)  # it learnt something
