@@ -334,11 +334,13 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
         passes[0] += len(layers)
         passes[1] += k
 
-    if checkpointing:
-        inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    peft_model.train()
     step, epoch_losses = 0, []
-    try:
+    with contextlib.ExitStack() as undo:
+        undo.callback(peft_model.train, was_training)
+        peft_model.train()
+        if checkpointing:
+            inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            undo.callback(inner.activation_checkpointing_disable)
         for epoch, (order, plan) in enumerate(zip(orders, plans)):
             loss_sum = 0.0
             for run in plan:
@@ -357,10 +359,6 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                     progress({"step": step, "steps": total, "epoch": epoch, "loss": batch_loss / n_tok,
                               "lr": scheduler.get_last_lr()[0]})
             epoch_losses.append(loss_sum / max(n_target, 1))
-    finally:
-        if checkpointing:
-            inner.activation_checkpointing_disable()
-        peft_model.train(was_training)
     return {"loss": epoch_losses[-1], "first_loss": epoch_losses[0], "steps": step, "examples": len(encoded),
             "turns": sum(e.turns for e in encoded), "tokens": n_target, "seconds": time.perf_counter() - t0,
             "recomputed": passes[1] / passes[0] if passes[0] else 0.0}

@@ -1,6 +1,6 @@
-"""Activation checkpointing where memory needs it: the measured cost of a micro-batch's activations,
-the fewest layers that bring it within a room, and training that recomputes exactly those layers and
-learns what it learns without them."""
+"""How training runs its passes. Activation checkpointing where memory needs it: the measured cost
+of a micro-batch's activations, the fewest layers that bring it within a room, and training that
+recomputes exactly those layers and learns what it learns without them."""
 
 import pytest
 import torch
@@ -109,3 +109,4 @@ def test_training_recomputes_exactly_the_layers_each_micro_batch_needs_and_learn
     for name, (_, state) in results.items():
         assert all(torch.allclose(state[k], reference[k], atol=1e-6) for k in reference), name
     assert any(float(v.abs().max()) > 0 for k, v in reference.items() if "lora_B" in k)  # it learnt something
+
