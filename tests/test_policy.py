@@ -259,11 +259,17 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     assert 0 < small.cache.bytes <= 4_000_000 and 1 <= len(small.cache) < 6
 
 
-@pytest.mark.parametrize("bucket", [False, True])
-def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_prefix(bucket):
+@pytest.mark.parametrize("bucket,overhead,rows", [(False, 10_000, [3]), (True, 10_000, [3]), (False, 64, [2, 1])])
+def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_prefix(bucket, overhead, rows,
+                                                                                     monkeypatch):
     """Concurrent episodes' prompts are scored together: one pass holds every prompt's new tokens,
     each after the prefix the cache holds for it (of different lengths, or none), and its
-    candidates; the scores are a direct pass's."""
+    candidates; the scores are a direct pass's. Where a pass costs less than the padding it saves
+    (layouts.PASS_OVERHEAD), a row far narrower than the others (a Maze turn's new tokens and its
+    few actions, 55 positions, beside rows of 164 and 189) runs in a pass of its own."""
+    from services.client_agent import layouts
+
+    monkeypatch.setattr(layouts, "PASS_OVERHEAD", overhead)
     model, tok = _model()
     scorer = ActionScorer(model, tok, max_prompt_tokens=4096, method="reuse", bucket=bucket)
     env = MazeEnv()
@@ -291,7 +297,7 @@ def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_pr
     for prompt, cs, s in zip(prompts, cands, scores):
         direct = torch.tensor([_direct_loglik(model, tok, prompt, c, 4096) for c in cs])
         assert torch.allclose(s, direct, atol=1e-3), (s, direct)
-    assert passes == [3]  # one pass: each row a prompt's new tokens, then its candidates
+    assert passes == rows  # each row a prompt's new tokens, then its candidates
     # The first two continue their episodes' previous turns; the third episode's first prompt
     # shares its start (the instruction) with the others.
     assert reuse.hits == 3 and reuse.reused > sum(len(p) for p in (episodes[0][1], episodes[1][0])) - 6
@@ -490,3 +496,35 @@ def test_the_output_layer_runs_on_a_few_states_at_a_time_with_the_same_scores(mo
     assert len(rows) > 2 and max(rows) == 3
     for w, p in zip(whole, parts):
         assert torch.allclose(w, p, atol=1e-5), (w, p)
+
+
+def test_width_groups_split_rows_where_a_pass_costs_less_than_the_padding_it_saves():
+    import itertools
+    import random
+
+    from services.client_agent.layouts import width_groups
+
+    assert width_groups([300, 30, 28, 290], overhead=64) == [[0, 3], [1, 2]]
+    assert width_groups([300, 30, 28, 290], overhead=1000) == [[0, 3, 1, 2]]
+    assert width_groups([40, 40, 40]) == [[0, 1, 2]] and width_groups([]) == []
+
+    def cost(groups, widths, overhead):
+        return sum(overhead + len(g) * max(widths[i] for i in g) for g in groups)
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for p in partitions(rest):
+            yield [[first]] + p
+            for k in range(len(p)):
+                yield p[:k] + [[first] + p[k]] + p[k + 1:]
+
+    rng = random.Random(0)
+    for _ in range(40):
+        widths = [rng.choice([8, 20, 64, 100, 300, 700]) + rng.randrange(8) for _ in range(rng.randrange(1, 7))]
+        overhead = rng.choice([0, 16, 64, 256])
+        groups = width_groups(widths, overhead)
+        assert sorted(itertools.chain(*groups)) == list(range(len(widths)))
+        assert cost(groups, widths, overhead) == min(cost(p, widths, overhead) for p in partitions(list(range(len(widths)))))

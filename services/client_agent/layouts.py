@@ -35,6 +35,31 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per 
 WORTH_WAITING = 32
 # The most hidden states the output layer runs on at once (Batch.add).
 HEAD_ROWS = 256
+# What one more pass costs beyond its tokens, in padded positions (width_groups): a pass of a few
+# dozen tokens runs a CPU's matmuls far below their peak.
+PASS_OVERHEAD = 64
+
+
+def width_groups(widths: list[int], overhead: int | None = None) -> list[list[int]]:
+    """The rows (indices into widths) split into passes, each padded to its widest row, that compute
+    the fewest positions counting `overhead` for each pass: rows of like widths share a pass, and a
+    row far narrower than the others gets one of its own where that saves more padding than a pass
+    costs (`overhead`: PASS_OVERHEAD). Widest first; exact (the best split of the rows sorted by width
+    is contiguous)."""
+    overhead = PASS_OVERHEAD if overhead is None else overhead
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    best = [0] + [None] * len(order)  # best[i]: the cost of the first i rows (sorted)
+    cut = [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        for j in range(i):  # rows j..i-1 in one pass, as wide as row j
+            cost = best[j] + overhead + (i - j) * widths[order[j]]
+            if best[i] is None or cost < best[i]:
+                best[i], cut[i] = cost, j
+    groups, i = [], len(order)
+    while i > 0:
+        groups.append(order[cut[i]:i])
+        i = cut[i]
+    return groups[::-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,9 +345,16 @@ class Reuse(Layout):
             gain = min(shared, it.n_prompt - 1) - self.cache.match(it.prompt, it.n_prompt - 1)
             (later if gain >= WORTH_WAITING else first).append(b)
         for part in (first, later):
-            if part:
-                self._run(runner, Batch([batch.items[b] for b in part], [batch.where[b] for b in part],
-                                        batch.totals))
+            # Rows of unlike widths (an episode's first turn beside others' later ones) in passes of their own.
+            for group in width_groups([self._width(runner, batch.items[b]) for b in part]):
+                rows = [part[g] for g in group]
+                self._run(runner, Batch([batch.items[b] for b in rows], [batch.where[b] for b in rows], batch.totals))
+
+    def _width(self, runner: Runner, it: Prepared) -> int:
+        """The row a prompt takes in a pass: its tokens after its cached prefix, and its candidates' tree
+        where that is at most _row_cap wide."""
+        tree = it.tree.width if it.tree.width <= _row_cap(runner) else 0
+        return len(it.prompt) - self.cache.match(it.prompt, it.n_prompt - 1) + tree
 
     def _run(self, runner: Runner, batch: Batch) -> None:
         from transformers import DynamicCache
@@ -332,8 +364,7 @@ class Reuse(Layout):
         found = [self.cache.lookup(it.prompt, it.n_prompt - 1) for it in items]
         starts = [start if kv is not None else 0 for start, kv in found]
         news = [len(it.prompt) - s for it, s in zip(items, starts)]
-        row_cap = max(16, runner.max_batch_tokens // 4)
-        trees = [it.tree if it.tree.width <= row_cap else None for it in items]  # None: passes of its own
+        trees = [it.tree if it.tree.width <= _row_cap(runner) else None for it in items]  # None: passes of its own
         widths = [n + (t.width if t is not None else 0) for n, t in zip(news, trees)]
         B, C = len(items), max(starts)
         N = bucket_length(max(widths)) if runner.bucket else max(widths)
@@ -407,7 +438,7 @@ class Reuse(Layout):
         it = batch.items[b]
         n = len(it.prompt)
         later = sorted(((j, suf) for j, suf in enumerate(it.suffixes) if len(suf) > 1), key=lambda c: c[1])
-        row_cap = max(16, runner.max_batch_tokens // 4)
+        row_cap = _row_cap(runner)
         while later:
             tree = PrefixTree()
             while later and (not tree.part or tree.width + tree.added_width(later[0][1]) <= row_cap):
@@ -426,6 +457,11 @@ class Reuse(Layout):
                                         use_cache=True).last_hidden_state[0]
             runner.work.forward(tree.width, tree.context(n), padded=padded - tree.width)
             batch.add(runner, h, targets)
+
+
+def _row_cap(runner: Runner) -> int:
+    """The widest candidate tree a Reuse row takes beside its prompt; wider ones run in passes of their own."""
+    return max(16, runner.max_batch_tokens // 4)
 
 
 class Auto(Layout):
