@@ -143,12 +143,13 @@ def plot(figures: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = figures["rows"]
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(rows) + 1.4))
     ax.barh([r["what"] for r in rows][::-1], [100 * (r.get("fraction") or 0) for r in rows][::-1])
     ax.set_xlabel(f"% of the measured {figures['precision']} matmul peak ({figures['peak_gflops']:.0f} GFLOP/s)")
     ax.set_title(f"{figures['model']}, {figures['precision']}\n{figures['machine']}", fontsize=9)
+    ax.set_xlim(0, 100)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the long row labels whole
     print(f"plot: {path}")
 
 
