@@ -36,6 +36,7 @@ def test_local_federation_runs_every_round(tmp_path):
         assert r0["train_tokens"] > 0 and r0["eval_tokens"] > 0 and r0["explore_tokens"] > 0, env
         assert 0 < r0["eval_mfu"] < 1 and 0 < r0["train_mfu"] < 1 and r0["peak_flops"] > 1e8, env
         assert 0 <= r0["eval_padding"] < 1 and r0["train_tokens_per_s"] > 0, env
+        assert r0["train_recomputed"] == 0.0, env  # the tiny model keeps its activations
         # The buffer only grows: expert seeds plus kept successes.
         sizes = [r["buffer"] for r in rows]
         assert sizes == sorted(sizes) and sizes[0] > 0

@@ -528,7 +528,8 @@ class ClientAgent:
         PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = ad.encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
         metrics = {"examples": float(turns), "sequences": float(len(examples)), "train_s": t2 - t1,
-                   "upload_bytes": float(len(data)), **self.work_done(before, "train", t2 - t1)}
+                   "upload_bytes": float(len(data)), "train_recomputed": result["recomputed"],
+                   **self.work_done(before, "train", t2 - t1)}
         if math.isfinite(result["loss"]):  # no loss where nothing was trained (metrics are finite values)
             LOSS.set(result["loss"])
             metrics["train_loss"] = result["loss"]
