@@ -57,7 +57,7 @@ def test_the_measured_cost_predicts_what_a_larger_micro_batch_keeps_and_leaves_t
         rng = torch.get_rng_state()
         cost = ActivationCost.measure(peft, "fp32", CPU)
         assert torch.equal(torch.get_rng_state(), rng) and peft.training == mode
-    assert not peft.get_base_model().is_activation_checkpointing
+    assert not peft.get_base_model().is_activation_checkpointing and not peft.get_input_embeddings()._forward_hooks
     assert cost.layers == n_layers >= 2
     assert 0 < cost.checkpointed_per_token < cost.per_token
     for rows, width, k in [(3, 200, 0), (3, 200, n_layers), (2, 300, n_layers // 2)]:
@@ -101,6 +101,7 @@ def test_training_recomputes_exactly_the_layers_each_micro_batch_needs_and_learn
         passes = len(seqs) * len(layers)  # a micro-batch of one sequence each: its width is the budget
         assert calls[0] == pytest.approx(passes * (1 + stats["recomputed"])), name
         assert not peft.get_base_model().is_activation_checkpointing
+        assert not peft.get_input_embeddings()._forward_hooks  # nothing left running on later passes
         results[name] = (stats["recomputed"], get_adapter_state(peft))
     assert results["none"][0] == results["roomy"][0] == 0
     assert results["all"][0] == results["tight"][0] == 1

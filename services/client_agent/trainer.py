@@ -81,6 +81,14 @@ def _checkpointing_layers(inner) -> list[torch.nn.Module]:
     return [m for m in inner.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _stop_checkpointing(inner) -> None:
+    """Checkpointing off, and the hook that made the embeddings' output require grad removed too
+    (transformers removes it only from a model that loaded an adapter itself: each round's training
+    would leave one more on the embeddings, run by every later pass, scoring included)."""
+    inner.activation_checkpointing_disable()
+    inner.disable_input_require_grads()
+
+
 def _checkpoint(layers: list[torch.nn.Module], k: int) -> None:
     """k of the layers, spread evenly, recompute their activations in the backward pass; the others keep them."""
     n = len(layers)
@@ -149,7 +157,7 @@ class ActivationCost:
             peft_model.train()
             if layers:
                 inner.activation_checkpointing_enable()
-                undo.callback(inner.activation_checkpointing_disable)
+                undo.callback(_stop_checkpointing, inner)
             (w1, w2), (f1, f2) = widths, (kept(widths[0], 0), kept(widths[1], 0))
             low = kept(w1, len(layers)) if layers else f1
         per_pair = max(0.0, (f2 / w2 - f1 / w1) / (w2 - w1))
@@ -340,7 +348,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
         peft_model.train()
         if checkpointing:
             inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            undo.callback(inner.activation_checkpointing_disable)
+            undo.callback(_stop_checkpointing, inner)
         for epoch, (order, plan) in enumerate(zip(orders, plans)):
             loss_sum = 0.0
             for run in plan:
