@@ -34,7 +34,9 @@ def test_local_federation_runs_every_round(tmp_path):
         # The model's work, counted per phase and reported with the round (work.py).
         (r0,) = trained
         assert r0["train_tokens"] > 0 and r0["eval_tokens"] > 0 and r0["explore_tokens"] > 0, env
-        assert 0 < r0["eval_mfu"] < 1 and 0 < r0["train_mfu"] < 1 and r0["peak_flops"] > 1e8, env
+        # Below 3, not 1: five clients share two cores, so a peak measured while the others run can read
+        # as 2/5 of the machine's (a client measures it again when a phase runs faster than it).
+        assert 0 < r0["eval_mfu"] < 3 and 0 < r0["train_mfu"] < 3 and r0["peak_flops"] > 1e8, env
         assert 0 <= r0["eval_padding"] < 1 and r0["train_tokens_per_s"] > 0, env
         assert r0["train_recomputed"] == 0.0, env  # the tiny model keeps its activations
         # The buffer only grows: expert seeds plus kept successes.

@@ -527,4 +527,5 @@ def test_width_groups_split_rows_where_a_pass_costs_less_than_the_padding_it_sav
         overhead = rng.choice([0, 16, 64, 256])
         groups = width_groups(widths, overhead)
         assert sorted(itertools.chain(*groups)) == list(range(len(widths)))
-        assert cost(groups, widths, overhead) == min(cost(p, widths, overhead) for p in partitions(list(range(len(widths)))))
+        every = partitions(list(range(len(widths))))
+        assert cost(groups, widths, overhead) == min(cost(p, widths, overhead) for p in every)

@@ -16,8 +16,8 @@ gradients accumulate, so the step is the one a whole batch would take
 activations in the backward pass instead of keeping them (real models; the tiny model needs no
 help): on every layer (True), or (a Checkpointing) on the fewest layers that bring each
 micro-batch's kept activations within the memory room it is given, none where the whole micro-batch
-fits (recomputing costs about a third more time). `precision` "bf16" runs the forward and backward under bfloat16 autocast (the LoRA weights
-and optimizer stay fp32).
+fits (recomputing costs about a third more time). `precision` "bf16" runs the forward and backward
+under bfloat16 autocast (the LoRA weights and optimizer stay fp32).
 
 Default learning rate 3e-3 (TINY_LR): the paper's 5e-5 is for 7B models. On the tiny default model
 5e-5 leaves maze success at 0 for 3 rounds (loss 7.0 -> 6.2 nats/token: a 70 k-parameter LoRA moves
