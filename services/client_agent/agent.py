@@ -413,8 +413,7 @@ class ClientAgent:
         before = self.work.snapshot()
         # Acting only, until training: each LoRA layer runs as one merged matmul (model.merged_lora),
         # where a merged copy of the weights takes at most half the memory left.
-        room = available_memory_bytes(self.device) - resident_bytes(self.device)
-        with mdl.merged_lora(self.model, max_bytes=room // 2):
+        with mdl.merged_lora(self.model, max_bytes=self.memory_left() // 2):
             with self.work.phase("eval"):
                 r.metrics = self.player.evaluate(r.tasks, r.round)
             r.metrics["eval_s"] = time.perf_counter() - started
@@ -547,8 +546,13 @@ class ClientAgent:
             log.info("training activations measured", extra=log_fields(
                 kb_per_token=round(self._activation_cost.per_token / 1e3),
                 kb_per_token_checkpointed=round(self._activation_cost.checkpointed_per_token / 1e3)))
+        return Checkpointing(self._activation_cost, self.memory_left() / 4)
+
+    def memory_left(self) -> int:
+        """What this client may still hold, in bytes: --memory-limit-mb (else the GPU's memory, or the
+        container's limit or the machine's available memory) less what it holds now."""
         limit = self.cfg.memory_limit_mb * 1_000_000 or available_memory_bytes(self.device)
-        return Checkpointing(self._activation_cost, max(0, limit - resident_bytes(self.device)) / 4)
+        return max(0, limit - resident_bytes(self.device))
 
     def work_done(self, before, phase: str, seconds: float) -> dict[str, float]:
         """The model's work in one phase since `before` (Work.snapshot), as round metrics, with its
