@@ -285,7 +285,7 @@ class Aggregator:
         return self
 
     def wait(self) -> None:
-        """Serves until SIGTERM or SIGINT, then shuts down gracefully."""
+        """Serves until the service stops (SIGTERM or SIGINT after service.stop_on_signals(), or stop())."""
         self.service.wait_for_termination()
         self._stop.set()
         self._close_tracker()

@@ -18,6 +18,7 @@ token (Target), log p(token | what precedes it) to its prompt's candidate totals
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -48,12 +49,12 @@ def width_groups(widths: list[int], overhead: int | None = None) -> list[list[in
     is contiguous)."""
     overhead = PASS_OVERHEAD if overhead is None else overhead
     order = sorted(range(len(widths)), key=lambda i: -widths[i])
-    best = [0] + [None] * len(order)  # best[i]: the cost of the first i rows (sorted)
+    best = [0.0] + [math.inf] * len(order)  # best[i]: the cost of the first i rows (sorted)
     cut = [0] * (len(order) + 1)
     for i in range(1, len(order) + 1):
         for j in range(i):  # rows j..i-1 in one pass, as wide as row j
             cost = best[j] + overhead + (i - j) * widths[order[j]]
-            if best[i] is None or cost < best[i]:
+            if cost < best[i]:
                 best[i], cut[i] = cost, j
     groups, i = [], len(order)
     while i > 0:
