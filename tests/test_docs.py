@@ -374,6 +374,21 @@ def test_readme_is_a_front_door():
     assert len(lines) < 220, f"README.md has {len(lines)} lines; move details into docs/"
     for guide in ("running-locally", "deploy", "join-a-federation", "environments"):
         assert f"](docs/{guide}.md)" in "\n".join(lines), f"README.md links no docs/{guide}.md"
+    assert re.search(r"!\[[^\]]+\]\(docs/[^)]+\.png\)", "\n".join(lines)), "README.md shows no plot"
+
+
+def test_every_measurement_in_results_says_when_where_and_how():
+    """docs/results.md is a reference: each section holding a table or a plot says when, on which
+    machine and by which command its figures were measured."""
+    sections = re.split(r"^#{2,4} ", (REPO / "docs" / "results.md").read_text(), flags=re.M)[1:]
+    missing = []
+    for section in sections:
+        title, _, body = section.partition("\n")
+        if re.search(r"^\||^!\[", body, flags=re.M):
+            missing += [f"{title}: no {word}" for word in ("**When**", "**Where**", "**How**")
+                        if word not in body]
+    assert sections, "docs/results.md has no sections"
+    assert not missing, "; ".join(missing)
 
 
 @pytest.mark.parametrize("doc", DOCS + READMES, ids=lambda d: str(d.relative_to(REPO)))
