@@ -206,3 +206,60 @@ def test_scoring_long_webshop_episodes_stays_within_the_memory_bound(smollm2_dir
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["longest"] > 2000, result
     assert result["peak_mb"] < 2600, result
+
+
+def test_a_client_checkpoints_the_fewest_smollm2_layers_its_memory_limit_leaves_room_for(smollm2_dir, tmp_path):
+    """ClientAgent.checkpointing with the real model: it measures what SmolLM2's layers keep, gives a
+    micro-batch a quarter of what --memory-limit-mb leaves above the client's resident memory, and a
+    512-token micro-batch checkpointed as it says keeps about that much (none checkpointed where the
+    limit is ample, every layer where nothing is left)."""
+    import dataclasses
+
+    from fedse.machine import resident_bytes
+    from services.client_agent.agent import ClientAgent
+    from services.client_agent.config import ClientConfig
+    from services.client_agent.model import autocast
+    from services.client_agent.trainer import _checkpoint, _checkpointing_layers, _stop_checkpointing, kept_by_autograd
+
+    cfg = ClientConfig(client_id="org-a", env="maze", env_server="127.0.0.1:1", aggregator="127.0.0.1:1",
+                       base_model=str(smollm2_dir), state_dir=str(tmp_path), metrics_port=-1, torch_threads=2)
+    agent = ClientAgent(cfg)
+    try:
+        width = 512
+
+        def choose(above_resident: float):
+            agent.cfg = dataclasses.replace(cfg, memory_limit_mb=int((resident_bytes() + above_resident) / 1e6))
+            plan = agent.checkpointing()
+            return plan, plan.layers(1, width)
+
+        agent.checkpointing()  # the first call measures the cost, which itself takes memory
+        plan, _ = choose(1e9)
+        cost, n = plan.cost, plan.cost.layers
+        assert n == agent.model.get_base_model().config.num_hidden_layers
+        full, least = cost.bytes(1, width), cost.bytes(1, width, n)
+        assert 0 < least < full / 4, (least, full)
+        assert abs(plan.room - 1e9 / 4) < 50e6, plan.room  # a quarter of what the limit leaves
+        assert choose(8 * full)[1] == 0
+        assert choose(0)[1] == n
+        plan, k = choose(4 * (least + full) / 2)
+        assert 0 < k < n, k
+
+        inner = agent.model.get_base_model()
+        layers = _checkpointing_layers(inner)
+        ids = torch.randint(3, 40000, (1, width))
+        inner.activation_checkpointing_enable()
+
+        def step():
+            with autocast(agent.precision, agent.device):
+                return inner.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean()
+        try:
+            kept = {}
+            for j in (0, k):
+                _checkpoint(layers, j)
+                kept[j] = kept_by_autograd(agent.model, step)
+        finally:
+            _stop_checkpointing(inner)
+        assert kept[0] > plan.room, (kept, plan.room)
+        assert kept[k] <= 1.15 * plan.room, (kept, plan.room)
+    finally:
+        agent.close()
