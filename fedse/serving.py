@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -17,6 +19,7 @@ import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedse import __version__
+from fedse.config import ConfigError
 from fedse.inputs import status_message
 
 R = TypeVar("R")
@@ -37,9 +40,12 @@ RPC_HANDLED = prometheus_client.Counter(
 # check. Clients keep gRPC's default message limits (4 MiB received): every message fedse sends fits them,
 # so fedse's own clients see what a client in any language with stock settings sees.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# No SO_REUSEPORT (gRPC sets it by default on Linux): with it a second server on a taken port binds too,
+# and the kernel shares the connections between the two (two aggregators, each with half the clients).
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
 ]
 # Clients: a channel whose server went away tries to reconnect at least every 5 s (gRPC's backoff grows
 # to 120 s), so calls retried while a server restarts find it soon after it is back.
@@ -222,13 +228,36 @@ class StatusMap:
         return wrapped
 
 
+def _refuse_taken(address: str, flag: str) -> None:
+    """Raises ConfigError where another process listens on `address`'s port (host:port; port 0 is
+    always free), before gRPC tries and logs its own error lines."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return  # malformed or any port: gRPC answers
+    try:
+        resolved = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                      flags=socket.AI_PASSIVE)
+    except OSError:
+        return
+    for family, kind, proto, _name, where in resolved:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"{flag} {address} cannot be served: another process has its port; give a "
+                                      "free port, or port 0 to pick one") from None
+
+
 class Service:
     """A gRPC server with the standard health service and Prometheus interceptor.
 
     Health starts NOT_SERVING; call `ready()` once the servicers can answer.
     credentials: serve TLS (see fedse.security.server_credentials) instead of plain gRPC.
     interceptors: run after the metrics interceptor, so calls they refuse are still counted.
-    A request that does not parse as its method's message is refused with INVALID_ARGUMENT.
+    A request that does not parse as its method's message is refused with INVALID_ARGUMENT. An
+    address that cannot be bound (in use, malformed) raises ConfigError naming the flag.
     health_address: also serve the health service alone, plain, on this address (for Kubernetes'
     native gRPC probes, which cannot speak TLS); `health_port` is its bound port, -1 when unset.
     """
@@ -246,16 +275,16 @@ class Service:
         # grpc's servicer answers SERVING for "" until told otherwise: not before ready().
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            try:
-                self.port = self.server.add_secure_port(address, credentials)
-            except RuntimeError:
-                raise OSError(f"cannot serve TLS on {address}: is the address free, and is the TLS key the private "
-                              f"key of the certificate?") from None
+        _refuse_taken(address, "--address")
+        try:
+            self.port = (self.server.add_insecure_port(address) if credentials is None
+                         else self.server.add_secure_port(address, credentials))
+        except RuntimeError:  # grpcio refuses a port it cannot bind (older versions return 0)
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC address {address}: is it in use or malformed?")
+            tls = " (and is --tls-key the private key of --tls-cert?)" if credentials is not None else ""
+            raise ConfigError(f"--address {address} cannot be served: another process has its port, or it is not "
+                              f"host:port{tls}; give a free port, or port 0 to pick one")
         self.health_server: grpc.Server | None = None
         self.health_port = -1
         if health_address:
@@ -263,9 +292,14 @@ class Service:
                 futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{name}-health"),
                 interceptors=[MetricsInterceptor()], options=GRPC_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(health_address)
+            _refuse_taken(health_address, "--health-address")
+            try:
+                self.health_port = self.health_server.add_insecure_port(health_address)
+            except RuntimeError:
+                self.health_port = 0
             if self.health_port == 0:
-                raise OSError(f"cannot bind gRPC health address {health_address}: is it in use or malformed?")
+                raise ConfigError(f"--health-address {health_address} cannot be served: another process has its port, "
+                                  "or it is not host:port; give a free port")
         self._stopped = threading.Event()
 
     def start(self) -> None:

@@ -235,6 +235,8 @@ SHOWN = {
     "tracking.md": ["runs/tb:\nlocal-", "runs/mlflow:\n"],
     "secure-aggregation.md": ["round 0 of 3, waiting_for_clients", '"secureAggregation": true',
                               'value: "true"\n'],
+    # a sampled round: one of three clients trained, the others sat out
+    "selection.md": ["rounds where clients sat out"],
 }
 
 
@@ -356,7 +358,8 @@ def doctor_of_guide(doc: pathlib.Path, ports: LocalPorts, root: pathlib.Path, ca
 
     text = doc.read_text()
     start = text.index("fedse doctor --client-id")
-    argv = shlex.split(ports(text[start:text.index("```", start)].replace("\\\n", " ")))[2:]
+    command = text[start:text.index("```", start)].replace("\\\n", " ").split("\n")[0]  # to the command's end
+    argv = shlex.split(ports(command))[2:]
     swap = {"--aggregator": f"127.0.0.1:{ports.free['50060']}", "--base-model": "fedse-tiny"}
     argv = [swap.get(argv[i - 1], a) if i else a for i, a in enumerate(argv)]
     here = os.getcwd()

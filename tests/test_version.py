@@ -6,8 +6,10 @@ import json
 import logging
 import pathlib
 import re
+from concurrent import futures
 
 import prometheus_client
+import pytest
 
 from apps.cli import main
 from fedse import __version__
@@ -74,3 +76,43 @@ def test_a_second_service_on_a_taken_metrics_port_stops_with_one_line():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]  # one line, no traceback
     assert f"--metrics-port {port} cannot be served" in done.stderr and "0 to pick a free one" in done.stderr
+
+
+@pytest.mark.parametrize("service", ["env-server", "aggregator", "client"])
+def test_a_service_on_a_taken_grpc_address_stops_with_one_line(service, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run([sys.executable, "-m", "apps.cli", service, "--address", address, "--metrics-port", "-1",
+                               "--state-dir", str(tmp_path)] if service != "env-server" else
+                              [sys.executable, "-m", "apps.cli", service, "--address", address, "--metrics-port", "-1"],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no traceback
+    assert f"--address {address} cannot be served" in done.stderr and "port 0" in done.stderr
+
+
+def test_a_second_grpc_server_never_shares_a_port_with_the_first():
+    """gRPC sets SO_REUSEPORT by default on Linux, with which a second server binds a taken port and
+    the kernel splits the connections between the two; fedse's services refuse to start instead."""
+    from fedse.config import ConfigError
+    from fedse.serving import Service
+
+    first = Service("first", "127.0.0.1:0", max_workers=1)
+    first.start()
+    try:
+        with pytest.raises(ConfigError, match=f"--address 127.0.0.1:{first.port} cannot be served"):
+            Service("second", f"127.0.0.1:{first.port}", max_workers=1)
+        import grpc
+
+        from fedse.serving import GRPC_OPTIONS
+        bare = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=GRPC_OPTIONS)
+        with pytest.raises(RuntimeError):  # and gRPC itself, without fedse's check first, refuses it
+            bare.add_insecure_port(f"127.0.0.1:{first.port}")
+    finally:
+        first.stop(0)

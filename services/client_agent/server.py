@@ -23,7 +23,10 @@ def serve(config: ClientConfig) -> int:
     setup_logging("client_agent", config.log_level)
     log = logging.getLogger("client_agent")
     metrics_port = start_metrics(config.metrics_port)
-    health = Service("client_agent", config.address, max_workers=2)
+    try:
+        health = Service("client_agent", config.address, max_workers=2)
+    except ConfigError as exc:  # --address in use
+        return _config_error(exc)
     health.start()
     from .demos import load_demos  # every demonstration file is read and checked before the model loads
 
