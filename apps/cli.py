@@ -7,7 +7,7 @@ import signal
 import sys
 
 from fedse.config import field, parse_or_exit
-from fedse.security import Security
+from fedse.security import Security, shown_for
 
 
 # The services: `fedse NAME` runs the one of `python -m MODULE`, with the same flags and FEDSE_*
@@ -114,7 +114,8 @@ def service(name: str, argv: list[str]) -> int:
         from services.env_server.server import EnvServerConfig as config, serve
     else:
         from services.client_agent.server import ClientConfig as config, serve
-    return serve(parse_or_exit(config, argv, prog=f"fedse {name}"))
+    return serve(parse_or_exit(config, argv, prog=f"fedse {name}",
+                             shown=shown_for(config, "client" if name == "client" else "server")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,7 @@ def tasks(argv: list[str]) -> int:
     from fedse.v1 import env_pb2 as epb
     from fedse.v1 import env_pb2_grpc as epb_grpc
 
-    cfg = parse_or_exit(TasksConfig, argv, prog="fedse tasks")
+    cfg = parse_or_exit(TasksConfig, argv, prog="fedse tasks", shown=shown_for(TasksConfig, "client"))
     server = None
     target, security = cfg.env_server, Security.from_config(cfg)
     if not target:
@@ -229,7 +230,7 @@ def status(argv: list[str]) -> int:
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
-    cfg = parse_or_exit(StatusConfig, argv, prog="fedse status")
+    cfg = parse_or_exit(StatusConfig, argv, prog="fedse status", shown=shown_for(StatusConfig, "client"))
     try:
         with channel(cfg.aggregator, cfg) as ch:
             reach.wait_ready(ch, cfg.aggregator, Security.from_config(cfg), "--aggregator", cfg.timeout_s)

@@ -51,6 +51,18 @@ AUTH_HEADER = "authorization"
 MIN_TOKEN_CHARS = 16
 
 
+# Settings only one side of a connection reads: --help leaves them out of the other side's commands
+# (still read there, from flags and variables alike, and ignored).
+SERVER_ONLY = frozenset({"allowed_clients"})
+CLIENT_ONLY = frozenset({"tls_server_name"})
+
+
+def shown_for(config_class: type, side: str) -> list[str]:
+    """The fields a command's --help lists: all but the other side's (side: "server" or "client")."""
+    other = SERVER_ONLY if side == "client" else CLIENT_ONLY
+    return [f.name for f in dataclasses.fields(config_class) if f.name not in other]
+
+
 @dataclasses.dataclass(frozen=True)
 class Security:
     """Transport security and admission; the same fields on servers and clients.

@@ -40,6 +40,19 @@ def test_the_other_commands_help_names_them_too(command, capsys, monkeypatch):
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"usage: fedse {command} [-h]")
 
 
+@pytest.mark.parametrize("command,theirs", [("aggregator", "--tls-server-name"), ("env-server", "--tls-server-name"),
+                                             ("client", "--allowed-clients"), ("tasks", "--allowed-clients"),
+                                             ("status", "--allowed-clients")])
+def test_help_leaves_out_the_other_sides_settings(command, theirs, capsys):
+    """A server's --help has no --tls-server-name (the name a client expects of the server), a client's no
+    --allowed-clients (the ids a server admits); each lists its own side's."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    shown = capsys.readouterr().out
+    ours = "--allowed-clients" if theirs == "--tls-server-name" else "--tls-server-name"
+    assert theirs not in shown and ours in shown and "--tls-ca" in shown
+
+
 def test_a_bad_setting_stops_a_service_subcommand_with_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["aggregator", "--rounds", "0"])

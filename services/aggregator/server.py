@@ -12,7 +12,7 @@ from fedse.config import ConfigError, field, parse_or_exit
 from fedse.fixedpoint import MAX_CLIENTS
 from fedse import secagg
 from fedse.secagg import STRATEGIES as SECURE_STRATEGIES
-from fedse.security import Security, peer_identity, server_credentials, server_interceptors
+from fedse.security import Security, peer_identity, server_credentials, server_interceptors, shown_for
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
@@ -331,4 +331,4 @@ def serve(config: AggregatorConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_or_exit(AggregatorConfig, argv))
+    return serve(parse_or_exit(AggregatorConfig, argv, shown=shown_for(AggregatorConfig, "server")))

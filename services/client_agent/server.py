@@ -9,6 +9,7 @@ import threading
 
 from fedse.config import ConfigError, parse_or_exit
 from fedse.reach import Unreachable
+from fedse.security import shown_for
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 
 from .config import ClientConfig
@@ -77,4 +78,4 @@ def _config_error(exc: ConfigError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_or_exit(ClientConfig, argv))
+    return serve(parse_or_exit(ClientConfig, argv, shown=shown_for(ClientConfig, "client")))

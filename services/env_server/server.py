@@ -9,7 +9,7 @@ import threading
 from typing import Sequence
 
 from fedse.config import ConfigError, field, parse_or_exit
-from fedse.security import Security, server_credentials, server_interceptors
+from fedse.security import Security, server_credentials, server_interceptors, shown_for
 from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import env_pb2_grpc
 
@@ -133,4 +133,4 @@ def serve(config: EnvServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return serve(parse_or_exit(EnvServerConfig, argv))
+    return serve(parse_or_exit(EnvServerConfig, argv, shown=shown_for(EnvServerConfig, "server")))
