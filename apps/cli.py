@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import signal
 import sys
 
@@ -106,16 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def service(name: str, argv: list[str]) -> int:
-    """Runs the service `name` in this process, as `python -m SERVICES[name]` does: the same config
-    class (flags, FEDSE_* variables, --help) and the same serve()."""
-    if name == "aggregator":
-        from services.aggregator.server import AggregatorConfig as config, serve
-    elif name == "env-server":
-        from services.env_server.server import EnvServerConfig as config, serve
-    else:
-        from services.client_agent.server import ClientConfig as config, serve
-    return serve(parse_or_exit(config, argv, prog=f"fedse {name}",
-                             shown=shown_for(config, "client" if name == "client" else "server")))
+    """Runs the service `name` in this process, as `python -m SERVICES[name]` does: its own main (the
+    same config class, flags, FEDSE_* variables and --help), named `fedse NAME` in its usage line."""
+    return importlib.import_module(f"{SERVICES[name]}.server").main(argv, prog=f"fedse {name}")
 
 
 @dataclasses.dataclass(frozen=True)

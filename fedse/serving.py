@@ -228,26 +228,35 @@ class StatusMap:
         return wrapped
 
 
-def _refuse_taken(address: str, flag: str) -> None:
-    """Raises ConfigError where another process listens on `address`'s port (host:port; port 0 is
-    always free), before gRPC tries and logs its own error lines."""
+def _bind(server: grpc.Server, address: str, flag: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Adds `address` to the server and returns its bound port; an address another process listens on
+    (found first, before gRPC tries and logs its own error lines), or that cannot be bound, raises
+    ConfigError naming `flag`."""
     host, _, port = address.rpartition(":")
-    if not port.isdigit() or int(port) == 0:
-        return  # malformed or any port: gRPC answers
+    if port.isdigit() and int(port) != 0:  # port 0 is always free; a malformed address is gRPC's to refuse
+        try:
+            resolved = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                          flags=socket.AI_PASSIVE)
+        except OSError:
+            resolved = []
+        for family, kind, proto, _name, where in resolved:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
+                try:
+                    probe.bind(where)
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise ConfigError(f"{flag} {address} cannot be served: another process has its port; give "
+                                          "a free port, or port 0 to pick one") from None
     try:
-        resolved = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
-                                      flags=socket.AI_PASSIVE)
-    except OSError:
-        return
-    for family, kind, proto, _name, where in resolved:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a port in TIME_WAIT is free
-            try:
-                probe.bind(where)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise ConfigError(f"{flag} {address} cannot be served: another process has its port; give a "
-                                      "free port, or port 0 to pick one") from None
+        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpcio refuses a port it cannot bind (older versions return 0)
+        bound = 0
+    if bound == 0:
+        tls = " (and is --tls-key the private key of --tls-cert?)" if credentials is not None else ""
+        raise ConfigError(f"{flag} {address} cannot be served: another process has its port, or it is not "
+                          f"host:port{tls}; give a free port, or port 0 to pick one")
+    return bound
 
 
 class Service:
@@ -275,16 +284,7 @@ class Service:
         # grpc's servicer answers SERVING for "" until told otherwise: not before ready().
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        _refuse_taken(address, "--address")
-        try:
-            self.port = (self.server.add_insecure_port(address) if credentials is None
-                         else self.server.add_secure_port(address, credentials))
-        except RuntimeError:  # grpcio refuses a port it cannot bind (older versions return 0)
-            self.port = 0
-        if self.port == 0:
-            tls = " (and is --tls-key the private key of --tls-cert?)" if credentials is not None else ""
-            raise ConfigError(f"--address {address} cannot be served: another process has its port, or it is not "
-                              f"host:port{tls}; give a free port, or port 0 to pick one")
+        self.port = _bind(self.server, address, "--address", credentials)
         self.health_server: grpc.Server | None = None
         self.health_port = -1
         if health_address:
@@ -292,14 +292,7 @@ class Service:
                 futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{name}-health"),
                 interceptors=[MetricsInterceptor()], options=GRPC_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            _refuse_taken(health_address, "--health-address")
-            try:
-                self.health_port = self.health_server.add_insecure_port(health_address)
-            except RuntimeError:
-                self.health_port = 0
-            if self.health_port == 0:
-                raise ConfigError(f"--health-address {health_address} cannot be served: another process has its port, "
-                                  "or it is not host:port; give a free port")
+            self.health_port = _bind(self.health_server, health_address, "--health-address")
         self._stopped = threading.Event()
 
     def start(self) -> None:

@@ -218,8 +218,7 @@ def test_a_client_checkpoints_the_fewest_smollm2_layers_its_memory_limit_leaves_
     from fedse.machine import resident_bytes
     from services.client_agent.agent import ClientAgent
     from services.client_agent.config import ClientConfig
-    from services.client_agent.model import autocast
-    from services.client_agent.trainer import _checkpoint, _checkpointing_layers, _stop_checkpointing, kept_by_autograd
+    from services.client_agent.trainer import checkpointing_on, kept_by_decoder_pass
 
     cfg = ClientConfig(client_id="org-a", env="maze", env_server="127.0.0.1:1", aggregator="127.0.0.1:1",
                        base_model=str(smollm2_dir), state_dir=str(tmp_path), metrics_port=-1, torch_threads=2)
@@ -244,21 +243,9 @@ def test_a_client_checkpoints_the_fewest_smollm2_layers_its_memory_limit_leaves_
         plan, k = choose(4 * (least + full) / 2)
         assert 0 < k < n, k
 
-        inner = agent.model.get_base_model()
-        layers = _checkpointing_layers(inner)
         ids = torch.randint(3, 40000, (1, width))
-        inner.activation_checkpointing_enable()
-
-        def step():
-            with autocast(agent.precision, agent.device):
-                return inner.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean()
-        try:
-            kept = {}
-            for j in (0, k):
-                _checkpoint(layers, j)
-                kept[j] = kept_by_autograd(agent.model, step)
-        finally:
-            _stop_checkpointing(inner)
+        with checkpointing_on(agent.model.get_base_model()):
+            kept = {j: kept_by_decoder_pass(agent.model, ids, j, agent.precision) for j in (0, k)}
         assert kept[0] > plan.room, (kept, plan.room)
         assert kept[k] <= 1.15 * plan.room, (kept, plan.room)
     finally:

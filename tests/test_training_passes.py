@@ -7,8 +7,8 @@ import torch
 
 from fedse.tinymodel import build_tiny_model
 from services.client_agent.model import add_lora, get_adapter_state
-from services.client_agent.trainer import (ActivationCost, Checkpointing, _checkpoint, _checkpointing_layers,
-                                           _stop_checkpointing, encode_pairs, kept_by_autograd, train_lora)
+from services.client_agent.trainer import (ActivationCost, Checkpointing, _checkpointing_layers, checkpointing_on,
+                                           encode_pairs, kept_by_decoder_pass, train_lora)
 from services.env_server.envs.maze import MazeEnv
 
 CPU = torch.device("cpu")
@@ -35,17 +35,12 @@ def _lora(seed=0):
 
 def _kept(peft, rows, width, checkpointed):
     """What autograd keeps over one decoder pass of rows x width tokens with `checkpointed` layers."""
-    inner = peft.get_base_model()
-    layers = _checkpointing_layers(inner)
     ids = torch.randint(3, 200, (rows, width), generator=torch.Generator().manual_seed(1))
-    inner.activation_checkpointing_enable()
-    _checkpoint(layers, checkpointed)
     peft.train()
     try:
-        return kept_by_autograd(peft, lambda: inner.get_decoder()(input_ids=ids, use_cache=False)
-                                .last_hidden_state.square().mean())
+        with checkpointing_on(peft.get_base_model()):
+            return kept_by_decoder_pass(peft, ids, checkpointed)
     finally:
-        _stop_checkpointing(inner)
         peft.eval()
 
 

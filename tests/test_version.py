@@ -88,10 +88,9 @@ def test_a_service_on_a_taken_grpc_address_stops_with_one_line(service, tmp_path
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
+        state = ["--state-dir", str(tmp_path)] if service != "env-server" else []
         done = subprocess.run([sys.executable, "-m", "apps.cli", service, "--address", address, "--metrics-port", "-1",
-                               "--state-dir", str(tmp_path)] if service != "env-server" else
-                              [sys.executable, "-m", "apps.cli", service, "--address", address, "--metrics-port", "-1"],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+                               *state], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no traceback
     assert f"--address {address} cannot be served" in done.stderr and "port 0" in done.stderr

@@ -330,5 +330,5 @@ def serve(config: AggregatorConfig) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return serve(parse_or_exit(AggregatorConfig, argv, shown=shown_for(AggregatorConfig, "server")))
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return serve(parse_or_exit(AggregatorConfig, argv, prog=prog, shown=shown_for(AggregatorConfig, "server")))

@@ -77,5 +77,5 @@ def _config_error(exc: ConfigError) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    return serve(parse_or_exit(ClientConfig, argv, shown=shown_for(ClientConfig, "client")))
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return serve(parse_or_exit(ClientConfig, argv, prog=prog, shown=shown_for(ClientConfig, "client")))

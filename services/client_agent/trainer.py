@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
@@ -89,11 +89,36 @@ def _stop_checkpointing(inner) -> None:
     inner.disable_input_require_grads()
 
 
+@contextlib.contextmanager
+def checkpointing_on(inner, kwargs: dict | None = None) -> Iterator[None]:
+    """Activation checkpointing enabled on `inner` (the base model) for the block (each layer's flag
+    then says whether it recomputes: _checkpoint), and switched off again after (_stop_checkpointing)."""
+    inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    try:
+        yield
+    finally:
+        _stop_checkpointing(inner)
+
+
 def _checkpoint(layers: list[torch.nn.Module], k: int) -> None:
     """k of the layers, spread evenly, recompute their activations in the backward pass; the others keep them."""
     n = len(layers)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = (i + 1) * k // n != i * k // n
+
+
+def kept_by_decoder_pass(peft_model, ids: torch.Tensor, checkpointed: int, precision: str = "fp32") -> int:
+    """The bytes autograd keeps (kept_by_autograd) over one forward pass of `ids` through the decoder,
+    under `precision`'s autocast, with `checkpointed` of its layers recomputing their activations
+    (within checkpointing_on where that is more than none)."""
+    inner = peft_model.get_base_model()
+    _checkpoint(_checkpointing_layers(inner), checkpointed)
+
+    def step() -> torch.Tensor:
+        with autocast(precision, ids.device):
+            return inner.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean()
+
+    return kept_by_autograd(peft_model, step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +157,6 @@ class ActivationCost:
         caller's random state as it was (dropout draws from it). A model whose layers cannot recompute
         (no GradientCheckpointingLayer) has 0 layers: it never checkpoints."""
         inner = peft_model.get_base_model()
-        decoder = inner.get_decoder()
         layers = _checkpointing_layers(inner) if getattr(inner, "supports_gradient_checkpointing", False) else []
         params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
         vocab = peft_model.get_input_embeddings().weight.shape[0]
@@ -140,13 +164,7 @@ class ActivationCost:
 
         def kept(width: int, checkpointed: int) -> int:
             ids = torch.randint(3, max(4, vocab), (1, width), generator=gen).to(device)
-            _checkpoint(layers, checkpointed)
-
-            def step() -> torch.Tensor:
-                with autocast(precision, device):
-                    return decoder(input_ids=ids, use_cache=False).last_hidden_state.float().square().mean()
-
-            return kept_by_autograd(peft_model, step)
+            return kept_by_decoder_pass(peft_model, ids, checkpointed, precision)
 
         was_training = peft_model.training
         for p in params:
@@ -156,8 +174,7 @@ class ActivationCost:
             undo.callback(peft_model.train, was_training)
             peft_model.train()
             if layers:
-                inner.activation_checkpointing_enable()
-                undo.callback(_stop_checkpointing, inner)
+                undo.enter_context(checkpointing_on(inner))
             (w1, w2), (f1, f2) = widths, (kept(widths[0], 0), kept(widths[1], 0))
             low = kept(w1, len(layers)) if layers else f1
         per_pair = max(0.0, (f2 / w2 - f1 / w1) / (w2 - w1))
@@ -347,8 +364,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
         undo.callback(peft_model.train, was_training)
         peft_model.train()
         if checkpointing:
-            inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            undo.callback(_stop_checkpointing, inner)
+            undo.enter_context(checkpointing_on(inner, {"use_reentrant": False}))
         for epoch, (order, plan) in enumerate(zip(orders, plans)):
             loss_sum = 0.0
             for run in plan:

@@ -132,5 +132,5 @@ def serve(config: EnvServerConfig) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return serve(parse_or_exit(EnvServerConfig, argv, shown=shown_for(EnvServerConfig, "server")))
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    return serve(parse_or_exit(EnvServerConfig, argv, prog=prog, shown=shown_for(EnvServerConfig, "server")))
