@@ -108,7 +108,8 @@ def plain_passes(model, precision: str, device: torch.device, seconds: float) ->
     for checkpointing in (False, True) if not is_tiny(model) else (False,):
         if checkpointing:
             inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        s = timed(forward_backward, seconds, sync)
+        with mdl.lora_input_as_is(peft_model, precision):  # as the trainer runs its passes
+            s = timed(forward_backward, seconds, sync)
         out.append({"what": f"forward + backward (LoRA{', every layer checkpointed' if checkpointing else ''}), "
                             f"{rows} x {window} tokens", "tokens_per_s": n / s, "flops_per_s": flops / s})
         if checkpointing:
@@ -121,9 +122,14 @@ def client_rounds(base_model: str, envs: list[str], args: argparse.Namespace) ->
     """One `fedse run --rounds 1` per environment; each client's round-0 work metrics."""
     rows = []
     for env in envs:
-        (r0, *_), wall, _ = one_round(env, base_model, [
-            "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
-            "--expert-demos", str(args.expert_demos), *args.extra], prefix="fedse-bench-model")
+        try:
+            (r0, *_), wall, _ = one_round(env, base_model, [
+                "--explore-tasks", str(args.explore_tasks), "--eval-tasks", str(args.eval_tasks),
+                "--expert-demos", str(args.expert_demos), *args.extra], prefix="fedse-bench-model")
+        except SystemExit as failed:  # the other environments' figures still count
+            print(failed, flush=True)
+            rows.append({"what": f"client, {env}: failed", "env": env, "failed": str(failed)})
+            continue
         print(f"[{env}] done in {wall:.0f} s", flush=True)
         for phase in PHASES:
             if f"{phase}_tokens_per_s" not in r0:
@@ -197,11 +203,16 @@ def main(argv: list[str] | None = None) -> None:
         r["fraction"] = r["flops_per_s"] / peak
         print(f"{r['what']}: {r['tokens_per_s']:,.0f} tokens/s, {100 * r['fraction']:.0f}% of peak", flush=True)
     del model
+    if device.type == "cuda":  # the clients below count what the card has free
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.skip_client:
         envs = [e.strip() for e in args.envs.split(",") if e.strip()]
         for r in client_rounds(args.base_model, envs, args):
             # The client measured its own peak (shorter, one size); against this run's, like the rows above.
-            if r["mfu_client"] is not None and r["client_peak"]:
+            if r.get("mfu_client") is not None and r.get("client_peak"):
                 r["fraction"] = r["mfu_client"] * r["client_peak"] / peak
             rows.append(r)
 
@@ -210,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     print("| what | tokens/s | % of peak | padding | cached | generated |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
+        if "failed" in r:
+            print(f"| {r['what']} | - | - | - | - | - |")
+            continue
         frac = f"{100 * r['fraction']:.0f}%" if r.get("fraction") is not None else "-"
         pad = f"{100 * r['padding']:.0f}%" if "padding" in r else "-"
         cached = f"{r['cached']:,.0f}" if r.get("cached") else "-"
@@ -221,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         pathlib.Path(args.json).write_text(json.dumps(figures, indent=1))
     if args.plot:
         plot(figures, args.plot)
+    failed = [r["env"] for r in rows if "failed" in r]
+    if failed:
+        raise SystemExit(f"fedse run failed for {', '.join(failed)} (above)")
 
 
 if __name__ == "__main__":

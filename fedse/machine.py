@@ -89,12 +89,14 @@ def resident_bytes(device=None) -> int:
 
 
 def available_memory_bytes(device=None) -> int:
-    """The most this process may hold: a CUDA device's total memory; on a CPU its cgroup's memory limit
-    (a container's) where one is set, else what the machine has available plus what the process holds."""
+    """The most this process may hold: on a CUDA device what is free there plus what this process
+    holds (other processes sharing the card keep theirs); on a CPU its cgroup's memory limit (a
+    container's) where one is set, else what the machine has available plus what the process holds."""
     if device is not None and getattr(device, "type", "") == "cuda":
         import torch
 
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device))
     try:
         text = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if text != "max":

@@ -529,3 +529,36 @@ def test_width_groups_split_rows_where_a_pass_costs_less_than_the_padding_it_sav
         assert sorted(itertools.chain(*groups)) == list(range(len(widths)))
         every = partitions(list(range(len(widths))))
         assert cost(groups, widths, overhead) == min(cost(p, widths, overhead) for p in every)
+
+
+def test_scores_of_a_bf16_output_layer_are_computed_in_fp32_as_a_gpu_holds_it():
+    """A real model on CUDA holds its output layer in bf16: the scores are those of the same weights
+    in fp32, not of logits rounded to bf16 (which reorder near-tied actions)."""
+    model, tok = _model()
+    head = model.get_base_model().get_output_embeddings()
+    with torch.no_grad():
+        head.weight.copy_(head.weight.bfloat16().float())  # the values a bf16 weight holds
+    prompts, cands = _maze_prompts(3), [WORDS, MAZE_ACTIONS, MAZE_ACTIONS]
+    in_fp32 = ActionScorer(model, tok, max_prompt_tokens=160, method="packed").score(prompts, cands)
+    head.weight = torch.nn.Parameter(head.weight.detach().bfloat16(), requires_grad=False)
+    in_bf16 = ActionScorer(model, tok, max_prompt_tokens=160, method="packed").score(prompts, cands)
+    for a, b in zip(in_fp32, in_bf16):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    with torch.no_grad():  # the kept fp32 copy follows the weight when it changes
+        head.weight.mul_(0.5)
+    halved = ActionScorer(model, tok, max_prompt_tokens=160, method="packed").score(prompts, cands)
+    assert not torch.allclose(halved[0], in_bf16[0], atol=1e-3)
+
+
+def test_auto_precision_is_bf16_for_a_real_model_in_bf16_on_cuda_and_fp32_for_the_tiny_one():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.client_agent.model import pick_precision
+
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    small = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+    assert pick_precision("auto", LlamaForCausalLM(small).to(torch.bfloat16), cuda) == "bf16"
+    assert pick_precision("auto", LlamaForCausalLM(small), cuda) == "fp32"
+    assert pick_precision("auto", build_tiny_model()[0], cuda) == "fp32"
+    assert pick_precision("fp32", LlamaForCausalLM(small).to(torch.bfloat16), cuda) == "fp32"

@@ -108,3 +108,35 @@ def test_training_recomputes_exactly_the_layers_each_micro_batch_needs_and_learn
         assert all(torch.allclose(state[k], reference[k], atol=1e-6) for k in reference), name
     assert any(float(v.abs().max()) > 0 for k, v in reference.items() if "lora_B" in k)  # it learnt something
 
+
+
+def test_under_bf16_autocast_lora_layers_skip_the_input_casts_and_learn_exactly_the_same(examples, monkeypatch):
+    """A bf16 base model (as a GPU loads a real one) with fp32 LoRA weights: the LoRA layers take
+    their bf16 input as it is (autocast casts it for the matmul anyway) instead of copying it to
+    fp32 and back: fewer copies, the same adapter to the bit."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.client_agent import trainer
+
+    def trained(as_is: bool):
+        if not as_is:
+            monkeypatch.setattr(trainer, "lora_input_as_is", lambda model, precision: contextlib.nullcontext())
+        model, tok = build_tiny_model(0)
+        peft = add_lora(model.to(torch.bfloat16), seed=0)
+        assert next(p for n, p in peft.named_parameters() if "lora_A" in n).dtype == torch.float32
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            train_lora(peft, tok, examples[:4], epochs=1, batch_size=2, precision="bf16", lr=1e-2)
+        monkeypatch.undo()
+        copies = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
+        return get_adapter_state(peft), copies
+
+    cast, cast_copies = trained(False)
+    as_is, as_is_copies = trained(True)
+    assert cast.keys() == as_is.keys()
+    for k in cast:
+        assert torch.equal(cast[k], as_is[k]), k
+    assert any(v.abs().sum() > 0 for k, v in as_is.items() if "lora_B" in k)  # it learnt
+    # Two copies forward and two backward for each LoRA layer with a bf16 input, per micro-batch.
+    assert as_is_copies < cast_copies - len([k for k in cast if "lora_A" in k])

@@ -25,7 +25,7 @@ import torch
 
 from fedse.machine import release_free_memory
 
-from .model import bucket_length
+from .model import bucket_length, logits_fp32
 from .prefixes import PrefixCache, PrefixTree, common_prefix
 from .prompts import inner_model
 from .work import Work, causal_context
@@ -140,8 +140,7 @@ class Batch:
         logp = torch.empty(len(targets))
         for c0 in range(0, len(states), HEAD_ROWS):
             mine = (which >= c0) & (which < c0 + HEAD_ROWS)
-            with torch.autocast(h.device.type, enabled=False):  # the output layer in the weights' dtype, not bf16
-                logits = head(h[c0:c0 + HEAD_ROWS].to(head.weight.dtype)).float()
+            logits = logits_fp32(head, h[c0:c0 + HEAD_ROWS])
             rows, cols = (which[mine] - c0).to(h.device), tokens[mine].to(h.device)
             logp[mine] = torch.log_softmax(logits, dim=-1)[rows, cols].cpu()
             del logits

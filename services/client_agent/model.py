@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.helpers import disable_input_dtype_casting
 from peft.tuners.lora import Linear as LoraLinear
 
 from fedse import adapter as ad
@@ -73,12 +74,47 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return out
 
 
+def lora_input_as_is(peft_model, precision: str):
+    """Within the block, under bf16 autocast (precision "bf16"), the LoRA layers take their input as
+    it comes instead of casting it to their fp32 weights' dtype first: autocast casts it back to bf16
+    for the matmul anyway, so the results are the same, with two copies fewer per layer and pass
+    (and their backward). Without autocast the cast is needed (a bf16 base model on a GPU, fp32
+    LoRA weights): nothing changes."""
+    return disable_input_dtype_casting(peft_model, active=precision == "bf16")
+
+
 def pick_precision(precision: str, model, device: torch.device) -> str:
-    """"fp32" or "bf16" (autocast) for "auto": bf16 for a real model on a CPU with native bfloat16;
-    fp32 for the tiny model (too small to gain) and on CUDA (real models load in bf16 there)."""
+    """"fp32" or "bf16" (autocast) for "auto": fp32 for the tiny model (too small to gain); for a
+    real model bf16 on a CPU with native bfloat16, and on CUDA where its weights are bf16 (as
+    load_base loads them there), else fp32. The label also picks the matmul peak its MFU is
+    counted against."""
     if precision != "auto":
         return precision
-    return "bf16" if device.type == "cpu" and not is_tiny(model) and cpu_has_native_bf16() else "fp32"
+    if is_tiny(model):
+        return "fp32"
+    if device.type == "cuda":
+        return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+
+
+def logits_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer's logits for `hidden`, computed in fp32 whatever the weights' dtype.
+
+    A real model on CUDA holds its output layer in bf16, whose logits step by 0.125 at magnitudes
+    of 16-32: enough to reorder near-tied actions. The fp32 copy of such a weight is made once and
+    kept on the layer (SmolLM2-135M: 113 MB), made again only if the weight changes; an fp32
+    weight (a CPU's) is used as it is."""
+    w = head.weight
+    with torch.autocast(hidden.device.type, enabled=False):
+        if w.dtype == torch.float32:
+            return head(hidden.float())
+        key = (w.data_ptr(), w._version, w.dtype)
+        kept = head.__dict__.get("_fp32_weight")
+        if kept is None or kept[0] != key:
+            kept = (key, w.detach().float())
+            head.__dict__["_fp32_weight"] = kept
+        bias = None if getattr(head, "bias", None) is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), kept[1], bias)
 
 
 def add_lora(model, r: int = 8, alpha: int = 16, dropout: float = 0.0,

@@ -37,7 +37,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from fedse.machine import release_free_memory
 
-from .model import autocast, bucket_length, micro_batches, pads_to_buckets
+from .model import autocast, bucket_length, lora_input_as_is, micro_batches, pads_to_buckets
 from .buffer import Trajectory
 from .prompts import (Encoded, PromptFormat, TokenCache, default_max_prompt_tokens, encode_example,
                       encode_trajectory, format_target)
@@ -363,6 +363,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
     with contextlib.ExitStack() as undo:
         undo.callback(peft_model.train, was_training)
         peft_model.train()
+        undo.enter_context(lora_input_as_is(peft_model, precision))
         if checkpointing:
             undo.enter_context(checkpointing_on(inner, {"use_reentrant": False}))
         for epoch, (order, plan) in enumerate(zip(orders, plans)):
