@@ -19,6 +19,9 @@ draws the fractions. On a GPU, with the `gpu` extra installed, it also records t
 power, utilisation and memory in use right after measuring the peak.
 
     .venv/bin/python bench/model_throughput.py [--base-model DIR] [--envs maze,wordle] [--skip-client]
+
+Where a model's weights cannot be copied to the machine measured, `bench/random_weights.py` writes a
+stand-in of its shape with random weights: the same speed per token, other episodes.
 """
 
 from __future__ import annotations
