@@ -549,8 +549,9 @@ class ClientAgent:
         return Checkpointing(self._activation_cost, self.memory_left() / 4)
 
     def memory_left(self) -> int:
-        """What this client may still hold, in bytes: --memory-limit-mb (else the GPU's memory, or the
-        container's limit or the machine's available memory) less what it holds now."""
+        """What this client may still hold, in bytes: --memory-limit-mb (else what the GPU has free plus
+        what this client holds there, or the container's limit or the machine's available memory)
+        less what it holds now."""
         limit = self.cfg.memory_limit_mb * 1_000_000 or available_memory_bytes(self.device)
         return max(0, limit - resident_bytes(self.device))
 

@@ -103,8 +103,8 @@ class ClientConfig(Security):
                                     "stands where it fails (empty = the tools' choice)")
     guardian_notes: str = field("", "--guardian-model: the organisation's wishes in words, e.g. 'leave half the "
                                     "memory to other work'")
-    memory_limit_mb: int = field(0, "the memory this client may hold, in MB (0 = the GPU's, or the container's limit "
-                                    "or the machine's available memory): --guardian sizes the work to it, acting "
+    memory_limit_mb: int = field(0, "the memory this client may hold, in MB (0 = what the GPU has free, or the "
+                                    "container's limit or the machine's available memory): --guardian sizes the work to it, acting "
                                     "merges the LoRA into the weights only where the copy fits half of what is "
                                     "left, and training recomputes activations where a micro-batch's would not fit "
                                     "a quarter of it")
