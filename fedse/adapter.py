@@ -43,6 +43,8 @@ MAX_HEADER_DEPTH = 8
 # What an adapter schema (Join) may be.
 MAX_SCHEMA_TENSORS = 100_000
 MAX_SCHEMA_DIMS = 8
+# The largest dimension a schema may give (a zero-size tensor holds no bytes, whatever its others).
+MAX_SCHEMA_DIM = 2**31 - 1
 MAX_CONFIG_BYTES = 64 * 1024
 
 
@@ -87,7 +89,7 @@ class Schema:
     def check(self, max_bytes: int) -> None:
         """Raises AdapterError saying what to fix unless this is a schema an adapter can have: at least
         one tensor, unique names of at most MAX_NAME_CHARS characters, at most MAX_SCHEMA_DIMS
-        non-negative dimensions, a dtype fedse reads, at most `max_bytes` in all, and an
+        dimensions of 0 to MAX_SCHEMA_DIM (LoRA factors at least two, none 0), a dtype fedse reads, at most `max_bytes` in all, and an
         adapter_config.json (a JSON object) of at most MAX_CONFIG_BYTES."""
         if not self.tensors:
             raise AdapterError("the adapter schema lists no tensors: send the LoRA adapter's tensor specs")
@@ -103,9 +105,12 @@ class Schema:
             if spec.name in seen:
                 raise AdapterError(f"tensor {shown(spec.name, 96)} is listed twice in the adapter schema")
             seen.add(spec.name)
-            if len(spec.shape) > MAX_SCHEMA_DIMS or any(d < 0 for d in spec.shape):
+            if len(spec.shape) > MAX_SCHEMA_DIMS or any(not 0 <= d <= MAX_SCHEMA_DIM for d in spec.shape):
                 raise AdapterError(f"tensor {shown(spec.name, 96)} has shape {shown(list(spec.shape))}: give at most "
-                                   f"{MAX_SCHEMA_DIMS} dimensions, none negative")
+                                   f"{MAX_SCHEMA_DIMS} dimensions, each 0 to {MAX_SCHEMA_DIM}")
+            if (".lora_A." in spec.name or ".lora_B." in spec.name) and (len(spec.shape) < 2 or 0 in spec.shape):
+                raise AdapterError(f"tensor {shown(spec.name, 96)} has shape {shown(list(spec.shape))}: a LoRA factor "
+                                   "has two dimensions or more (lora_A rank x in, lora_B out x rank), none 0")
             if spec.dtype not in _TORCH_DTYPES:
                 raise AdapterError(f"tensor {shown(spec.name, 96)} has dtype {shown(spec.dtype)}: use one of "
                                    f"{', '.join(f'{t} ({SAFETENSORS_NAMES[d]})' for t, d in _TORCH_DTYPES.items())}")

@@ -434,3 +434,34 @@ def test_one_client_cannot_hold_every_watch_round_thread(tmp_path):
                 time.sleep(0.2)
         for s in held + [other]:
             s.cancel()
+
+
+A_NAME, B_NAME = "base_model.model.m.lora_A.weight", "base_model.model.m.lora_B.weight"
+
+
+@pytest.mark.parametrize("specs", [
+    [(A_NAME, [8]), (B_NAME, [8, 2])],  # a LoRA factor of one dimension
+    [(A_NAME, []), (B_NAME, [8, 2])],
+    [(A_NAME, [2, 0]), (B_NAME, [8, 2])],  # zero-size: no bytes, no rank
+    [(A_NAME, [2, 8]), (B_NAME, [8, 2]), ("base_model.model.m.bias", [2**62, 2**62, 0])],  # 0 bytes, huge dims
+], ids=["1-d", "0-d", "zero-size", "huge-dims"])
+def test_a_first_join_with_a_schema_no_adapter_has_is_refused_and_leaves_the_run_to_the_next(tmp_path, specs):
+    """The first Join fixes the run's schema and makes phi_0 from it: a schema phi_0 cannot be made of
+    is INVALID_ARGUMENT saying what to fix, and the run is as before (status served, a valid Join fixes it)."""
+    with aggregator_in_process(tmp_path) as (_agg, port, _), grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = fpb_grpc.FederationServiceStub(ch)
+
+        def join(cid, tensors):
+            return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=TINY_MODEL_NAME, schema=fpb.AdapterSchema(
+                adapter_config_json='{"r": 2}', tensors=[fpb.TensorSpec(name=n, shape=s, dtype="float32")
+                                                         for n, s in tensors])), timeout=10)
+
+        with pytest.raises(grpc.RpcError) as err:
+            join("org-a", specs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "shape" in err.value.details()
+        assert stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=10).state == \
+            fpb.ROUND_STATE_WAITING_FOR_CLIENTS
+        joined = join("org-b", [(A_NAME, [2, 8]), (B_NAME, [8, 2])])
+        assert joined.current_round == 0
+        assert len(stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-b"), timeout=10).joined) == 1

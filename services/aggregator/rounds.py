@@ -246,9 +246,14 @@ class RoundKeeper:
             run = self.run
             if run.schema is None:
                 top = self.settings.max_lora_rank
-                run.schema = ranks.run_schema(schema, top) if top else schema
-                run.base_model = base_model
-                self.globals.save(0, fresh(run.schema, self.settings.seed)[0], run.adapter_config())
+                first = ranks.run_schema(schema, top) if top else schema
+                image = fresh(first, self.settings.seed)[0]  # before the run takes it: a failure leaves none
+                run.schema, run.base_model = first, base_model
+                try:
+                    self.globals.save(0, image, run.adapter_config())
+                except BaseException:
+                    run.schema = run.base_model = None
+                    raise
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
                                                                 base_model=base_model, max_lora_rank=top or None))
             elif base_model != run.base_model:
