@@ -93,13 +93,22 @@ def _split_method(full: str) -> tuple[str, str]:
     return service, method
 
 
+def _non_blocking(handler: grpc.RpcMethodHandler) -> bool:
+    """Whether the method answers through a callback instead of holding a server thread while its
+    stream lasts (grpc.health.v1's Watch): a wrapper around it would drop that, and a few Watch
+    streams would then hold every thread of the server (its health checks too)."""
+    return any(getattr(behavior, "experimental_non_blocking", False)
+               for behavior in (handler.unary_stream, handler.stream_stream))
+
+
 class MetricsInterceptor(grpc.ServerInterceptor):
-    """Records latency and outcome of every call, streaming ones included."""
+    """Records latency and outcome of every call, streaming ones included (but a non-blocking
+    stream's, passed as it is: _non_blocking)."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or _non_blocking(handler):
+            return handler
         service, method = _split_method(handler_call_details.method)
 
         def observe(context: grpc.ServicerContext, start: float, failed: bool) -> None:
@@ -162,7 +171,7 @@ class RequestDecoding(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None or _non_blocking(handler):
             return handler
         decode = handler.request_deserializer
         method = handler_call_details.method

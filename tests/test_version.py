@@ -115,3 +115,34 @@ def test_a_second_grpc_server_never_shares_a_port_with_the_first():
             bare.add_insecure_port(f"127.0.0.1:{first.port}")
     finally:
         first.stop(0)
+
+
+@pytest.mark.parametrize("separate_port", [False, True], ids=["on-the-service-port", "on-a-health-port"])
+def test_health_watch_streams_hold_no_server_thread(separate_port):
+    """grpc.health.v1's Watch answers through a callback: held open, many of them leave a two-thread
+    server (the client agent's, a --health-address one) answering Check, and follow a status change."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from fedse.serving import Service
+
+    svc = Service("probe", "127.0.0.1:0", max_workers=2, health_address="127.0.0.1:0" if separate_port else "")
+    svc.start()
+    port = svc.health_port if separate_port else svc.port
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(6)]
+            for w in watches:
+                assert next(w).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # With every thread held by a Watch this waited out its deadline.
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            svc.ready([])
+            assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            for w in watches:
+                w.cancel()
+    finally:
+        svc.stop(0)
