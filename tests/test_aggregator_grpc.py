@@ -465,3 +465,63 @@ def test_a_first_join_with_a_schema_no_adapter_has_is_refused_and_leaves_the_run
         joined = join("org-b", [(A_NAME, [2, 8]), (B_NAME, [8, 2])])
         assert joined.current_round == 0
         assert len(stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-b"), timeout=10).joined) == 1
+
+
+def _join_raw(stub, cid):
+    return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=TINY_MODEL_NAME, schema=fpb.AdapterSchema(
+        adapter_config_json='{"r": 2, "lora_alpha": 4}', tensors=[
+            fpb.TensorSpec(name=A_NAME, shape=[2, 8], dtype="float32"),
+            fpb.TensorSpec(name=B_NAME, shape=[8, 2], dtype="float32")])), timeout=10)
+
+
+def test_an_unsigned_secure_round_keeps_no_certificate_a_member_sends_so_every_roster_stays_readable(tmp_path):
+    """In a run that does not sign keys nobody checks an advertisement's certificate and signature: one
+    member's 3 MB of them must not reach every member's roster (over the 4 MB a default client reads)."""
+    import os
+
+    with aggregator_in_process(tmp_path, secure_aggregation=True) as (_agg, port, _), \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = fpb_grpc.FederationServiceStub(ch)
+        for cid in ("org-a", "org-b"):
+            _join_raw(stub, cid)
+        nonce = stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=10).round_nonce
+        for cid in ("org-a", "org-b"):
+            stub.AdvertiseKeys(fpb.AdvertiseKeysRequest(
+                client_id=cid, round=0, round_nonce=nonce, encryption_key=os.urandom(32), masking_key=os.urandom(32),
+                self_mask_commitment=os.urandom(32), certificate=os.urandom(1_500_000), signature=os.urandom(64)),
+                timeout=10)
+        deadline = time.monotonic() + 10
+        while True:
+            secure = stub.GetSecureRound(fpb.SecureRoundRequest(client_id="org-a", round=0, round_nonce=nonce),
+                                         timeout=10)
+            if secure.stage == fpb.SECURE_STAGE_SHARING or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert secure.stage == fpb.SECURE_STAGE_SHARING
+        assert len(secure.roster) == 2
+        assert all(not m.certificate and not m.signature for m in secure.roster)
+
+
+def test_an_asynchronous_upload_from_a_negative_version_is_refused_and_the_run_goes_on(tmp_path):
+    with aggregator_in_process(tmp_path, mode="async", min_clients=1, async_buffer=1, rounds=3) as (_agg, port, run), \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = fpb_grpc.FederationServiceStub(ch)
+        for cid in ("org-a", "org-b"):
+            _join_raw(stub, cid)
+        nonce = stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=10).round_nonce
+        data = ad.encode({A_NAME: torch.full((2, 8), 0.1), B_NAME: torch.full((8, 2), 0.1)})
+
+        def upload(cid, round_):
+            header = fpb.AdapterHeader(client_id=cid, round=round_, round_nonce=nonce, sha256=ad.sha256_hex(data),
+                                       size=len(data), num_examples=1, num_successes=1)
+            return stub.UploadAdapter(iter([fpb.AdapterChunk(header=header), fpb.AdapterChunk(data=data)]), timeout=10)
+
+        with pytest.raises(grpc.RpcError) as err:
+            upload("org-a", -1)  # it was stored as version -1 and every aggregation after failed on it
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "0 to 0" in err.value.details()
+        upload("org-b", 0)
+        deadline = time.monotonic() + 10
+        while stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=10).round < 1:
+            assert time.monotonic() < deadline, "the run did not publish version 1"
+            time.sleep(0.2)

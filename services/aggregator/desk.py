@@ -222,6 +222,9 @@ class UploadDesk:
         run, stale = self.run, self.settings.async_max_staleness
         if nonce != run.nonce:
             raise StaleRound("the upload's round nonce is not this run's: take it from the current RoundStatus")
+        if base < 0:
+            raise ValueError(f"an upload's round is the version it trained from, 0 to {run.round} here; {base} is "
+                             "none: take it from the RoundStatus you downloaded")
         if base > run.round:
             raise StaleRound(f"an upload trained from version {base}, which is not published (version {run.round} "
                              "is the newest): download the newest and train from it")

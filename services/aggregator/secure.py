@@ -36,6 +36,9 @@ log = logging.getLogger("aggregator.secure")
 
 SEALED_BYTES = masking.NONCE_BYTES + secagg.SHARE_PLAINTEXT + 16  # nonce, both shares, Poly1305 tag
 DIGEST_BYTES = 32
+# What a signed advertisement may carry: an mTLS certificate in DER, and a signature of the advertisement.
+MAX_CERTIFICATE_BYTES = 16 * 1024
+MAX_SIGNATURE_BYTES = 1024
 
 
 class Stage(enum.Enum):
@@ -188,6 +191,12 @@ class SecureDesk:
                                  "SHA-256 commitment)")
         if encryption_key == masking_key:
             raise ValueError("encryption_key and masking_key are the same key: make two key pairs")
+        if not self.signed:  # nobody checks them: kept, they would only swell every member's roster
+            certificate = signature = b""
+        if len(certificate) > MAX_CERTIFICATE_BYTES or len(signature) > MAX_SIGNATURE_BYTES:
+            raise ValueError(f"the certificate is {len(certificate)} bytes and the signature {len(signature)}: send "
+                             f"at most {MAX_CERTIFICATE_BYTES} and {MAX_SIGNATURE_BYTES} (your mTLS certificate in "
+                             "DER, and the signature of the advertisement)")
         member = Member(client_id, 0, encryption_key, masking_key, self_commitment, certificate, signature)
         if self.signed:
             assert self.verifier is not None
