@@ -301,6 +301,9 @@ def format_status(st) -> str:
         worked = work_line(cl.metrics)
         if worked:
             lines.append(f"{'':<20} {worked}")
+    if st.clients_without_metrics:
+        lines.append(f"({st.clients_without_metrics} of the last clients shown without their metrics: all of them "
+                     "would not fit the 4 MB a status reply may take)")
     return "\n".join(lines)
 
 

@@ -525,3 +525,39 @@ def test_an_asynchronous_upload_from_a_negative_version_is_refused_and_the_run_g
         while stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=10).round < 1:
             assert time.monotonic() < deadline, "the run did not publish version 1"
             time.sleep(0.2)
+
+
+def test_a_run_status_too_large_for_a_default_client_leaves_out_the_last_clients_metrics_and_says_so():
+    """64 clients with 256 metrics of 256-byte names: GetRunStatus keeps every client's entry, leaves the
+    metrics of the last ones out until the reply fits what a default client receives, and fedse
+    status says how many."""
+    from apps.cli import format_status
+    from services.aggregator.rounds import MAX_METRIC_NAME_BYTES, MAX_METRICS
+    from services.aggregator.servicer import RUN_STATUS_BYTES, within_reply_budget
+
+    metrics = {f"{j:04d}".ljust(MAX_METRIC_NAME_BYTES, "m"): 0.5 for j in range(MAX_METRICS)}
+    reply = fpb.RunStatus(config=fpb.RunConfig(run_id="t", num_rounds=2), round=fpb.RoundStatus(run_id="t"),
+                          clients=[fpb.ClientStatus(client_id=f"org-{i:02d}", env="maze", metrics_round=0,
+                                                    metrics=metrics) for i in range(64)])
+    assert reply.ByteSize() > 4 * 1024 * 1024
+    trimmed = within_reply_budget(reply)
+    assert trimmed.ByteSize() <= RUN_STATUS_BYTES
+    assert len(trimmed.clients) == 64 and 0 < trimmed.clients_without_metrics < 64
+    kept = [bool(c.metrics) for c in trimmed.clients]
+    assert kept == sorted(kept, reverse=True) and sum(kept) == 64 - trimmed.clients_without_metrics
+    assert f"{trimmed.clients_without_metrics} of the last clients shown without their metrics" in format_status(trimmed)
+
+
+def test_a_metric_name_over_its_byte_limit_is_refused(aggregator, peft_model):
+    _, state, config_json = peft_model
+    _agg, target, _ = aggregator
+    c1, c2 = join_two(target, state, config_json)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            c1.stub.ReportMetrics(fpb.MetricsReport(client_id="org-a", round=0, metrics={"\U0001F600" * 100: 1.0}),
+                                  timeout=10)  # 100 characters, 400 bytes
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "bytes in UTF-8" in err.value.details()
+    finally:
+        c1.close()
+        c2.close()

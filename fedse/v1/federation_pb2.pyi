@@ -343,7 +343,7 @@ class SelectionRecord(_message.Message):
     def __init__(self, round: _Optional[int] = ..., policy: _Optional[str] = ..., chosen: _Optional[_Iterable[str]] = ..., reasoning: _Optional[_Iterable[str]] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("config", "round", "clients", "round_seconds", "base_model", "dp_accounted", "dp_epsilon_round", "dp_epsilon_total", "dp_releases", "selection", "selector_fallbacks")
+    __slots__ = ("config", "round", "clients", "round_seconds", "base_model", "dp_accounted", "dp_epsilon_round", "dp_epsilon_total", "dp_releases", "selection", "selector_fallbacks", "clients_without_metrics")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class RunStatus(_message.Message):
     DP_RELEASES_FIELD_NUMBER: _ClassVar[int]
     SELECTION_FIELD_NUMBER: _ClassVar[int]
     SELECTOR_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_WITHOUT_METRICS_FIELD_NUMBER: _ClassVar[int]
     config: RunConfig
     round: RoundStatus
     clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
@@ -366,7 +367,8 @@ class RunStatus(_message.Message):
     dp_releases: int
     selection: SelectionRecord
     selector_fallbacks: int
-    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ..., dp_accounted: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_total: _Optional[float] = ..., dp_releases: _Optional[int] = ..., selection: _Optional[_Union[SelectionRecord, _Mapping]] = ..., selector_fallbacks: _Optional[int] = ...) -> None: ...
+    clients_without_metrics: int
+    def __init__(self, config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ..., round_seconds: _Optional[_Iterable[float]] = ..., base_model: _Optional[str] = ..., dp_accounted: _Optional[bool] = ..., dp_epsilon_round: _Optional[float] = ..., dp_epsilon_total: _Optional[float] = ..., dp_releases: _Optional[int] = ..., selection: _Optional[_Union[SelectionRecord, _Mapping]] = ..., selector_fallbacks: _Optional[int] = ..., clients_without_metrics: _Optional[int] = ...) -> None: ...
 
 class StageAck(_message.Message):
     __slots__ = ()

@@ -46,6 +46,7 @@ from .uploads import Accepted, UploadHeader
 log = logging.getLogger("aggregator.rounds")
 
 MAX_METRICS = 256  # named values in one metrics report
+MAX_METRIC_NAME_BYTES = 256  # a metric name in UTF-8 (every client's metrics are in GetRunStatus's reply)
 T = TypeVar("T")
 
 
@@ -338,6 +339,9 @@ class RoundKeeper:
             raise ValueError(f"{len(values)} metrics in one report, more than the limit of {MAX_METRICS}")
         for name, value in values.items():
             bounded("metric name", name)
+            if len(name.encode()) > MAX_METRIC_NAME_BYTES:
+                raise ValueError(f"metric name {shown(name)} is {len(name.encode())} bytes in UTF-8: give at most "
+                                 f"{MAX_METRIC_NAME_BYTES}")
             if not math.isfinite(value):
                 raise ValueError(f"metric {shown(name)} is {value}: report finite values only (leave out a metric "
                                  "that has no value)")

@@ -65,6 +65,26 @@ for _reason in _UPLOAD_REASON.values():
 UPLOADS.labels("accepted")
 
 
+# What GetRunStatus sends at most: under the 4 MB a client with gRPC's default limits receives.
+RUN_STATUS_BYTES = 3_500_000
+
+
+def within_reply_budget(reply: fpb.RunStatus, budget: int = RUN_STATUS_BYTES) -> fpb.RunStatus:
+    """`reply`, its last clients' metrics left out (counted in clients_without_metrics) while it is
+    over `budget` bytes: many clients, each with up to MAX_METRICS long-named metrics, make more
+    than a default client can receive."""
+    size = reply.ByteSize()
+    for client in reversed(reply.clients):
+        if size <= budget:
+            break
+        if client.metrics:
+            before = client.ByteSize()
+            client.ClearField("metrics")
+            size -= before - client.ByteSize()
+            reply.clients_without_metrics += 1
+    return reply
+
+
 _STAGE = {
     None: fpb.SECURE_STAGE_UNSPECIFIED,
     Stage.ADVERTISING: fpb.SECURE_STAGE_ADVERTISING,
@@ -281,7 +301,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             extra["selection"] = fpb.SelectionRecord(round=sel.round, policy=sel.policy, chosen=list(sel.chosen),
                                                        reasoning=list(sel.reasoning),
                                                        fallback_reason=sel.fallback_reason)
-        return fpb.RunStatus(selector_fallbacks=fallbacks,
+        reply = fpb.RunStatus(selector_fallbacks=fallbacks,
             config=self.config_proto(), round=status_to_proto(st), round_seconds=seconds, base_model=base_model,
             clients=[fpb.ClientStatus(
                 client_id=v.client_id, env=v.env, uploaded=v.uploaded, alive=v.alive,
@@ -290,6 +310,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 secure_step=v.secure_step, selected=v.selected, selection_reason=v.selection_reason,
                 lora_rank=v.lora_rank)
                 for v in views], **extra)
+        return within_reply_budget(reply)
 
     # ---- secure aggregation's stages ---------------------------------------------------------------
     def _stage(self, context: grpc.ServicerContext, request, call):
