@@ -209,9 +209,10 @@ def check_tensors(schema: Schema, tensors: Mapping[str, object], dtypes: bool = 
         shape = tuple(int(d) for d in t.shape)
         dtype = t.dtype if isinstance(t, TensorSpec) else str(t.dtype).removeprefix("torch.")
         if shape != spec.shape:
-            raise AdapterError(f"tensor {name} has shape {shown(list(shape))}, {expected_by} expects {list(spec.shape)}")
+            raise AdapterError(f"tensor {shown(name, 96)} has shape {shown(list(shape))}, {expected_by} expects "
+                               f"{list(spec.shape)}")
         if dtypes and dtype != spec.dtype:
-            raise AdapterError(f"tensor {name} has dtype {shown(dtype)}, {expected_by} expects {spec.dtype}")
+            raise AdapterError(f"tensor {shown(name, 96)} has dtype {shown(dtype)}, {expected_by} expects {spec.dtype}")
 
 
 TRANSPORT_DTYPES = {"": None, "bfloat16": torch.bfloat16}

@@ -46,5 +46,9 @@ def bounded(field: str, value: str, limit: int = MAX_ID_CHARS) -> str:
 
 
 def status_message(text: str) -> str:
-    """A status message cut to MAX_STATUS_CHARS (the last guard: inputs are bounded and shown short)."""
+    """A status message in ASCII (other characters escaped, as \\u00e9), cut to MAX_STATUS_CHARS (the
+    last guard: inputs are bounded and shown short). gRPC sends the message percent-encoded in a
+    header of at most 8 KB: a character outside ASCII takes up to 12 bytes there, so a message of
+    such characters would be refused whole and its status lost."""
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
     return text if len(text) <= MAX_STATUS_CHARS else text[:MAX_STATUS_CHARS - 3] + "..."

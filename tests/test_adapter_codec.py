@@ -173,7 +173,7 @@ def test_upload_check_reads_any_split_of_the_stream(step):
     nan["base_model.model.layers.0.q_proj.lora_B.weight"] = a["base_model.model.layers.0.q_proj.lora_B.weight"].clone()
     nan["base_model.model.layers.0.q_proj.lora_B.weight"][3, 5] = float("inf")
     d = ad.encode(nan)
-    with pytest.raises(ad.AdapterError, match="lora_B.weight holds NaN or infinite"):
+    with pytest.raises(ad.AdapterError, match="lora_B.weight' holds NaN or infinite"):
         feed(UploadCheck(schema, len(d), 1 << 20), d, step)
 
 

@@ -561,3 +561,41 @@ def test_a_metric_name_over_its_byte_limit_is_refused(aggregator, peft_model):
     finally:
         c1.close()
         c2.close()
+
+
+def test_a_refusal_that_repeats_characters_outside_ascii_keeps_its_status(tmp_path):
+    """gRPC sends a status message percent-encoded in a header of at most 8 KB: a base model of 1,024
+    emoji repeated in a refusal took 12 KB there, and the client got RESOURCE_EXHAUSTED instead of
+    the refusal. Messages go in ASCII, escaped and bounded."""
+    emoji = "\U0001F600"
+    with aggregator_in_process(tmp_path, min_clients=1) as (_agg, port, _), \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = fpb_grpc.FederationServiceStub(ch)
+
+        def join(cid, base_model):
+            return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=base_model, schema=fpb.AdapterSchema(
+                adapter_config_json='{"r": 2}', tensors=[fpb.TensorSpec(name=A_NAME, shape=[2, 8], dtype="float32"),
+                                                         fpb.TensorSpec(name=B_NAME, shape=[8, 2], dtype="float32")])),
+                timeout=10)
+
+        join("org-a", emoji * 1024)
+        with pytest.raises(grpc.RpcError) as err:
+            join("org-b", "another-model" + emoji * 1000)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()[:200]
+        details = err.value.details()
+        assert details.isascii() and len(details) <= MAX_STATUS_CHARS and "\\U0001f600" in details
+
+
+def test_a_download_resumes_with_the_sha256_in_either_case(aggregator, peft_model):
+    _, state, config_json = peft_model
+    _agg, target, _ = aggregator
+    c1, c2 = join_two(target, state, config_json)
+    try:
+        whole = list(c1.stub.DownloadAdapter(fpb.DownloadRequest(round=0), timeout=30))
+        data = b"".join(ch.data for ch in whole)
+        sha = whole[0].header.sha256
+        rest = list(c1.stub.DownloadAdapter(fpb.DownloadRequest(round=0, offset=100, sha256=sha.upper()), timeout=30))
+        assert b"".join(ch.data for ch in rest) == data[100:]
+    finally:
+        c1.close()
+        c2.close()

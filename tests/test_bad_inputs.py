@@ -186,6 +186,7 @@ CASES: list[tuple[str, grpc.StatusCode, Call]] = [
     ("agg GetUploadState client not joined", PRECONDITION,
      lambda w: w.agg.GetUploadState(fpb.UploadStateRequest(client_id="stranger", sha256="ab" * 32))),
     ("agg DownloadAdapter round not made yet", NOT_FOUND, lambda w: w.download(round=5)),
+    ("agg DownloadAdapter round below -1 (the newest)", INVALID, lambda w: w.download(round=-7)),
     ("agg DownloadAdapter negative offset", INVALID, lambda w: w.download(round=0, offset=-1)),
     ("agg DownloadAdapter offset past the end", INVALID, lambda w: w.download(round=0, offset=10**9)),
     ("agg DownloadAdapter unknown transport dtype", INVALID, lambda w: w.download(round=0, transport_dtype="int4")),

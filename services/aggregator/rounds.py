@@ -176,6 +176,8 @@ class RoundKeeper:
     def global_adapter(self, round_: int, transport: str = "") -> tuple[int, bytes | bytearray, str, str]:
         """(round, bytes, sha256, adapter_config_json) of phi_round in the transport dtype; -1 = latest."""
         wire = ad.transport_dtype(transport)
+        if round_ < -1:
+            raise ValueError(f"round {round_} is none: ask for a published round, or -1 for the newest")
         with self._cond:
             if self.run.schema is None:
                 raise NotAvailable("no adapter yet: the first client to join fixes the run's adapter schema")
@@ -258,7 +260,7 @@ class RoundKeeper:
                 log.info("run schema fixed", extra=log_fields(client=client_id, tensors=len(schema.tensors),
                                                                 base_model=base_model, max_lora_rank=top or None))
             elif base_model != run.base_model:
-                raise SchemaMismatch(f"this run federates base model {run.base_model!r}, "
+                raise SchemaMismatch(f"this run federates base model {shown(run.base_model, 96)}, "
                                      f"client {client_id} has {shown(base_model)}")
             try:
                 if self.settings.max_lora_rank:

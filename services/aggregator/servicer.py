@@ -211,7 +211,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             bounded("sha256", request.sha256)
             round_, data, sha, config_json = self.fed.global_adapter(
                 request.round, bounded("transport_dtype", request.transport_dtype))
-            if request.sha256 and request.sha256 != sha:
+            if request.sha256 and request.sha256.lower() != sha:
                 raise errors.ResumeMismatch(f"the global adapter of round {round_} is {sha[:12]}..., not the "
                                             f"{request.sha256[:12]}... being resumed: download it from offset 0")
             # The bytes come from the round keeper's cache of global adapters; chunks are cut as they

@@ -115,8 +115,8 @@ class UploadCheck:
             spec = specs[name]
             width = SAFETENSORS_DTYPES[spec.dtype].itemsize
             if begin != at or end - begin != math.prod(spec.shape) * width:
-                raise AdapterError(f"tensor {name}'s data_offsets {[begin, end]} do not pack the tensors end to "
-                                   "end: write the file with safetensors")
+                raise AdapterError(f"tensor {shown(name, 96)}'s data_offsets {[begin, end]} do not pack the tensors "
+                                   "end to end: write the file with safetensors")
             self._regions.append((name, base + begin, base + end, spec.dtype))
             at = end
         if base + at != self.size:
@@ -189,6 +189,6 @@ def _check_finite(name: str, raw: bytes | memoryview, dtype: str) -> None:
             # non-finite sum, which overflow can also cause, needs the element-wise check.
             finite = bool(numpy.isfinite(values.sum())) or bool(numpy.isfinite(values).all())
     if not finite:
-        raise AdapterError(f"tensor {name} holds NaN or infinite values")
+        raise AdapterError(f"tensor {shown(name, 96)} holds NaN or infinite values")
 
 
