@@ -294,10 +294,16 @@ def parse_header(text: bytes, source: str) -> dict[str, dict]:
         raise AdapterError(f"{source} is not a valid safetensors file: its header nests deeper than "
                            f"{MAX_HEADER_DEPTH} levels (or its brackets do not balance); a safetensors header is "
                            "a flat object of tensor entries")
+    def ints(value, count: int | None = None) -> list[int]:  # a JSON list of integers, as safetensors writes
+        if not isinstance(value, list) or (count is not None and len(value) != count) or \
+                not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+            raise ValueError("not a list of integers")
+        return value
+
     try:
         header = json.loads(text)
-        entries = {name: {"dtype": str(v["dtype"]), "shape": [int(d) for d in v["shape"]],
-                          "data_offsets": [int(v["data_offsets"][0]), int(v["data_offsets"][1])]}
+        entries = {name: {"dtype": v["dtype"] if isinstance(v["dtype"], str) else repr(v["dtype"]),
+                          "shape": ints(v["shape"]), "data_offsets": ints(v["data_offsets"], 2)}
                    for name, v in header.items() if name != "__metadata__"}
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         raise AdapterError(f"{source} is not a valid safetensors file (bad header)") from None

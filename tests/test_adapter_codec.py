@@ -250,3 +250,18 @@ def test_schema_check_refuses_what_no_adapter_has(tensors, config, message):
     with pytest.raises(ad.AdapterError, match=message):
         ad.Schema(tensors, config).check(1 << 20)
     ad.Schema((ad.TensorSpec("a", (2, 3), "float32"),), '{"r": 2}').check(1 << 20)
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": "28", "data_offsets": [0, 64]},  # a string: read as [2, 8]
+    {"dtype": "F32", "shape": [2.0, 8], "data_offsets": [0, 64]},
+    {"dtype": "F32", "shape": [True, 8], "data_offsets": [0, 64]},
+    {"dtype": "F32", "shape": [2, 8], "data_offsets": [0, 64, 128]},
+    {"dtype": "F32", "shape": [2, 8], "data_offsets": "064"},
+    {"dtype": ["F32"], "shape": [2, 8], "data_offsets": [0, 64]},
+], ids=["string-shape", "float-dim", "bool-dim", "three-offsets", "string-offsets", "list-dtype"])
+def test_a_header_entry_that_safetensors_would_not_write_is_refused(entry):
+    import json
+
+    with pytest.raises(ad.AdapterError, match="the upload is not a valid safetensors file|does not read"):
+        ad.parse_header(json.dumps({"m.lora_A.weight": entry}).encode(), "the upload")
