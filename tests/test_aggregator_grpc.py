@@ -599,3 +599,29 @@ def test_a_download_resumes_with_the_sha256_in_either_case(aggregator, peft_mode
     finally:
         c1.close()
         c2.close()
+
+
+def test_ids_that_have_not_joined_share_a_few_watch_round_streams(tmp_path):
+    """Each WatchRound holds a server thread: made-up ids (8 streams each) could hold the whole pool.
+    Ids that have not joined share WATCHES_NOT_JOINED streams; a member still watches."""
+    from services.aggregator.servicer import WATCHES_NOT_JOINED
+
+    with aggregator_in_process(tmp_path) as (_agg, port, _), grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = fpb_grpc.FederationServiceStub(ch)
+
+        def watch(cid):
+            stream = stub.WatchRound(fpb.RoundStatusRequest(client_id=cid), timeout=30)
+            next(stream)
+            return stream
+
+        held = [watch(f"made-up-{i}") for i in range(WATCHES_NOT_JOINED)]
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                watch("made-up-more")
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "have not joined" in err.value.details()
+            _join_raw(stub, "org-a")
+            held.append(watch("org-a"))
+        finally:
+            for s in held:
+                s.cancel()

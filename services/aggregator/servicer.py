@@ -12,6 +12,7 @@ import grpc
 
 from fedse import adapter as ad
 from fedse import secagg, serde
+from fedse.fixedpoint import MAX_CLIENTS
 from fedse.inputs import MAX_NAME_CHARS, bounded, shown
 from fedse.serving import StatusMap
 from fedse.v1 import federation_pb2 as fpb
@@ -98,6 +99,10 @@ _KIND = {fpb.SHARE_KIND_SELF_MASK: Kind.SELF_MASK, fpb.SHARE_KIND_MASKING: Kind.
 # cover a reconnect that overlaps the stream it replaces. Each stream holds a worker thread, so without
 # a cap one client could hold them all and leave everyone else's calls queued.
 WATCHES_PER_CLIENT = 8
+# WatchRound streams held at once: each holds a server thread, and the pool (server.WORKERS) keeps
+# room beyond them for every other call. Ids that have not joined share a few of them.
+MAX_WATCHES = MAX_CLIENTS
+WATCHES_NOT_JOINED = 32
 
 
 def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
@@ -185,11 +190,18 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             client = self._client(context, request.client_id)
         except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
             ERRORS.abort(context, exc)
+        joined = client in self.fed.run.members
         with self._watch_lock:
             if self._watching[client] >= WATCHES_PER_CLIENT:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"client {shown(client)} already holds {WATCHES_PER_CLIENT} WatchRound streams, the most "
                               "one client may: close one (a client follows the round with one)")
+            if self._watching.total() >= MAX_WATCHES or (
+                    not joined and self._not_joined_watches() >= WATCHES_NOT_JOINED):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "the aggregator holds as many WatchRound streams as it serves"
+                              f"{'' if joined else ' for ids that have not joined'}: join first, or poll "
+                              "GetRoundStatus")
             self._watching[client] += 1
         try:
             st = self.fed.status()
@@ -205,6 +217,10 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                 self._watching[client] -= 1
                 if not self._watching[client]:
                     del self._watching[client]
+
+    def _not_joined_watches(self) -> int:
+        members = self.fed.run.members
+        return sum(n for c, n in self._watching.items() if c not in members)
 
     def DownloadAdapter(self, request, context) -> Iterator[fpb.AdapterChunk]:
         try:
