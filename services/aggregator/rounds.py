@@ -22,7 +22,7 @@ import math
 import secrets
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from fedse import adapter as ad
 from fedse import ranks, secagg
@@ -133,6 +133,11 @@ class RoundKeeper:
             self._note_report_locked(cid, r, m)
 
     # ---- queries -------------------------------------------------------------------------
+    def joined(self, client_ids: Iterable[str]) -> set[str]:
+        """Which of `client_ids` have joined the run."""
+        with self._cond:
+            return {c for c in client_ids if c in self.run.members}
+
     def status(self) -> Status:
         with self._cond:
             return self._status_locked()

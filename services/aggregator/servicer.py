@@ -190,7 +190,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
             client = self._client(context, request.client_id)
         except Exception as exc:  # noqa: BLE001 - mapped to a status or re-raised
             ERRORS.abort(context, exc)
-        joined = client in self.fed.run.members
+        joined = bool(self.fed.joined([client]))
         with self._watch_lock:
             if self._watching[client] >= WATCHES_PER_CLIENT:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -219,7 +219,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                     del self._watching[client]
 
     def _not_joined_watches(self) -> int:
-        members = self.fed.run.members
+        members = self.fed.joined(self._watching)
         return sum(n for c, n in self._watching.items() if c not in members)
 
     def DownloadAdapter(self, request, context) -> Iterator[fpb.AdapterChunk]:
