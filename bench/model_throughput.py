@@ -27,6 +27,7 @@ stand-in of its shape with random weights: the same speed per token, other episo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -42,7 +43,7 @@ from fedse.machine import cpu_has_native_bf16, describe_cpu, gpu_state, matmul_p
 from fedse.pretrained import TINY_MODEL_NAME, load_base, pick_device  # noqa: E402
 from services.client_agent import model as mdl  # noqa: E402
 from services.client_agent.prompts import default_max_prompt_tokens, is_tiny  # noqa: E402
-from services.client_agent.trainer import DEFAULT_TRAIN_BATCH_TOKENS  # noqa: E402
+from services.client_agent.trainer import DEFAULT_TRAIN_BATCH_TOKENS, checkpointing_on  # noqa: E402
 from services.client_agent.work import ModelShape, causal_context  # noqa: E402
 from real_round import one_round  # noqa: E402
 
@@ -109,14 +110,13 @@ def plain_passes(model, precision: str, device: torch.device, seconds: float) ->
     n = rows * window
     flops = shape.forward_flops(n, causal_context([window] * rows), train=True) + shape.head_flops(n, train=True)
     for checkpointing in (False, True) if not is_tiny(model) else (False,):
-        if checkpointing:
-            inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        with mdl.lora_input_as_is(peft_model, precision):  # as the trainer runs its passes
+        with contextlib.ExitStack() as passes:  # as the trainer runs its passes
+            passes.enter_context(mdl.lora_input_as_is(peft_model, precision))
+            if checkpointing:
+                passes.enter_context(checkpointing_on(inner, {"use_reentrant": False}))
             s = timed(forward_backward, seconds, sync)
         out.append({"what": f"forward + backward (LoRA{', every layer checkpointed' if checkpointing else ''}), "
                             f"{rows} x {window} tokens", "tokens_per_s": n / s, "flops_per_s": flops / s})
-        if checkpointing:
-            inner.activation_checkpointing_disable()
     peft_model.unload()  # the base model as it was
     return out
 
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 
     device = pick_device(args.device or None)
     model, _ = load_base(args.base_model, str(device))
-    precision = mdl.pick_precision("auto", model, device)
-    if precision == "bf16" and device.type == "cpu":
-        mdl.store_frozen_linears_in_bf16(model)
+    precision = mdl.run_in("auto", model, device)
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda" else describe_cpu()) + \
         f", {torch.get_num_threads()} torch threads"
     name = pathlib.Path(args.base_model).name

@@ -41,7 +41,8 @@ def profiled(fn, calls: int, cuda: bool, rows: int) -> None:
     if cuda:
         device_us = sum(e.self_device_time_total for e in ka)
         launches = sum(e.count for e in ka if e.key in LAUNCHES)
-        print(f"  per call: {device_us / 1e3 / calls:.1f} ms computed on the device, {launches / calls:,.0f} kernel launches")
+        print(f"  per call: {device_us / 1e3 / calls:.1f} ms computed on the device, "
+              f"{launches / calls:,.0f} kernel launches")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
 
 
@@ -56,9 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    precision = mdl.pick_precision("auto", model, dev)
-    if precision == "bf16" and not cuda:
-        mdl.store_frozen_linears_in_bf16(model)
+    precision = mdl.run_in("auto", model, dev)
     peft = mdl.add_lora(model)
     print(f"{pathlib.Path(args.base_model).name} on {dev}, {precision}", flush=True)
 

@@ -89,8 +89,8 @@ class Schema:
     def check(self, max_bytes: int) -> None:
         """Raises AdapterError saying what to fix unless this is a schema an adapter can have: at least
         one tensor, unique names of at most MAX_NAME_CHARS characters, at most MAX_SCHEMA_DIMS
-        dimensions of 0 to MAX_SCHEMA_DIM (LoRA factors at least two, none 0), a dtype fedse reads, at most `max_bytes` in all, and an
-        adapter_config.json (a JSON object) of at most MAX_CONFIG_BYTES."""
+        dimensions of 0 to MAX_SCHEMA_DIM (LoRA factors at least two, none 0), a dtype fedse reads, at
+        most `max_bytes` in all, and an adapter_config.json (a JSON object) of at most MAX_CONFIG_BYTES."""
         if not self.tensors:
             raise AdapterError("the adapter schema lists no tensors: send the LoRA adapter's tensor specs")
         if len(self.tensors) > MAX_SCHEMA_TENSORS:
@@ -300,10 +300,15 @@ def parse_header(text: bytes, source: str) -> dict[str, dict]:
             raise ValueError("not a list of integers")
         return value
 
+    def string(value) -> str:
+        if not isinstance(value, str):
+            raise ValueError("not a string")
+        return value
+
     try:
         header = json.loads(text)
-        entries = {name: {"dtype": v["dtype"] if isinstance(v["dtype"], str) else repr(v["dtype"]),
-                          "shape": ints(v["shape"]), "data_offsets": ints(v["data_offsets"], 2)}
+        entries = {name: {"dtype": string(v["dtype"]), "shape": ints(v["shape"]),
+                          "data_offsets": ints(v["data_offsets"], 2)}
                    for name, v in header.items() if name != "__metadata__"}
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         raise AdapterError(f"{source} is not a valid safetensors file (bad header)") from None

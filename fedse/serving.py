@@ -258,7 +258,8 @@ def _bind(server: grpc.Server, address: str, flag: str, credentials: grpc.Server
                         raise ConfigError(f"{flag} {address} cannot be served: another process has its port; give "
                                           "a free port, or port 0 to pick one") from None
     try:
-        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
     except RuntimeError:  # grpcio refuses a port it cannot bind (older versions return 0)
         bound = 0
     if bound == 0:

@@ -437,6 +437,14 @@ def test_one_client_cannot_hold_every_watch_round_thread(tmp_path):
 
 
 A_NAME, B_NAME = "base_model.model.m.lora_A.weight", "base_model.model.m.lora_B.weight"
+RANK_2 = [(A_NAME, [2, 8]), (B_NAME, [8, 2])]
+
+
+def _join_raw(stub, cid, tensors=RANK_2, base_model=TINY_MODEL_NAME):
+    """Join as a client written from proto/ alone sends it: fp32 tensors of these names and shapes."""
+    return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=base_model, schema=fpb.AdapterSchema(
+        adapter_config_json='{"r": 2, "lora_alpha": 4}',
+        tensors=[fpb.TensorSpec(name=n, shape=shape, dtype="float32") for n, shape in tensors])), timeout=10)
 
 
 @pytest.mark.parametrize("specs", [
@@ -450,28 +458,15 @@ def test_a_first_join_with_a_schema_no_adapter_has_is_refused_and_leaves_the_run
     is INVALID_ARGUMENT saying what to fix, and the run is as before (status served, a valid Join fixes it)."""
     with aggregator_in_process(tmp_path) as (_agg, port, _), grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = fpb_grpc.FederationServiceStub(ch)
-
-        def join(cid, tensors):
-            return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=TINY_MODEL_NAME, schema=fpb.AdapterSchema(
-                adapter_config_json='{"r": 2}', tensors=[fpb.TensorSpec(name=n, shape=s, dtype="float32")
-                                                         for n, s in tensors])), timeout=10)
-
         with pytest.raises(grpc.RpcError) as err:
-            join("org-a", specs)
+            _join_raw(stub, "org-a", specs)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert "shape" in err.value.details()
         assert stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-a"), timeout=10).state == \
             fpb.ROUND_STATE_WAITING_FOR_CLIENTS
-        joined = join("org-b", [(A_NAME, [2, 8]), (B_NAME, [8, 2])])
+        joined = _join_raw(stub, "org-b")
         assert joined.current_round == 0
         assert len(stub.GetRoundStatus(fpb.RoundStatusRequest(client_id="org-b"), timeout=10).joined) == 1
-
-
-def _join_raw(stub, cid):
-    return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=TINY_MODEL_NAME, schema=fpb.AdapterSchema(
-        adapter_config_json='{"r": 2, "lora_alpha": 4}', tensors=[
-            fpb.TensorSpec(name=A_NAME, shape=[2, 8], dtype="float32"),
-            fpb.TensorSpec(name=B_NAME, shape=[8, 2], dtype="float32")])), timeout=10)
 
 
 def test_an_unsigned_secure_round_keeps_no_certificate_a_member_sends_so_every_roster_stays_readable(tmp_path):
@@ -545,7 +540,8 @@ def test_a_run_status_too_large_for_a_default_client_leaves_out_the_last_clients
     assert len(trimmed.clients) == 64 and 0 < trimmed.clients_without_metrics < 64
     kept = [bool(c.metrics) for c in trimmed.clients]
     assert kept == sorted(kept, reverse=True) and sum(kept) == 64 - trimmed.clients_without_metrics
-    assert f"{trimmed.clients_without_metrics} of the last clients shown without their metrics" in format_status(trimmed)
+    shown = format_status(trimmed)
+    assert f"{trimmed.clients_without_metrics} of the last clients shown without their metrics" in shown
 
 
 def test_a_metric_name_over_its_byte_limit_is_refused(aggregator, peft_model):
@@ -571,16 +567,9 @@ def test_a_refusal_that_repeats_characters_outside_ascii_keeps_its_status(tmp_pa
     with aggregator_in_process(tmp_path, min_clients=1) as (_agg, port, _), \
             grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = fpb_grpc.FederationServiceStub(ch)
-
-        def join(cid, base_model):
-            return stub.Join(fpb.JoinRequest(client_id=cid, env="maze", base_model=base_model, schema=fpb.AdapterSchema(
-                adapter_config_json='{"r": 2}', tensors=[fpb.TensorSpec(name=A_NAME, shape=[2, 8], dtype="float32"),
-                                                         fpb.TensorSpec(name=B_NAME, shape=[8, 2], dtype="float32")])),
-                timeout=10)
-
-        join("org-a", emoji * 1024)
+        _join_raw(stub, "org-a", base_model=emoji * 1024)
         with pytest.raises(grpc.RpcError) as err:
-            join("org-b", "another-model" + emoji * 1000)
+            _join_raw(stub, "org-b", base_model="another-model" + emoji * 1000)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()[:200]
         details = err.value.details()
         assert details.isascii() and len(details) <= MAX_STATUS_CHARS and "\\U0001f600" in details

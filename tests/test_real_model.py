@@ -171,9 +171,7 @@ from services.env_server.envs import make_environment
 torch.set_num_threads(2)
 model, tok = mdl.load_base(sys.argv[1])
 model = mdl.add_lora(model)
-precision = mdl.pick_precision("auto", model, torch.device("cpu"))
-if precision == "bf16":
-    mdl.store_frozen_linears_in_bf16(model)
+precision = mdl.run_in("auto", model, torch.device("cpu"))
 tokenize = TokenCache(tok)
 fmt = make_format(model, tok, tokenize=tokenize)
 scorer = ActionScorer(model, tok, fmt=fmt, precision=precision, tokenize=tokenize)

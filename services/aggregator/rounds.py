@@ -345,9 +345,9 @@ class RoundKeeper:
         if len(values) > MAX_METRICS:
             raise ValueError(f"{len(values)} metrics in one report, more than the limit of {MAX_METRICS}")
         for name, value in values.items():
-            bounded("metric name", name)
-            if len(name.encode()) > MAX_METRIC_NAME_BYTES:
-                raise ValueError(f"metric name {shown(name)} is {len(name.encode())} bytes in UTF-8: give at most "
+            size = len(bounded("metric name", name).encode())
+            if size > MAX_METRIC_NAME_BYTES:
+                raise ValueError(f"metric name {shown(name)} is {size} bytes in UTF-8: give at most "
                                  f"{MAX_METRIC_NAME_BYTES}")
             if not math.isfinite(value):
                 raise ValueError(f"metric {shown(name)} is {value}: report finite values only (leave out a metric "

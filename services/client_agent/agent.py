@@ -122,9 +122,7 @@ class ClientAgent:
         self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
                                   target_modules=config.lora_targets(), seed=config.seed)
         self.device = next(self.model.parameters()).device
-        self.precision = mdl.pick_precision(config.precision, self.model, self.device)
-        if self.precision == "bf16" and self.device.type == "cpu":
-            mdl.store_frozen_linears_in_bf16(self.model)
+        self.precision = mdl.run_in(config.precision, self.model, self.device)
         self.max_prompt_tokens = default_max_prompt_tokens(self.model)
         # One tokenizer cache for the prompt format's window checks, the scorer and training: the
         # prompt a window check tokenized is the one the scorer then scores.

@@ -104,10 +104,10 @@ class ClientConfig(Security):
     guardian_notes: str = field("", "--guardian-model: the organisation's wishes in words, e.g. 'leave half the "
                                     "memory to other work'")
     memory_limit_mb: int = field(0, "the memory this client may hold, in MB (0 = what the GPU has free, or the "
-                                    "container's limit or the machine's available memory): --guardian sizes the work to it, acting "
-                                    "merges the LoRA into the weights only where the copy fits half of what is "
-                                    "left, and training recomputes activations where a micro-batch's would not fit "
-                                    "a quarter of it")
+                                    "container's limit or the machine's available memory): --guardian sizes the "
+                                    "work to it, acting merges the LoRA into the weights only where the copy fits "
+                                    "half of what is left, and training recomputes activations where a "
+                                    "micro-batch's would not fit a quarter of it")
     privacy_epsilon: float = field(0.0, "this organisation's privacy budget over the run: the epsilon of (epsilon, "
                                         "delta)-DP its uploads may spend; once the next round would exceed it the "
                                         "client declines the rest (0 = no budget; needs a run with secure "

@@ -97,6 +97,15 @@ def pick_precision(precision: str, model, device: torch.device) -> str:
     return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
 
 
+def run_in(precision: str, model, device: torch.device) -> str:
+    """The precision `precision` resolves to (pick_precision), with the model made ready for it: on a
+    CPU under bf16 autocast its frozen linear weights are kept in bf16 (store_frozen_linears_in_bf16)."""
+    precision = pick_precision(precision, model, device)
+    if precision == "bf16" and device.type == "cpu":
+        store_frozen_linears_in_bf16(model)
+    return precision
+
+
 def logits_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The output layer's logits for `hidden`, computed in fp32 whatever the weights' dtype.
 
