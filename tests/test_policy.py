@@ -562,3 +562,47 @@ def test_auto_precision_is_bf16_for_a_real_model_in_bf16_on_cuda_and_fp32_for_th
     assert pick_precision("auto", LlamaForCausalLM(small), cuda) == "fp32"
     assert pick_precision("auto", build_tiny_model()[0], cuda) == "fp32"
     assert pick_precision("fp32", LlamaForCausalLM(small).to(torch.bfloat16), cuda) == "fp32"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_pass_writes_its_keys_and_values_after_the_cached_prefix_instead_of_concatenating(precision):
+    """A pass on a cached prefix (Reuse's, its candidates', Cached's) writes each layer's new keys and
+    values into tensors allocated for the whole pass, after the prefix: the hidden states are those
+    of transformers' DynamicCache, which concatenates them to the prefix, to the bit (under bf16
+    autocast too, where new keys come in fp32 and the cached ones are bf16, as attention reads
+    them), with two concatenations fewer per layer. A pass that would overflow the tensors is an
+    error, not a silent truncation."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    from services.client_agent.layouts import pass_cache
+    from services.client_agent.model import autocast
+
+    model, _ = _model()
+    decoder = model.get_base_model().get_decoder()
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(3)
+    prefix_ids = torch.randint(0, 200, (2, 12), generator=gen)
+    new_ids = torch.randint(0, 200, (2, 5), generator=gen)
+    with torch.no_grad(), autocast(precision, cpu):
+        first = decoder(input_ids=prefix_ids, use_cache=True).past_key_values
+        # As Reuse caches a prompt: keys in the values' dtype.
+        prefix = [(layer.keys.to(layer.values.dtype), layer.values) for layer in first.layers]
+        pos = torch.arange(12, 17).expand(2, 5)
+
+        def run(past):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                h = decoder(input_ids=new_ids, position_ids=pos, past_key_values=past, use_cache=True).last_hidden_state
+            return h, sum(e.count for e in prof.key_averages() if e.key == "aten::cat")
+
+        concatenated, cats = run(DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in prefix]))
+        past, slots = pass_cache(prefix, rows=2, filled=12, new=5)
+        for (k, v), (k_to, v_to) in zip(prefix, slots):
+            k_to[:, :, :12], v_to[:, :, :12] = k, v
+        written, written_cats = run(past)
+        assert torch.equal(concatenated, written)
+        assert cats - written_cats >= 2 * len(prefix)  # more under autocast, where dtypes differ
+        assert past.get_seq_length() == 17 and all(k.dtype == prefix[0][1].dtype for k, _ in slots)
+        past, _ = pass_cache(prefix, rows=2, filled=12, new=4)
+        with pytest.raises(ValueError, match="do not fit"):
+            decoder(input_ids=new_ids, position_ids=pos, past_key_values=past, use_cache=True)

@@ -22,6 +22,8 @@ import math
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from fedse.machine import release_free_memory
 
@@ -179,6 +181,45 @@ class Runner:
         return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
 
 
+class _Slots(DynamicLayer):
+    """One layer's keys and values for one pass, in tensors allocated for the whole pass ([rows,
+    heads, prefix + new tokens, dim]) with the prefix already in place: the pass writes its keys and
+    values after the prefix, in the tensors' dtype. transformers' DynamicLayer concatenates them to
+    the prefix instead, a copy of the whole prefix in every layer of every pass (in fp32 where, under
+    bf16 autocast, a cached prefix's keys are bf16 and the new ones fp32; attention then casts the
+    result back to bf16: the same keys it reads here)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
+        super().__init__()
+        self._slots, self._filled = (keys, values), filled
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.keys, self.values = keys[..., :filled, :], values[..., :filled, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = self._slots
+        end = self._filled + key_states.shape[-2]
+        if end > keys.shape[-2]:
+            raise ValueError(f"{key_states.shape[-2]} new positions after {self._filled} do not fit a "
+                             f"pass cache of {keys.shape[-2]}")
+        keys[..., self._filled:end, :] = key_states
+        values[..., self._filled:end, :] = value_states
+        self._filled = end
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+
+def pass_cache(like: KV, rows: int, filled: int, new: int) -> tuple[DynamicCache, KV]:
+    """A KV cache for one pass of `new` positions a row after `filled` cached ones, and its
+    uninitialised per-layer tensors (shaped and typed like `like`'s, [rows, heads, filled + new,
+    dim]), whose first `filled` positions the caller writes the prefixes to before the pass."""
+    layers = [(k.new_empty((rows, k.shape[1], filled + new, k.shape[3])),
+               v.new_empty((rows, v.shape[1], filled + new, v.shape[3]))) for k, v in like]
+    cache = DynamicCache()
+    cache.layers = [_Slots(k, v, filled) for k, v in layers]
+    return cache, layers
+
+
 class Layout:
     """A way of laying out a batch's passes; `concurrency`: how many episodes a client plays side by
     side by default, whose turns' prompts then share passes."""
@@ -287,8 +328,6 @@ class Cached(Layout):
                     att: torch.Tensor) -> None:
         """One pass of rows, each its tree after a copy of its prompt's cache, each column seeing the
         prompt and its own start only."""
-        from transformers import DynamicCache
-
         dev = runner.device
         P = att.shape[1]
         W = max(tree.width for _, tree in rows)
@@ -305,7 +344,10 @@ class Cached(Layout):
             pad = torch.arange(tree.width, W)
             allowed[r, pad, P + pad] = True  # padding attends to itself only (finite, never read)
         sel_d = sel.to(dev)
-        past = DynamicCache(ddp_cache_data=[(k.index_select(0, sel_d), v.index_select(0, sel_d)) for k, v in layers])
+        past, slots = pass_cache(layers, R, P, W)
+        for (k, v), (k_to, v_to) in zip(layers, slots):
+            k_to[:, :, :P] = k.index_select(0, sel_d)
+            v_to[:, :, :P] = v.index_select(0, sel_d)
         hidden = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=runner.additive_mask(allowed).to(dev),
                                          position_ids=s_pos.to(dev), past_key_values=past,
                                          use_cache=True).last_hidden_state
@@ -357,8 +399,6 @@ class Reuse(Layout):
         return len(it.prompt) - self.cache.match(it.prompt, it.n_prompt - 1) + tree
 
     def _run(self, runner: Runner, batch: Batch) -> None:
-        from transformers import DynamicCache
-
         dev, items = runner.device, batch.items
         # Reuse at most up to the token before a prompt's end: its hidden state predicts the first scored token.
         found = [self.cache.lookup(it.prompt, it.n_prompt - 1) for it in items]
@@ -370,18 +410,17 @@ class Reuse(Layout):
         N = bucket_length(max(widths)) if runner.bucket else max(widths)
         past = DynamicCache()
         if C > 0:
-            layers = []
+            # Each row's prefix right-aligned before the new tokens; positions left of a shorter
+            # prefix zeroed (masked, but garbage there could be inf or NaN, which a mask keeps).
             some = next(kv for _, kv in found if kv is not None)  # shapes and dtypes of every layer's
-            for i, (k0, v0) in enumerate(some):
-                k = k0.new_zeros((B, k0.shape[1], C, k0.shape[3]))
-                v = v0.new_zeros((B, v0.shape[1], C, v0.shape[3]))
+            past, slots = pass_cache(some, B, C, N)
+            for i, (k, v) in enumerate(slots):
                 for b, ((_, kv), s) in enumerate(zip(found, starts)):
+                    k[b, :, :C - s] = 0
+                    v[b, :, :C - s] = 0
                     if s:
-                        k[b, :, C - s:] = kv[i][0][0, :, :s]
-                        v[b, :, C - s:] = kv[i][1][0, :, :s]
-                layers.append((k, v))
-            past = DynamicCache(ddp_cache_data=layers)
-            del layers
+                        k[b, :, C - s:C] = kv[i][0][0, :, :s]
+                        v[b, :, C - s:C] = kv[i][1][0, :, :s]
         ids = torch.full((B, N), runner.pad_id, dtype=torch.long)
         pos = torch.zeros((B, N), dtype=torch.long)
         allowed = torch.zeros((B, N, C + N), dtype=torch.bool)
@@ -415,10 +454,10 @@ class Reuse(Layout):
         # passes'), keys in the values' dtype: under bf16 autocast rotary embeddings leave keys in
         # fp32, but attention reads them in bf16, so bf16 keys halve the cache and change no score.
         for b, (it, s, n, tree) in enumerate(zip(items, starts, news, trees)):
-            cols = torch.cat([torch.arange(C - s, C), torch.arange(C, C + n)]).to(dev)
-            block = torch.stack([torch.stack((layer.keys[b:b + 1].index_select(2, cols).to(layer.values.dtype),
-                                              layer.values[b:b + 1].index_select(2, cols)))
-                                 for layer in cache.layers])
+            cols = slice(C - s, C + n)
+            block = torch.stack([t for layer in cache.layers for t in (
+                layer.keys[b:b + 1, :, cols].to(layer.values.dtype), layer.values[b:b + 1, :, cols])])
+            block = block.view(len(cache.layers), 2, *block.shape[1:])
             mine = [(block[i, 0], block[i, 1]) for i in range(block.shape[0])]
             self.cache.store(it.prompt, mine)
             if tree is None:
@@ -432,8 +471,6 @@ class Reuse(Layout):
     def _candidate_passes(runner: Runner, batch: Batch, b: int, layers: KV) -> None:
         """Rows of the batch's prompt b's candidates in token order (those beginning alike share a
         row's prefix tree), each on the prompt's cache."""
-        from transformers import DynamicCache
-
         dev = runner.device
         it = batch.items[b]
         n = len(it.prompt)
@@ -451,7 +488,10 @@ class Reuse(Layout):
             allowed[..., :n] = True
             targets = [Target(b, col, token, j) for col, token, j in tree.pack(n, s_ids[0], s_pos[0],
                                                                                  allowed[0, 0, :, n:])]
-            past = DynamicCache(ddp_cache_data=layers)
+            past, slots = pass_cache(layers, 1, n, padded)
+            for (k, v), (k_to, v_to) in zip(layers, slots):
+                k_to[:, :, :n] = k
+                v_to[:, :, :n] = v
             h = runner.lm.get_decoder()(input_ids=s_ids.to(dev), attention_mask=allowed.to(dev),
                                         position_ids=s_pos.to(dev), past_key_values=past,
                                         use_cache=True).last_hidden_state[0]
