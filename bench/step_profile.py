@@ -6,7 +6,11 @@ with torch's profiler: the wall time, the time the device computed (on a GPU), t
 and the ops that took the most CPU time. On a GPU, a wall time far above the device's time means the
 work waits for the CPU that launches it.
 
-    .venv/bin/python bench/step_profile.py [--base-model DIR] [--tokens 500] [--rows 20]
+With --compile MODE each decoder layer is compiled in place (torch.compile, static shapes) before
+the warm-up, which then includes the compiling: on a GPU, "reduce-overhead" runs a layer's kernels
+as CUDA graphs, launched once each, which is what a launch-bound step would gain.
+
+    .venv/bin/python bench/step_profile.py [--base-model DIR] [--tokens 500] [--rows 20] [--compile MODE]
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-model", default=TINY_MODEL_NAME)
     ap.add_argument("--tokens", type=int, default=500, help="tokens of each training sequence")
     ap.add_argument("--rows", type=int, default=20, help="ops listed per profile")
+    ap.add_argument("--compile", default="", metavar="MODE",
+                    help='compile each decoder layer in this torch.compile mode ("default", "reduce-overhead", '
+                         '"max-autotune"); none by default')
     args = ap.parse_args(argv)
 
     model, tok = load_base(args.base_model)
@@ -59,7 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     precision = mdl.run_in("auto", model, dev)
     peft = mdl.add_lora(model)
-    print(f"{pathlib.Path(args.base_model).name} on {dev}, {precision}", flush=True)
+    if args.compile:
+        for layer in peft.get_base_model().get_decoder().layers:
+            layer.compile(mode=args.compile, dynamic=False)
+    print(f"{pathlib.Path(args.base_model).name} on {dev}, {precision}"
+          + (f", decoder layers compiled ({args.compile})" if args.compile else ""), flush=True)
 
     words = "the agent moves up down left right to reach the goal in the maze and sees walls".split()
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         sync()
         return time.perf_counter() - t
 
-    train(2, 1)  # warm-up
+    print(f"warm-up (compiling, if any): {train(2, 1) + train(8, 8):.1f} s", flush=True)
     print(f"training: {1000 * train(16, 1) / 16:.1f} ms a step of one sequence, "
           f"{1000 * train(16, 8) / 2:.1f} ms a step of eight", flush=True)
     profiled(lambda: train(1, 1), 4, cuda, args.rows)
@@ -84,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     cands = [["move up", "move down", "move left", "move right"]] * 4
     scorer = ActionScorer(peft, tok, precision=precision)
     with mdl.merged_lora(peft):
-        scorer.score(prompts, cands)  # warm-up
+        t = time.perf_counter()
+        scorer.score(prompts, cands)
+        scorer.score(prompts, cands)  # the second call scores on the first's cached prompts
+        print(f"scoring warm-up (compiling, if any): {time.perf_counter() - t:.1f} s", flush=True)
         sync()
         t = time.perf_counter()
         for _ in range(10):
