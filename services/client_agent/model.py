@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import warnings
 from typing import Iterator, Sequence
 
 import torch
@@ -143,7 +144,9 @@ def add_lora(model, r: int = 8, alpha: int = 16, dropout: float = 0.0,
         bias="none",
     )
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # peft asks the model a property transformers has deprecated: a warning for peft, not our users.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
     # get_peft_model creates the LoRA weights on CPU in fp32 and moves them next to their layer.

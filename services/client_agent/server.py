@@ -55,18 +55,22 @@ def serve(config: ClientConfig) -> int:
     health.ready([])
     log.info("started", extra=log_fields(port=health.port, metrics_port=metrics_port, client_id=config.client_id,
                                          env=config.env, base_model=config.base_model, device=str(agent.device)))
+    failure = None
     try:
         agent.run()
     except Unreachable as exc:  # a channel that cannot be made: its reason and the flag to check
-        print(f"cannot connect: {exc.reason}", file=sys.stderr)
-        return 2
+        failure = f"cannot connect: {exc.reason}"
     except InsecureRun as exc:  # this organisation's protection, not the aggregator's choice
-        print(f"refused: {exc}", file=sys.stderr)
-        return 2
+        failure = f"refused: {exc}"
     finally:
         agent.close()
         if not stop.is_set():
             health.stop(1)
+    if failure is not None:
+        # Said once the channels are closed: gRPC logs each handshake a channel retries (a TLS client
+        # against a plain server), which must not come after the line that says why.
+        print(failure, file=sys.stderr)
+        return 2
     log.info("run complete", extra=log_fields(client_id=config.client_id))
     return 0
 
