@@ -570,12 +570,12 @@ def test_a_pass_writes_its_keys_and_values_after_the_cached_prefix_instead_of_co
     values into tensors allocated for the whole pass, after the prefix: the hidden states are those
     of transformers' DynamicCache, which concatenates them to the prefix, to the bit (under bf16
     autocast too, where new keys come in fp32 and the cached ones are bf16, as attention reads
-    them), with two concatenations fewer per layer. A pass that would overflow the tensors is an
-    error, not a silent truncation."""
+    them), with two concatenations fewer per layer. A pass that would overflow the tensors moves them
+    to larger ones."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
-    from services.client_agent.layouts import pass_cache
+    from services.client_agent.kvcache import pass_cache
     from services.client_agent.model import autocast
 
     model, _ = _model()
@@ -603,6 +603,42 @@ def test_a_pass_writes_its_keys_and_values_after_the_cached_prefix_instead_of_co
         assert torch.equal(concatenated, written)
         assert cats - written_cats >= 2 * len(prefix)  # more under autocast, where dtypes differ
         assert past.get_seq_length() == 17 and all(k.dtype == prefix[0][1].dtype for k, _ in slots)
-        past, _ = pass_cache(prefix, rows=2, filled=12, new=4)
-        with pytest.raises(ValueError, match="do not fit"):
-            decoder(input_ids=new_ids, position_ids=pos, past_key_values=past, use_cache=True)
+        # A pass longer than the room made moves to larger tensors, with the same result.
+        past, slots = pass_cache(prefix, rows=2, filled=12, new=2)
+        for (k, v), (k_to, v_to) in zip(prefix, slots):
+            k_to[:, :, :12], v_to[:, :, :12] = k, v
+        grown, _ = run(past)
+        assert torch.equal(concatenated, grown) and past.layers[0]._slots[0].shape[-2] == 28
+
+
+def test_generation_writes_each_token_into_room_made_once_and_writes_the_same_texts(monkeypatch):
+    """generate's cache (kvcache.generation_cache) makes room for the prompt and max_new_tokens at
+    the prompt's pass and writes each token after it: the texts of transformers' own cache, greedy
+    and sampled; a model with sliding-window layers keeps transformers' cache."""
+    from transformers import DynamicCache, MistralConfig
+
+    from services.client_agent import generation, kvcache
+
+    model, tok = _model()
+    writer = ActionWriter(ActionScorer(model, tok, max_prompt_tokens=256))
+    prompts = _maze_prompts(3)
+    made = []
+
+    def spy(config, reserve):
+        made.append(kvcache.generation_cache(config, reserve))
+        return made[-1]
+
+    monkeypatch.setattr(generation, "generation_cache", spy)
+    ours = [writer.generate_texts(prompts, max_new_tokens=24),
+            writer.generate_texts(prompts, max_new_tokens=24, greedy=False, generator=torch.Generator().manual_seed(1))]
+    monkeypatch.setattr(generation, "generation_cache", lambda config, reserve: None)
+    theirs = [writer.generate_texts(prompts, max_new_tokens=24),
+              writer.generate_texts(prompts, max_new_tokens=24, greedy=False, generator=torch.Generator().manual_seed(1))]
+    assert ours == theirs and any(t for t in ours[0])
+    slots = made[0].layers[0]
+    longest = max(len(writer.scorer.tokenize.prompt(p, 256)) for p in prompts)
+    assert isinstance(slots, kvcache.Slots) and slots._slots[0].shape[-2] == longest + 24  # never grown
+    sliding = MistralConfig(num_hidden_layers=2, sliding_window=16, hidden_size=32, num_attention_heads=2,
+                            num_key_value_heads=1, intermediate_size=64)
+    default = kvcache.generation_cache(sliding, 8)
+    assert isinstance(default, DynamicCache) and not any(isinstance(x, kvcache.Slots) for x in default.layers)

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from .actions import ACTION_LINE, CUED_ACTION_LINE, Written, cut_after_action, has_action_line, parse_action
+from .kvcache import generation_cache
 from .model import autocast
 from .policy import ActionScorer
 from .prompts import ACTION_CUE, fallback_action, inner_model, parse_react, thought_before_cue
@@ -112,6 +113,7 @@ class ActionWriter:
             if seed is not None:
                 torch.manual_seed(seed)
             gen = sc.model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
+                                    past_key_values=generation_cache(inner_model(sc.model).config, max_new_tokens),
                                     max_new_tokens=max_new_tokens, do_sample=not greedy, **sampling,
                                     pad_token_id=pad_id, eos_token_id=eos or None,
                                     stopping_criteria=[ActionLineDone(sc.tokenizer, L, line)])

@@ -23,16 +23,15 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from fedse.machine import release_free_memory
 
+from .kvcache import KV, pass_cache
 from .model import bucket_length, logits_fp32
 from .prefixes import PrefixCache, PrefixTree, common_prefix
 from .prompts import inner_model
 from .work import Work, causal_context
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # a prompt's keys and values, per layer
 # The fewest prompt tokens a prompt must share with an earlier one of its batch, beyond what the
 # prefix cache holds for it, to wait for a second pass that reuses them (Reuse.run).
 WORTH_WAITING = 32
@@ -179,45 +178,6 @@ class Runner:
         dtype = next(self.model.parameters()).dtype
         mask = torch.zeros((allowed.shape[0], 1, *allowed.shape[1:]), dtype=dtype)
         return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
-
-
-class _Slots(DynamicLayer):
-    """One layer's keys and values for one pass, in tensors allocated for the whole pass ([rows,
-    heads, prefix + new tokens, dim]) with the prefix already in place: the pass writes its keys and
-    values after the prefix, in the tensors' dtype. transformers' DynamicLayer concatenates them to
-    the prefix instead, a copy of the whole prefix in every layer of every pass (in fp32 where, under
-    bf16 autocast, a cached prefix's keys are bf16 and the new ones fp32; attention then casts the
-    result back to bf16: the same keys it reads here)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
-        super().__init__()
-        self._slots, self._filled = (keys, values), filled
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-        self.keys, self.values = keys[..., :filled, :], values[..., :filled, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = self._slots
-        end = self._filled + key_states.shape[-2]
-        if end > keys.shape[-2]:
-            raise ValueError(f"{key_states.shape[-2]} new positions after {self._filled} do not fit a "
-                             f"pass cache of {keys.shape[-2]}")
-        keys[..., self._filled:end, :] = key_states
-        values[..., self._filled:end, :] = value_states
-        self._filled = end
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
-        return self.keys, self.values
-
-
-def pass_cache(like: KV, rows: int, filled: int, new: int) -> tuple[DynamicCache, KV]:
-    """A KV cache for one pass of `new` positions a row after `filled` cached ones, and its
-    uninitialised per-layer tensors (shaped and typed like `like`'s, [rows, heads, filled + new,
-    dim]), whose first `filled` positions the caller writes the prefixes to before the pass."""
-    layers = [(k.new_empty((rows, k.shape[1], filled + new, k.shape[3])),
-               v.new_empty((rows, v.shape[1], filled + new, v.shape[3]))) for k, v in like]
-    cache = DynamicCache()
-    cache.layers = [_Slots(k, v, filled) for k, v in layers]
-    return cache, layers
 
 
 class Layout:
