@@ -595,18 +595,20 @@ def test_a_pass_writes_its_keys_and_values_after_the_cached_prefix_instead_of_co
                 h = decoder(input_ids=new_ids, position_ids=pos, past_key_values=past, use_cache=True).last_hidden_state
             return h, sum(e.count for e in prof.key_averages() if e.key == "aten::cat")
 
+        def on_prefix(room: int):
+            past, slots = pass_cache(prefix, rows=2, filled=12, new=room)
+            for (k, v), (k_to, v_to) in zip(prefix, slots):
+                k_to[:, :, :12], v_to[:, :, :12] = k, v
+            return past, slots
+
         concatenated, cats = run(DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in prefix]))
-        past, slots = pass_cache(prefix, rows=2, filled=12, new=5)
-        for (k, v), (k_to, v_to) in zip(prefix, slots):
-            k_to[:, :, :12], v_to[:, :, :12] = k, v
+        past, slots = on_prefix(5)
         written, written_cats = run(past)
         assert torch.equal(concatenated, written)
         assert cats - written_cats >= 2 * len(prefix)  # more under autocast, where dtypes differ
         assert past.get_seq_length() == 17 and all(k.dtype == prefix[0][1].dtype for k, _ in slots)
         # A pass longer than the room made moves to larger tensors, with the same result.
-        past, slots = pass_cache(prefix, rows=2, filled=12, new=2)
-        for (k, v), (k_to, v_to) in zip(prefix, slots):
-            k_to[:, :, :12], v_to[:, :, :12] = k, v
+        past, _ = on_prefix(2)
         grown, _ = run(past)
         assert torch.equal(concatenated, grown) and past.layers[0]._slots[0].shape[-2] == 28
 

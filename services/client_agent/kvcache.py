@@ -28,10 +28,9 @@ class Slots(DynamicLayer):
                  reserve: int = 0):
         super().__init__()
         self._reserve, self._filled = reserve, filled
-        self._slots = None if keys is None else (keys, values)
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
         if keys is not None:
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
+            self._hold((keys, values))
             self.keys, self.values = keys[..., :filled, :], values[..., :filled, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -54,8 +53,11 @@ class Slots(DynamicLayer):
         if self._slots is not None:
             for old, new in zip(self._slots, grown):
                 new[..., :self._filled, :] = old[..., :self._filled, :]
-        self._slots = grown
-        self.dtype, self.device = grown[0].dtype, grown[0].device
+        self._hold(grown)
+
+    def _hold(self, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._slots = slots
+        self.dtype, self.device = slots[0].dtype, slots[0].device
         self.is_initialized = True
 
 
