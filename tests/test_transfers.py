@@ -130,9 +130,21 @@ def test_an_upload_cut_halfway_resumes_and_is_stored_once(aggregator):
         cut.close(), other.close(), proxy.close()
 
 
-def test_a_download_cut_halfway_resumes_from_the_bytes_held(aggregator):
+def test_a_download_cut_halfway_resumes_from_the_bytes_held(aggregator, monkeypatch):
+    from services.client_agent import federation
+
     agg, port, run_dir = aggregator
-    proxy = CuttingProxy(port, cut_after=6 * MB, direction="down")
+    # Cut once the client holds at least one whole chunk (a cut that lands while the chunk is still
+    # in the socket's buffer loses it, and the client rightly starts again from 0).
+    held = [0]
+    add = federation._Download.add
+
+    def counted(self, data):
+        add(self, data)
+        held[0] = max(held[0], self.held)
+
+    monkeypatch.setattr(federation._Download, "add", counted)
+    proxy = CuttingProxy(port, cut_after=6 * MB, direction="down", ready=lambda: held[0] >= ad.CHUNK_BYTES)
     cut, other = joined_pair(port, proxy.port)
     try:
         other.upload(0, ad.encode(big_adapter(2)), 1, 1)
