@@ -29,11 +29,13 @@ experiment: $(STAMP)
 model: $(STAMP)
 	$(VENV)/bin/fedse model smollm2 models/smollm2-135m-instruct
 
-## What CI runs.
+## What CI runs: the suite on TEST_WORKERS pytest-xdist workers, each on its share of the cores and taking
+## whole files (tests/conftest.py); TEST_WORKERS=1 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	@sh scripts/install-prometheus.sh
 	@sh scripts/install-podman.sh
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
 ## A fresh virtualenv, `pip install .`, `fedse --version` and a one-round federation (what a new user does).
 package-check:

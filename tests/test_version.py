@@ -175,3 +175,26 @@ def test_a_server_stops_while_its_health_watches_end():
             stopping.start()
             stopping.join(10)
             assert not stopping.is_alive(), f"stop {attempt} hung"
+
+
+def test_a_service_stops_on_a_sigterm_that_another_thread_took(tmp_path):
+    """A process-wide SIGTERM may be taken by any of the process's threads; Python runs its handler
+    in the main thread, which waits for the server to stop. Sent here to a worker thread only
+    (pthread_kill), as the kernel may hand it: the service still stops, gracefully, within seconds
+    (with one untimed wait the main thread slept on and the process was deaf until SIGKILL)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import signal, sys, threading, time\n"
+        "from fedse.serving import Service\n"
+        "svc = Service('probe', '127.0.0.1:0', max_workers=2)\n"
+        "svc.start(); svc.ready([]); svc.stop_on_signals(grace=0)\n"
+        "worker = threading.Thread(target=time.sleep, args=(3,), daemon=True); worker.start()\n"
+        "signal.pthread_kill(worker.ident, signal.SIGTERM)\n"
+        "svc.wait_for_termination()\n"
+        "print('stopped', flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20,
+                          cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout == "stopped\n", done.stderr  # only the handler stops it
