@@ -174,6 +174,9 @@ def load_base(name_or_path: str, device: str | None = None, seed: int = 0):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype=dtype)
+        from fedse.attention import use_for
+
+        use_for(model)  # SDPA, with generation steps laid out for grouped-query attention
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
     for p in model.parameters():

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 def smollm2(smollm2_dir):
     torch.manual_seed(0)
     model, tok = load_base(str(smollm2_dir))
+    # Grouped-query attention (9 query heads on 3): generation steps laid out by fedse.attention.
+    assert model.config._attn_implementation == "fedse_sdpa"
     return add_lora(model), tok
 
 
