@@ -43,10 +43,11 @@ def describe_cpu() -> str:
     import platform
 
     model, flags = cpu()
+    cap = isa_cap()
     return (f"{model or platform.machine()}, {os.cpu_count()} cores, "
             f"{'AVX-512' if 'avx512f' in flags else 'AVX2' if 'avx2' in flags else 'no AVX2'}"
             f"{' (bf16)' if 'avx512_bf16' in flags else ''}{', AMX' if 'amx_tile' in flags else ''}"
-            f"{f', capped to {isa_cap()}' if isa_cap() else ''}")
+            f"{f', capped to {cap}' if cap else ''}")
 
 
 # oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) under which it still computes bfloat16 natively.

@@ -187,7 +187,7 @@ def test_a_service_stops_on_a_sigterm_that_another_thread_took(tmp_path):
 
     script = tmp_path / "serve.py"
     script.write_text(
-        "import signal, sys, threading, time\n"
+        "import signal, threading, time\n"
         "from fedse.serving import Service\n"
         "svc = Service('probe', '127.0.0.1:0', max_workers=2)\n"
         "svc.start(); svc.ready([]); svc.stop_on_signals(grace=0)\n"
