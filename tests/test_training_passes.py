@@ -7,8 +7,8 @@ import torch
 
 from fedse.tinymodel import build_tiny_model
 from services.client_agent.model import add_lora, get_adapter_state
-from services.client_agent.trainer import (ActivationCost, Checkpointing, _checkpointing_layers, checkpointing_on,
-                                           encode_pairs, kept_by_decoder_pass, train_lora)
+from services.client_agent.trainer import (ActivationCost, Checkpointing, HeapRelease, _checkpointing_layers,
+                                           checkpointing_on, encode_pairs, kept_by_decoder_pass, train_lora)
 from services.env_server.envs.maze import MazeEnv
 
 CPU = torch.device("cpu")
@@ -108,6 +108,44 @@ def test_training_recomputes_exactly_the_layers_each_micro_batch_needs_and_learn
         assert all(torch.allclose(state[k], reference[k], atol=1e-6) for k in reference), name
     assert any(float(v.abs().max()) > 0 for k, v in reference.items() if "lora_B" in k)  # it learnt something
 
+
+def test_the_heap_is_returned_before_a_micro_batch_that_could_grow_memory_and_every_one_that_recomputes():
+    returned = []
+    release = HeapRelease(lambda: returned.append(True))
+    decisions = []
+    for rows, width, recomputes in [(2, 100, False), (2, 100, False), (1, 150, False), (1, 300, False),
+                                    (2, 100, False), (3, 100, False), (1, 300, True), (1, 100, True), (1, 301, False)]:
+        n = len(returned)
+        release.before(rows, width, recomputes)
+        decisions.append(len(returned) > n)
+    assert decisions == [True, False, False, True, False, False, True, True, True]
+
+
+def test_training_returns_the_heap_only_before_micro_batches_that_could_grow_memory():
+    """train_lora's HeapRelease sees each micro-batch's shape before its decoder pass (recorded by
+    the decoder itself): with nothing recomputed it returns the heap before the first micro-batch
+    and each larger than any since; with every layer recomputed, before each; and the adapter
+    is the one trained without returning anything."""
+    adapters, shapes, returns = {}, {}, {}
+    for name in ("never", "grows", "all"):
+        peft, tok = _lora()
+        seqs = encode_pairs(tok, [("go " * n, "move up") for n in (3, 40, 9, 25, 60, 5, 17, 33)], 160)
+        passes, returned = [], []
+        decoder = peft.get_base_model().get_decoder()
+        hook = decoder.register_forward_pre_hook(
+            lambda _m, _a, kw: passes.append((len(returned), tuple(kw["input_ids"].shape))), with_kwargs=True)
+        release = False if name == "never" else HeapRelease(lambda: returned.append(len(passes)))
+        train_lora(peft, tok, seqs, epochs=2, batch_size=4, seed=3, max_batch_tokens=200,
+                   checkpointing=name == "all", release_memory=release)
+        hook.remove()
+        adapters[name], shapes[name], returns[name] = get_adapter_state(peft), [s for _, s in passes], returned
+    assert shapes["never"] == shapes["grows"] == shapes["all"] and len(set(shapes["never"])) > 2
+    sizes = [r * w for r, w in shapes["never"]]
+    assert returns["all"] == list(range(len(sizes)))  # before each pass: none had run when it returned
+    grows = [i for i, n in enumerate(sizes) if n > max(sizes[:i], default=0)]
+    assert returns["grows"] == grows and 1 < len(grows) < len(sizes)
+    for name in ("grows", "all"):
+        assert all(torch.allclose(adapters[name][k], adapters["never"][k], atol=1e-6) for k in adapters["never"])
 
 
 def test_under_bf16_autocast_lora_layers_skip_the_input_casts_and_learn_exactly_the_same(examples, monkeypatch):
