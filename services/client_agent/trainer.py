@@ -269,11 +269,10 @@ class HeapRelease:
 
 
 def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens: int, pad_id: int,
-                         precision: str = "fp32", release_memory: bool = False, bucket: bool = False,
-                         work: Work | None = None, before: Callable[[int, int], None] | None = None) -> float:
+                         precision: str = "fp32", bucket: bool = False, work: Work | None = None,
+                         before: Callable[[int, int], None] | None = None) -> float:
     """Adds to the parameters' .grad the gradient of the batch's mean target-token loss, computed in
     micro-batches of at most max_batch_tokens tokens (micro_batches); returns the summed token loss.
-    `release_memory`: return the freed heap to the system before each micro-batch (release_free_memory).
     `bucket`: pad each micro-batch to its length's bucket (model.bucket_length). `work` counts the
     tokens and FLOPs (work.Work). `before(rows, width)` is called before each micro-batch runs."""
     inner = peft_model.get_base_model()
@@ -287,8 +286,6 @@ def accumulate_gradients(peft_model, batch: Sequence[Encoded], max_batch_tokens:
     for run in micro_batches([len(e.ids) for e in batch], max_batch_tokens):
         ids, labels = (t.to(device) for t in _tensors([batch[i] for i in run], pad_id, bucket))
         lengths = [len(batch[i].ids) for i in run]
-        if release_memory:
-            release_free_memory()
         if before is not None:
             before(*ids.shape)
         # Without a mask attention keeps its fused causal kernel (measured: a 2,880-token BabyAI
@@ -398,7 +395,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                 batch = [encoded[order[i]] for i in run]
                 n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
-                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, False, bucket, work,
+                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, bucket, work,
                                                   before if layers or release else None)
                 if max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
