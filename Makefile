@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels package-check cli-reference images clean
+.PHONY: install run experiment model test proto bench bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels bench-attention package-check cli-reference images clean
 
 $(STAMP): requirements.txt requirements-test.txt requirements-track.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
@@ -45,7 +45,7 @@ package-check:
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels
+bench: bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels bench-attention
 
 ## The model's tokens/s and share of the matmul peak, per phase (ARGS="--base-model DIR" for a real model).
 bench-model: $(STAMP)
@@ -71,6 +71,10 @@ bench-ranks: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(PY) bench/kernel_lengths.py
+
+## Attention's GFLOP/s and share of the matmul peak, causal (training) and masked (scoring).
+bench-attention: $(STAMP)
+	$(PY) bench/attention_rate.py $(ARGS)
 
 ## Container images (docker/Dockerfile): fedse (CPU) and fedse-gpu (CUDA torch, for client agents),
 ## built with Docker where a daemon answers, else with podman (scripts/build-image.sh says what each
