@@ -22,28 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fedse.machine import cpu_has_native_bf16, describe_cpu, matmul_peak  # noqa: E402
-
-
-def rate(fn, flops: float, seconds: float, sync) -> float:
-    """FLOP/s of fn, run for at least `seconds` after one warm-up call."""
-    fn()
-    sync()
-    n, start = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        sync()
-        took = time.perf_counter() - start
-        if took >= seconds:
-            return flops * n / took
+from model_throughput import timed  # noqa: E402
 
 
 def tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -92,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|")
 
     def row(what: str, fn, flops: float, diff: float | None = None) -> None:
-        r = rate(fn, flops, args.seconds, sync)
+        r = flops / timed(fn, args.seconds, sync)
         print(f"| {what} | {flops / r * 1e3:,.2f} | {r / 1e9:,.0f} | {100 * r / peak:.0f}% | "
               f"{'-' if diff is None else f'{diff:.1e}'} |", flush=True)
 
