@@ -12,7 +12,7 @@ heads on 3 key and value heads, 64 wide) or the ones given:
 
 Each as GFLOP/s (4 x heads x head width x query-key pairs computed; backward counts 2.5x the
 forward), as a share of the bf16 matmul peak (fp32 where the CPU has no native bf16), and, for a
-forward, its largest difference from fp32 attention over the same (bf16-valued) inputs.
+bf16 forward, its largest difference from fp32 SDPA over the same (bf16-valued) inputs.
 
     .venv/bin/python bench/attention_rate.py [--lengths 256,512,1024,2048] [--heads 9 --kv-heads 3 --dim 64]
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fedse.machine import cpu_has_native_bf16, describe_cpu, matmul_peak  # noqa: E402
-from model_throughput import timed  # noqa: E402
+from model_throughput import peak_sizes, timed  # noqa: E402
 
 
 def tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -68,10 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     h, kv, d = args.heads, args.kv_heads, args.dim
     if h % kv:
         raise SystemExit(f"--heads {h} must be a multiple of --kv-heads {kv}")
-    native = dev.type == "cuda" or cpu_has_native_bf16()
-    peak_dtype = "bf16" if native else "fp32"
-    sizes = (4096, 8192) if dev.type == "cuda" else (512, 1024, 2048)
-    peak = matmul_peak(peak_dtype, dev, seconds=args.seconds / 2, sizes=sizes)
+    peak_dtype = "bf16" if dev.type == "cuda" or cpu_has_native_bf16() else "fp32"
+    peak = matmul_peak(peak_dtype, dev, seconds=args.seconds / 2, sizes=peak_sizes(dev))
     machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else describe_cpu()
     print(f"{machine}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
           f"{h} query heads on {kv} key heads of {d}; matmul peak {peak_dtype} {peak / 1e9:,.0f} GFLOP/s\n", flush=True)
@@ -79,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---:|")
 
     def row(what: str, fn, flops: float, diff: float | None = None) -> None:
-        r = flops / timed(fn, args.seconds, sync)
-        print(f"| {what} | {flops / r * 1e3:,.2f} | {r / 1e9:,.0f} | {100 * r / peak:.0f}% | "
+        seconds = timed(fn, args.seconds, sync)
+        r = flops / seconds
+        print(f"| {what} | {seconds * 1e3:,.2f} | {r / 1e9:,.0f} | {100 * r / peak:.0f}% | "
               f"{'-' if diff is None else f'{diff:.1e}'} |", flush=True)
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             def sdpa_backward(qt=qt, kt=kt, vt=vt):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).sum().backward()
 
-            diff = (sdpa_forward().float() - reference).abs().max().item()
+            diff = (sdpa_forward().float() - reference).abs().max().item() if dtype != torch.float32 else None
             row(f"causal {n}, SDPA forward, {name}", sdpa_forward, forward, diff)
             row(f"causal {n}, SDPA forward + backward, {name}", sdpa_backward, 3.5 * forward)
         qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                 with torch.no_grad():
                     return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias)
 
-            diff = (masked().float() - reference).abs().max().item()
+            diff = (masked().float() - reference).abs().max().item() if dtype != torch.float32 else None
             row(f"scoring {rows} x {new} new on {keys} keys, masked SDPA, {name}", masked,
                 4 * rows * h * d * new * keys, diff)
 

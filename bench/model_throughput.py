@@ -64,6 +64,11 @@ def timed(fn, seconds: float, sync) -> float:
             return elapsed / runs
 
 
+def peak_sizes(device: torch.device) -> tuple[int, ...]:
+    """The square matmul sizes whose best rate is taken as the device's peak."""
+    return (4096, 8192) if device.type == "cuda" else (512, 1024, 2048)
+
+
 def plain_passes(model, precision: str, device: torch.device, seconds: float) -> list[dict]:
     """A plain forward of the base model, and a forward plus backward with a LoRA (the trainer's
     precision; without checkpointing, then for a real model with every layer checkpointed), at the
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), {precision}, on {machine}",
           flush=True)
 
-    sizes = (4096, 8192) if device.type == "cuda" else (512, 1024, 2048)
+    sizes = peak_sizes(device)
     peaks = {"fp32": matmul_peak("fp32", device, seconds=args.seconds / 2, sizes=sizes)}
     if device.type == "cuda" or cpu_has_native_bf16():
         peaks["bf16"] = matmul_peak("bf16", device, seconds=args.seconds / 2, sizes=sizes)

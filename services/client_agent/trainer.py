@@ -256,8 +256,8 @@ class HeapRelease:
     glibc keeps freed memory resident. Returning it before every micro-batch bounds a process's
     memory most tightly, but makes each micro-batch fault its pages in afresh: SmolLM2 (bf16, a
     2-core AMD EPYC) trained 1.15x as fast without that over one epoch of 24 sequences where no layer
-    recomputes (a client's round 0: 1.10-1.13x), its peak 5-9%
-    higher (docs/results.md has the figures)."""
+    recomputes (a client's round 0: 1.10-1.13x), its peak 5-9% higher (docs/results.md has the
+    figures)."""
 
     def __init__(self, release: Callable[[], None] = release_free_memory) -> None:
         self.release = release
