@@ -12,9 +12,10 @@ from fedse.config import deprecated
 
 
 def main(argv: list[str]) -> int:
-    """The federation's CA and certificates, for services run as processes (in Kubernetes, cert-manager
-    makes them). The operator makes the CA (init), signs each organisation's request (sign) and issues
-    the servers' certificates (issue); an organisation makes its key and a request (request), and sends
+    """The federation's CA and certificates, for services run as processes and for Kubernetes
+    (k8s/components/mtls mounts them), made on the operator's offline machine. The operator makes the
+    CA (init), signs each organisation's request (sign), issues the servers' certificates (issue) and
+    signs the member list (members); an organisation makes its key and a request (request), and sends
     only the request. show prints what a certificate says and warns before it expires."""
     parser = _parser()
     ns = parser.parse_args(argv)
@@ -81,6 +82,13 @@ def _parser():
     p.add_argument("--ca-cert", default="", help="the federation CA's certificate (ca.pem): also check that it signed "
                                                  "FILE (exit 1 if not)")
     _renamed(p, "ca_cert")
+    p = command("members", _members, "the operator: write the federation's member list, signed by the CA key, for "
+                "every client to check secure aggregation's roster against")
+    p.add_argument("--ca-dir", required=True, help="the directory fedse certs init wrote")
+    p.add_argument("--out", required=True, help="where to write the list (e.g. members.json)")
+    p.add_argument("--force", action="store_true", help="replace the file if it exists already")
+    p.add_argument("ids", metavar="ID", nargs="+", help="the members' client ids; @FILE reads them from FILE, one a "
+                                                        "line (# comments), as --allowed-clients @FILE")
     return parser
 
 
@@ -119,6 +127,17 @@ def _issue(ns) -> int:
           f"{cert.not_valid_after_utc:%Y-%m-%d}\n"
           f"wrote {key}: its key (mode 0600); keep it on the server\n"
           f"serve with --tls-ca {pathlib.Path(ns.ca_dir) / pki.CA_CERT} --tls-cert {out} --tls-key {key}")
+    return 0
+
+
+def _members(ns) -> int:
+    from fedse import members
+
+    signed, out = members.sign_member_list(pathlib.Path(ns.ca_dir), members.ids_from_arguments(ns.ids),
+                                           pathlib.Path(ns.out), ns.force)
+    print(f"wrote {out}: {len(signed.members)} members ({', '.join(sorted(signed.members))}), signed by "
+          f"{signed.federation}\nsend {out} to every organisation with {pathlib.Path(ns.ca_dir) / pki.CA_CERT}; a "
+          f"client checks it against that CA certificate")
     return 0
 
 

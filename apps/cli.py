@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
               "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
               "directory, offline (fedse model --help)\n"
               "       fedse certs COMMAND [options]    the federation's CA and certificates: init, request, sign, "
-              "issue, show (fedse certs --help)\n"
+              "issue, members, show (fedse certs --help)\n"
               "       fedse --version                  the version")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]

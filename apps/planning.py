@@ -318,7 +318,9 @@ def client_config(cfg: RunConfig, client: Client, env_server: str, aggregator: s
     `threads` torch threads and its state under state/clients."""
     demos = cfg.demo_files()
     lora_r, lora_alpha = cfg.client_lora(client.envs)
-    settings = {**cfg.passed_on(ClientConfig), "lora_r": lora_r, "lora_alpha": lora_alpha}
+    # Every member of a local federation is the one researcher's: none needs to withstand the others.
+    settings = {**cfg.passed_on(ClientConfig), "lora_r": lora_r, "lora_alpha": lora_alpha,
+                "secure_tolerate_colluders": 0}
     return service_config(ClientConfig, client_id=client.client_id, env=",".join(client.envs), env_server=env_server,
                           aggregator=aggregator, address=LOOPBACK, metrics_port=-1, state_dir=str(state / "clients"),
                           **settings, scoring=scoring_for(cfg.scoring, client.envs, cfg.base_model),

@@ -12,7 +12,7 @@ import sys
 
 # Each command, in the order `fedse --help` lists them; `fedse certs` has a page section per step.
 COMMANDS = [[], ["aggregator"], ["env-server"], ["client"], ["run"], ["experiment"], ["tasks"], ["status"], ["doctor"],
-            ["model"], ["certs"], *[["certs", step] for step in ("init", "request", "sign", "issue", "show")]]
+            ["model"], ["certs"], *[["certs", step] for step in ("init", "request", "sign", "issue", "members", "show")]]
 WIDTH = "100"
 HEADER = """# Command-line reference
 

@@ -116,7 +116,7 @@ def client(target: str, client_id: str, size: str, seed: int, mode: str, pki: st
         timing.wrap(signatures.Verifier, "certificate", "certificate")
         timing.wrap(signatures.Verifier, "signature", "signature", static=True)
         SecureRound(fed, config.run_id, config, layout, START_S, protection).take_part(
-            st.round, Contribution(adapter, None, 1, 1, 1), lambda step: t.__setitem__(step, time.monotonic()))
+            st.round, Contribution(adapter, None, 1), lambda step: t.__setitem__(step, time.monotonic()))
         for name in timing.seconds:
             t[f"{name}_s"], t[f"{name}_n"] = timing.seconds[name], timing.calls[name]
     else:

@@ -1,5 +1,6 @@
-"""A federation's certificates, for processes run by hand (in Kubernetes, cert-manager makes them:
-k8s/components/mtls). `fedse certs` is the command; this module makes and reads the files.
+"""A federation's certificates, for processes run by hand and for Kubernetes (k8s/components/mtls makes
+its Secrets from these files). `fedse certs` is the command; this module makes and reads the files,
+on the operator's offline machine for the CA's part: the CA key never goes where the aggregator runs.
 
 - init: the operator makes the federation CA, `ca.pem` and its key `ca-key.pem` (a CA that signs
   only end certificates: path length 0, key usage cert sign).
@@ -12,6 +13,7 @@ k8s/components/mtls). `fedse certs` is the command; this module makes and reads 
   the DNS names and IP addresses clients dial, for TLS server authentication.
 - show: a certificate's identity, names, issuer, validity and purpose, how soon it expires, and
   whether a given CA signed it.
+- members: the operator signs the federation's member list with the CA key (fedse/members.py).
 
 Keys are ECDSA P-256 (PKCS#8 PEM, unencrypted, as gRPC reads them), written with mode 0600;
 certificates and requests 0644. Nothing is overwritten unless `force` is set.
@@ -181,10 +183,14 @@ def load_ca(directory: pathlib.Path) -> Ca:
 
 
 def _is_ca(cert: x509.Certificate) -> bool:
+    """Whether the certificate says it is a CA's (BasicConstraints ca=True)."""
     try:
         return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     except x509.ExtensionNotFound:
         return False
+
+
+is_ca = _is_ca  # the public name (fedse.members checks that a member list's signer is a CA)
 
 
 # ---- an organisation's request, and the operator's signature --------------------------------------------

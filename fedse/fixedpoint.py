@@ -11,6 +11,10 @@ The bound, for K <= MAX_CLIENTS values each within [-CLIP, CLIP]:
   of its magnitude);
 - the true sum's magnitude is at most K * CLIP * 2^FRACTION_BITS <= 2^62 < 2^63, so it never wraps
   past what a signed 64-bit integer reads back.
+A weighted sum is made in the ring too, never in floating point: w * enc(x) for an integer weight
+0 <= w <= CLIP (`times`), which is enc(w * x) off by at most w * 2^-41; with each |w * x| <= CLIP the
+terms stay within 2^52 + 2^11 and K <= MAX_CLIENTS of them below 2^63, and sum_k w_k enc(x_k) /
+sum_k w_k is the weighted mean within 2^-41, as the plain mean is.
 LoRA weights are far inside CLIP = 4096, and 2^-41 is below 1e-6 of any tensor whose largest value
 exceeds 4.6e-7 (an all-zero tensor, such as a fresh LoRA B, is encoded exactly). Values outside the
 range, and values that are not finite, are refused rather than clipped: a silently changed adapter
@@ -44,6 +48,15 @@ def encode(values: np.ndarray) -> np.ndarray:
     """The values as uint64 ring elements; ValueError for a value that is not finite or lies outside
     [-CLIP, CLIP]."""
     return np.rint(check(values) * SCALE).astype(np.int64).view(np.uint64)
+
+
+def times(encoded: np.ndarray, weight: int) -> np.ndarray:
+    """weight * encoded in Z_2^64 (wrapping), as a new array: an exact weighted term for an integer
+    weight (the caller keeps weight * value within [-CLIP, CLIP], so that a sum of them does not wrap
+    past what reads back). ValueError for a weight that is not an integer in 0..CLIP."""
+    if isinstance(weight, bool) or int(weight) != weight or not 0 <= weight <= CLIP:
+        raise ValueError(f"cannot weigh by {weight!r}: a weight must be a whole number from 0 to {CLIP:g}")
+    return np.multiply(np.asarray(encoded, dtype=np.uint64), np.uint64(int(weight)), dtype=np.uint64)
 
 
 def add(total: np.ndarray, term: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ SEED_BYTES = 16
 KEY_BYTES = 32
 NONCE_BYTES = 12
 # What every framed message starts with, so that keys, hashes and signatures made here serve nothing else.
-DOMAIN = b"fedse secure aggregation v2"
+DOMAIN = b"fedse secure aggregation v3"
 
 
 def frame(*parts: bytes | str) -> bytes:

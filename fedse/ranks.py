@@ -10,7 +10,9 @@ What both sides need, the aggregator and the clients, lives here:
   schema at rank R, and the check that a client's schema fits it;
 - `padded` and `truncated`: HetLoRA's zero-padding of a client's factors to rank R (B scaled by
   s_k / s_R, so that the padded product is the client's update) and its inverse, the first r_k
-  components;
+  components; `held`: which values of the padded adapter are the client's own (all its clip counts);
+- `held_rank`, `thinly_held`, `zero_above`: under secure aggregation, no component summed over fewer
+  than the threshold of uploads;
 - `best_rank`: the best rank-r factors of a product given as stacked factors, B_cat A_cat, through a QR
   of each and an SVD of the small core (never the out x in matrix), and `refactored`, which a client
   uses to bring the global adapter to its own rank and scaling.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -172,6 +174,22 @@ def padded(adapter: Mapping[str, torch.Tensor], rank: int, factor: float) -> dic
     return {name: view[name] for name in adapter}
 
 
+def held(adapter: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Which values of a padded rank-R adapter a client of `rank` holds, as boolean masks of each LoRA
+    factor: lora_A's first `rank` rows, lora_B's first `rank` columns (the rest is padding). Tensors
+    that are not LoRA factors are left out: the client holds them whole."""
+    out = {}
+    for name, t in adapter.items():
+        if t.dim() == 2 and (A_PART in name or B_PART in name):
+            mask = torch.zeros(t.shape, dtype=torch.bool)
+            if A_PART in name:
+                mask[:rank] = True
+            else:
+                mask[:, :rank] = True
+            out[name] = mask
+    return out
+
+
 def truncated(adapter: Mapping[str, torch.Tensor], rank: int, factor: float) -> dict[str, torch.Tensor]:
     """The first `rank` components of a rank-R adapter (HetLoRA's truncation): lora_A's first rows, lora_B's
     first columns divided by `factor` = s_k / s_R; the other tensors as they are."""
@@ -182,6 +200,47 @@ def truncated(adapter: Mapping[str, torch.Tensor], rank: int, factor: float) -> 
         elif B_PART in name and t.dim() == 2:
             t = (t[:, :rank].to(_F64) / factor).to(t.dtype)
         out[name] = t
+    return out
+
+
+# ---- secure aggregation: no component held by fewer than t uploads -------------------------------
+# With zero-padding, component j of every LoRA pair (A's row j, B's column j) is summed over the
+# clients of rank > j only: where fewer than the threshold t hold it, the unmasked sum would give
+# their few values (one client's, where only it holds it). So a client sends its components up to the
+# t-th largest rank among those that shared (`held_rank`) and zeroes the rest (`zero_above`); the
+# aggregator, and each client before it reveals, check the uploaders hold every component sent at
+# least t times (`thinly_held`). Ranks are the members' advertised ones (RosterMember.lora_rank).
+
+def held_rank(member_ranks: Iterable[int], t: int) -> int:
+    """r*: the largest rank that at least `t` of `member_ranks` reach (their t-th largest), 0 where
+    fewer than t are given. A client sends its components up to min(its rank, r*)."""
+    top = sorted(member_ranks, reverse=True)
+    return top[t - 1] if t >= 1 and len(top) >= t else 0
+
+
+def thinly_held(sent: Iterable[int], t: int) -> int:
+    """The highest component (1-based) that some but fewer than `t` of the uploads hold, given the rank
+    each upload sent (min(its rank, r*)); 0 where every component sent is held by t or more. The
+    uploads holding component j are those that sent j or more, fewer as j grows: checking the top
+    one checks them all."""
+    sent = list(sent)
+    top = max(sent, default=0)
+    return top if top > 0 and sum(r >= top for r in sent) < t else 0
+
+
+def zero_above(adapter: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """The adapter with every LoRA component above `rank` zeroed (lora_A's rows, lora_B's columns from
+    `rank` on): what a client masks in place of components held by fewer than t. Other tensors, and
+    an adapter of `rank` or less, as they are."""
+    out = dict(adapter)
+    for a_name, b_name in pairs(list(adapter)):
+        a, b = adapter[a_name], adapter[b_name]
+        if a.dim() == 2 and a.shape[0] > rank:
+            out[a_name] = a.clone()
+            out[a_name][rank:] = 0
+        if b.dim() == 2 and b.shape[1] > rank:
+            out[b_name] = b.clone()
+            out[b_name][:, rank:] = 0
     return out
 
 

@@ -22,6 +22,7 @@ from cryptography import x509
 
 from fedse.security import Security
 from fedse.serving import log_fields
+from fedse.signatures import names
 
 log = logging.getLogger("fedse.reach")
 
@@ -190,3 +191,27 @@ def wait_ready(ch: grpc.Channel, target: str, sec: Security, flag: str, timeout_
                                          lasting=False)
         log.warning("waiting for the server", extra=log_fields(target=target, reason=problem.reason if problem
                                                                 else "not connected yet"))
+
+
+def server_names(target: str, sec: Security, timeout_s: float = 5.0) -> frozenset[str]:
+    """The names the server at `target` answers to: the host dialled, the TLS name expected of it, and
+    every name its certificate holds (read in a TLS handshake with this client's own mTLS files). What
+    a secure-aggregation client refuses to see as a member's identity: the aggregator is no member.
+    Only the names from the settings where the handshake cannot be made."""
+    where = split_target(target)
+    out = {n for n in (where[0] if where else "", sec.tls_server_name) if n}
+    if where is None or not sec.tls.enabled:
+        return frozenset(out)
+    try:
+        ctx = ssl.create_default_context(cafile=sec.tls_ca or None)
+        if sec.tls_cert:
+            ctx.load_cert_chain(sec.tls_cert, sec.tls_key)
+        ctx.set_alpn_protocols(["h2"])
+        with socket.create_connection(where, timeout=timeout_s) as sock, \
+                ctx.wrap_socket(sock, server_hostname=sec.tls_server_name or where[0]) as tls:
+            der = tls.getpeercert(binary_form=True)
+    except (ssl.SSLError, OSError) as exc:
+        log.warning("could not read the aggregator's certificate; its names from the settings only",
+                    extra=log_fields(target=target, reason=str(exc)[:200]))
+        return frozenset(out)
+    return frozenset(out | (names(x509.load_der_x509_certificate(der)) if der else set()))

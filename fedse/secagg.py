@@ -47,8 +47,11 @@ class SecureError(ValueError):
 # ---- the masked vector's layout ------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each tensor's values sit in the vector: the schema's tensors in order, then the weight;
-    for `weighted`, [x, 1, w*x, w] (the unweighted half stands when no client succeeded)."""
+    """Where each value sits in the vector: the schema's tensors in order, then (`weighted` only) the
+    weight, then the count (1 per upload; the unmasked sum must count its uploads, else a mask was
+    left in). fedavg and zero-pad: [x, 1]. weighted: [w*x, w, 1], w*x made exactly in the ring
+    (fixedpoint.times), so that the sum holds the weighted sum, the summed weight and the count, and
+    neither the plain sum nor any one client's weight: clients whose weights differ cannot be told apart."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -68,70 +71,85 @@ class Layout:
 
     @property
     def values(self) -> int:
-        """The adapter's values (one half of the vector, without its weight)."""
+        """The adapter's values (the vector without its weight and count)."""
         return sum(math.prod(s) for s in self.shapes)
 
     @property
     def length(self) -> int:
         """Ring elements in the vector."""
-        return (self.values + 1) * (2 if self.weighted else 1)
+        return self.values + (2 if self.weighted else 1)
 
     @property
     def nbytes(self) -> int:
         return 8 * self.length
 
     def encode(self, adapter: Mapping[str, torch.Tensor], weight: int) -> np.ndarray:
-        """The vector enc([x, 1]) (or enc([x, 1, w*x, w]) for weighted), uint64, made tensor by tensor (no
-        float64 copy of the whole adapter); SecureError for a value outside the fixed-point range."""
+        """The vector [enc(x), enc(1)] (weighted: [w * enc(x), enc(w), enc(1)]), uint64, made tensor by
+        tensor (no float64 copy of the whole adapter); SecureError for a value or weight outside the
+        fixed-point range (`check`)."""
+        self._check_weight(weight)
         out = np.empty(self.length, dtype=np.uint64)
-        half = self.values + 1
         at = 0
-        for name, x, weighted in self._pieces(adapter, weight, fx.encode):
-            out[at:at + x.size] = x
-            if weighted is not None:
-                out[half + at:half + at + x.size] = weighted
+        for name, x in self._pieces(adapter, weight):
+            enc = fx.encode(x)
+            out[at:at + x.size] = fx.times(enc, weight) if self.weighted else enc
             at += x.size
-        out[self.values] = fx.encode(np.ones(1))[0]
         if self.weighted:
-            out[-1] = fx.encode(np.array([float(weight)]))[0]
+            out[-2] = fx.encode(np.array([float(weight)]))[0]
+        out[-1] = fx.encode(np.ones(1))[0]
         return out
 
     def check(self, adapter: Mapping[str, torch.Tensor], weight: int) -> None:
-        """SecureError unless `encode` can make the vector (every value, times the weight for weighted,
-        finite and within the fixed-point range): asked before any stage is taken part in."""
-        try:
-            fx.check(np.array([float(weight)]))
-        except ValueError as exc:
-            raise SecureError(f"this adapter cannot be masked: its weight {weight}: {exc}") from None
-        for _ in self._pieces(adapter, weight, fx.check):
+        """SecureError unless `encode` can make the vector: every value finite and within ±CLIP, and for
+        weighted the weight a whole number from 0 to CLIP and every weight * value (in float64) within
+        ±CLIP, so that a sum of up to MAX_CLIENTS vectors never wraps. Asked before any stage."""
+        self._check_weight(weight)
+        for _ in self._pieces(adapter, weight):
             pass
 
-    def _pieces(self, adapter: Mapping[str, torch.Tensor], weight: int, convert):
-        """(name, convert(x), convert(w*x) or None) per tensor, in order; SecureError naming the tensor
-        whose values `convert` (fixedpoint's check or encode) refuses."""
-        for name in self.names:
-            t = adapter[name].detach().cpu()
-            x = (t if t.dtype in (torch.float32, torch.float64) else t.float()).reshape(-1).numpy()
+    def _check_weight(self, weight: int) -> None:
+        if self.weighted:
             try:
-                yield name, convert(x), convert(x * float(weight)) if self.weighted else None
+                fx.times(np.zeros(0, dtype=np.uint64), weight)
             except ValueError as exc:
-                raise SecureError(f"this adapter cannot be masked: {name}: {exc}") from None
+                raise SecureError(f"this adapter cannot be masked: its weight {weight}: {exc}") from None
+
+    def _pieces(self, adapter: Mapping[str, torch.Tensor], weight: int):
+        """(name, float64 values) per tensor, in order, once checked: SecureError naming the tensor with
+        a value (or, for weighted, a weight * value) that is not finite or lies outside ±CLIP."""
+        for name in self.names:
+            x = adapter[name].detach().cpu().to(torch.float64).reshape(-1).numpy()
+            try:
+                fx.check(x)
+                if self.weighted:
+                    fx.check(x * float(weight))
+            except ValueError as exc:
+                what = f"{name} times its weight {weight}" if self.weighted and weight > 1 else name
+                raise SecureError(f"this adapter cannot be masked: {what}: {exc}") from None
+            yield name, x
 
     def decode_mean(self, total: np.ndarray, count: int) -> dict[str, torch.Tensor]:
-        """The mean adapter (float64 tensors) of the `count` vectors whose wrapped sum is `total`. The
-        summed weights must come out whole and as expected, else the masks were not all removed."""
+        """The mean adapter (float64 tensors) of the `count` vectors whose wrapped sum is `total`:
+        sum(x) / count, or for weighted sum(w * x) / sum(w). The count (and the summed weight) must
+        come out whole and as expected, else the masks were not all removed; SecureError for a weighted
+        sum whose weights sum to 0 (no uploader succeeded): its mean is undefined, and the sum holds
+        nothing else to publish."""
         s = fx.decode_sum(total, count)
         n = self.values
-        half = s[:n + 1]
-        if half[n] != count:
-            raise SecureError(f"the unmasked sum counts {half[n]:.6g} clients, not {count}: a mask was not removed "
+        if s[-1] != count:
+            raise SecureError(f"the unmasked sum counts {s[-1]:.6g} clients, not {count}: a mask was not removed "
                               "(a wrong share, or a client that masked for another set of peers)")
-        if self.weighted and s[-1] > 0:
-            if s[-1] != round(s[-1]):
-                raise SecureError(f"the unmasked weights sum to {s[-1]:.6g}, not a whole number: a mask was not removed")
-            mean = s[n + 1:-1] / s[-1]
+        if self.weighted:
+            weights = s[-2]
+            if weights != round(weights) or weights < 0:
+                raise SecureError(f"the unmasked weights sum to {weights:.6g}, not a whole number: a mask was not "
+                                  "removed")
+            if weights == 0:
+                raise SecureError(f"no uploader succeeded (the {count} weights sum to 0): the weighted mean is "
+                                  "undefined, and the round keeps the global adapter")
+            mean = s[:n] / weights
         else:
-            mean = half[:n] / count
+            mean = s[:n] / count
         out, at = {}, 0
         for name, shape in zip(self.names, self.shapes):
             size = math.prod(shape)
@@ -141,19 +159,47 @@ class Layout:
 
 
 def clip_and_noise(adapter: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], clip_norm: float,
-                   noise_std: float) -> dict[str, torch.Tensor]:
+                   noise_std: float, key: bytes | None = None,
+                   held: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The client's side of distributed differential privacy: its update (adapter - previous) clipped to
-    `clip_norm` over all its tensors (0: not clipped), plus Gaussian noise of `noise_std` on every value,
-    drawn from a cryptographic generator (masking.gaussian). Called once per round: every attempt of
-    the round masks the same values, so a retried round gives no second noise sample."""
+    `clip_norm` (0: not clipped), plus Gaussian noise of `noise_std` on every value, drawn from a
+    cryptographic generator (masking.gaussian) keyed by `key` (each tensor's stream derived from it and
+    the tensor's name; None: a random key). Every attempt of a round masks the same values, so a retried
+    round gives no second noise sample: with the same `key` (ReleaseBook.draw), a restart neither.
+
+    `held` (boolean masks by tensor name; None or a name left out: every value) marks the values this
+    client holds: with mixed ranks, its own components of the run's rank-R adapter. The clip's norm
+    counts only those (the others are padding, not its update), and only those are clipped; the
+    values it does not hold stay as `adapter` has them (a scale that depends on its data would make
+    them depend on it too), noised like every value, so that the sum's noise covers every component."""
     out = {n: t.detach().to(torch.float64) for n, t in adapter.items()}
     if clip_norm > 0:
-        scale = clip_factor(sum(float(((out[n] - previous[n].to(torch.float64)) ** 2).sum()) for n in out), clip_norm)
-        out = {n: previous[n].to(torch.float64) + scale * (t - previous[n].to(torch.float64)) for n, t in out.items()}
+        masks = {n: held[n] if held is not None and n in held else None for n in out}
+        delta = {n: t - previous[n].to(torch.float64) for n, t in out.items()}
+        delta = {n: d if masks[n] is None else torch.where(masks[n], d, torch.zeros_like(d)) for n, d in delta.items()}
+        scale = clip_factor(sum(float((d ** 2).sum()) for d in delta.values()), clip_norm)
+        clipped = {n: previous[n].to(torch.float64) + scale * d for n, d in delta.items()}
+        out = {n: c if masks[n] is None else torch.where(masks[n], c, out[n]) for n, c in clipped.items()}
     if noise_std > 0:
-        out = {n: t + torch.from_numpy(masking.gaussian(t.numel(), noise_std).reshape(tuple(t.shape)))
-               for n, t in out.items()}
+        out = {n: t + torch.from_numpy(masking.gaussian(
+            t.numel(), noise_std, None if key is None else masking.derive(key, "dp noise tensor", n)
+        ).reshape(tuple(t.shape))) for n, t in out.items()}
     return out
+
+
+def release_digest(adapter: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], clip_norm: float,
+                   noise_multiplier: float) -> bytes:
+    """SHA-256 of what one release is made from: the adapter, the global adapter it is clipped against,
+    the clip norm and the noise multiplier (every tensor's name, dtype, shape and bytes). What a
+    client's noise for it is drawn from (ReleaseBook.draw): the same release, the same noise."""
+    h = hashlib.sha256(masking.frame(masking.DOMAIN, "release", repr(float(clip_norm)), repr(float(noise_multiplier))))
+    for part, tensors in (("adapter", adapter), ("previous", previous)):
+        h.update(masking.frame(part, str(len(tensors))))
+        for name in sorted(tensors):
+            t = tensors[name].detach().cpu().contiguous()
+            h.update(masking.frame(name, str(t.dtype), repr(tuple(t.shape))))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
 
 
 def noise_std(clip_norm: float, noise_multiplier: float, threshold: int) -> float:
@@ -163,9 +209,9 @@ def noise_std(clip_norm: float, noise_multiplier: float, threshold: int) -> floa
 
 
 # ---- keys, contexts and commitments ----------------------------------------------------------
-def context(run_id: str, round_nonce: str) -> bytes:
-    """What binds an attempt's keys, seals and signatures: the run and the attempt's round nonce."""
-    return masking.frame(run_id, round_nonce)
+def context(run_id: str, round_: int, round_nonce: str) -> bytes:
+    """What binds an attempt's keys, seals and signatures: the run, the round and the attempt's nonce."""
+    return masking.frame(run_id, str(round_), round_nonce)
 
 
 def commitment(ctx: bytes, purpose: str, owner: str, holder: str, value: bytes) -> bytes:
@@ -327,6 +373,7 @@ class Member:
     self_commitment: bytes
     certificate: bytes = b""  # DER, signed keys only
     signature: bytes = b""  # of its advertisement (signatures.advertisement)
+    lora_rank: int = 0  # its advertised LoRA rank in a mixed-rank run (0: the run has one rank)
 
 
 def self_mask_key(ctx: bytes, seed: bytes) -> bytes:

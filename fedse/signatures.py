@@ -25,14 +25,29 @@ class SignatureError(ValueError):
     """A certificate or signature that does not verify; the text says whose and why."""
 
 
-def advertisement(ctx: bytes, client_id: str, encryption_key: bytes, masking_key: bytes, commitment: bytes) -> bytes:
-    """What a client signs of its key advertisement."""
-    return masking.frame(masking.DOMAIN, "advertise", ctx, client_id, encryption_key, masking_key, commitment)
+def advertisement(ctx: bytes, client_id: str, encryption_key: bytes, masking_key: bytes, commitment: bytes,
+                  lora_rank: int = 0) -> bytes:
+    """What a client signs of its key advertisement: its keys and its LoRA rank (0 in a run of one rank),
+    which decides the components every member sends (fedse.ranks.held_rank)."""
+    return masking.frame(masking.DOMAIN, "advertise", ctx, client_id, encryption_key, masking_key, commitment,
+                         str(lora_rank))
 
 
-def consistency(ctx: bytes, client_id: str, uploaders: Iterable[str]) -> bytes:
-    """What an uploader signs of the uploader list it was shown (in client-id order)."""
-    return masking.frame(masking.DOMAIN, "consistency", ctx, client_id, *sorted(uploaders))
+def consistency(ctx: bytes, client_id: str, threshold: int, degree: int, roster_digest: bytes,
+                uploaders: Iterable[str]) -> bytes:
+    """What an uploader signs of the uploader list it was shown (in client-id order), bound to all the
+    list vouches for: the run, round and attempt (`ctx`), the threshold, the masking graph's degree
+    (RunConfig.secure_neighbours) and every member's keys (secagg.roster_digest, fresh each attempt).
+    A signature shown in one attempt then verifies in no other, whatever nonce the aggregator reuses."""
+    return masking.frame(masking.DOMAIN, "consistency", ctx, client_id, str(threshold), str(degree), roster_digest,
+                         *sorted(uploaders))
+
+
+def names(cert: x509.Certificate) -> frozenset[str]:
+    """Every name a certificate holds: its subject alternative names' values and its common name."""
+    out = {text.split(":", 1)[1] for text in certs.san_texts(cert)}
+    out.update(str(a.value) for a in cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME))
+    return frozenset(out)
 
 
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
@@ -85,6 +100,30 @@ class Verifier:
         named = certs.identity(cert)
         if named != client_id:
             raise SignatureError(f"the certificate given for {client_id} names {named!r}")
+        return cert
+
+    def member(self, der: bytes, client_id: str, not_names: frozenset[str] = frozenset(),
+               now: datetime.datetime | None = None) -> x509.Certificate:
+        """The certificate of a federation member once checked: as `certificate` checks it, and a member's
+        own, as `fedse certs sign` issues it: not a CA, for client authentication (its extended key usage
+        holds clientAuth), and naming none of `not_names` (the aggregator's names). A server certificate
+        from the same CA, such as the aggregator's, is then no member."""
+        cert = self.certificate(der, client_id, now)
+        try:
+            is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        if is_ca:
+            raise SignatureError(f"{client_id}'s certificate is a CA's, not a member's")
+        uses = certs.purposes(cert)
+        if "client" not in uses:
+            raise SignatureError(f"{client_id}'s certificate is for {', '.join(uses)}, not for client authentication: "
+                                 "a member's certificate is one `fedse certs sign` issued (a server certificate, such "
+                                 "as the aggregator's, is no member)")
+        named = names(cert) & not_names
+        if named:
+            raise SignatureError(f"{client_id}'s certificate names the aggregator ({', '.join(sorted(named))}): the "
+                                 "aggregator is no member")
         return cert
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import time
 import torch
 
 from fedse import adapter as ad
-from fedse import secagg
+from fedse import ranks, secagg
 from services.client_agent.federation import FederationClient
 from services.client_agent.heartbeat import Heartbeat
 from fedse.security import Security
@@ -50,7 +51,7 @@ class Miscounting(secagg.Layout):
 
     def encode(self, adapter, weight):
         out = super().encode(adapter, weight)
-        out[self.values] += out[self.values]
+        out[-1] += out[-1]  # the count, last in every layout
         return out
 
 
@@ -74,18 +75,23 @@ class Party:
                                     security=self.security)
         self.heartbeat = Heartbeat(self.fed, 0.3)
         self.schema, self.base = self.schema or SCHEMA, self.base or base_adapter()
+        # Federations of 2 and 3 withstand no colluder: the tests' parties accept them unless told otherwise.
+        self.protection = self.protection or Protection(min_colluders=0)
         self.adapter = trained(self.seed, self.base)
         self.steps: list[str] = []
         self._held = threading.Event()
 
     @classmethod
-    def signed(cls, target: str, client_id: str, seed: int, pki, min_threshold: float = 0.5, **kw) -> "Party":
-        """A party over mTLS with a certificate naming it (issued by `pki`, a support.Pki), that signs its
-        keys and requires everyone's signed."""
-        cert, key = pki.issue(pki.ca, client_id, client_id)
+    def signed(cls, target: str, client_id: str, seed: int, pki, min_threshold: float = 0.5, cert_key=None,
+               protect=None, **kw) -> "Party":
+        """A party over mTLS with a certificate naming it (issued by `pki`, a support.Pki, unless `cert_key`
+        gives the (certificate, key) files), that signs its keys and requires everyone's signed; `protect`:
+        more Protection fields (min_colluders 0 unless given)."""
+        cert, key = cert_key or pki.issue(pki.ca, client_id, client_id)
         sec = Security(tls_ca=pki.ca_pem, tls_cert=cert, tls_key=key)
+        more = {"min_colluders": 0, **(protect or {})}
         return cls(target, client_id, seed, security=sec,
-                   protection=Protection.of(min_threshold, pki.ca_pem, cert, key), **kw)
+                   protection=Protection.of(min_threshold, pki.ca_pem, cert, key, **more), **kw)
 
     def join(self):
         self.config = self.fed.join("maze", TINY_MODEL_NAME, self.schema).config
@@ -93,11 +99,17 @@ class Party:
         return self
 
     def take_part(self, round_: int = 0) -> bool:
-        layout = secagg.Layout.of(self.schema, self.config.strategy)
+        schema, values, previous, rank = self.schema, {k: v.double() for k, v in self.adapter.items()}, self.base, 0
+        top = self.config.max_lora_rank
+        if top:  # a mixed-rank run: the adapter zero-padded to the run's rank, as the client agent masks it
+            rank, schema = ranks.rank_of(self.schema), ranks.run_schema(self.schema, top)
+            values = ranks.padded(values, top, ranks.scaling(self.schema.adapter_config_json) / ranks.RUN_SCALING)
+            previous = ad.decode(self.fed.download(round_).data)
+        layout = secagg.Layout.of(schema, self.config.strategy)
         if self.miscount:
             layout = Miscounting(layout.names, layout.shapes, layout.weighted)
         weight = self.successes if self.config.strategy == "weighted" else 1
-        c = Contribution({k: v.double() for k, v in self.adapter.items()}, self.base, weight, 1, self.successes)
+        c = Contribution(values, previous, weight, rank)
         return SecureRound(self.fed, self.config.run_id, self.config, layout, 60, self.protection).take_part(
             round_, c, self._step)
 
@@ -132,9 +144,24 @@ def main() -> int:
     p.add_argument("client_id")
     p.add_argument("seed", type=int)
     p.add_argument("--hold-at", default="")
+    p.add_argument("--state-dir", default="", help="where the party keeps what it remembers across restarts")
     a = p.parse_args()
-    party = Party(a.target, a.client_id, a.seed, hold_at=a.hold_at).join()
-    ok = party.take_part(0)
+    protection = None
+    if a.state_dir:
+        from services.client_agent.secure import ReleaseBook
+        from services.client_agent.secure_checks import SeenAttempts
+
+        state = pathlib.Path(a.state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        protection = Protection(book=ReleaseBook(state / "secure_released.json"), min_colluders=0,
+                                attempts=SeenAttempts(state / "secure_attempts.txt"))
+    party = Party(a.target, a.client_id, a.seed, hold_at=a.hold_at, protection=protection).join()
+    try:
+        ok = party.take_part(0)
+    except secagg.SecureError as exc:
+        print(f"REFUSED {exc}", flush=True)
+        party.close()
+        return 3
     print(f"DONE {ok}", flush=True)
     party.close()
     return 0

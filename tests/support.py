@@ -165,19 +165,51 @@ def kustomize(path: pathlib.Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def write_scenario(directory: pathlib.Path, components: list[str]) -> pathlib.Path:
-    """k8s/kustomization.yaml with its paths made relative to `directory`, plus `components`."""
-    root = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+def write_scenario(directory: pathlib.Path, components: list[str], server_ips: tuple[str, ...] = ()) -> pathlib.Path:
+    """k8s/kustomization.yaml with its paths made relative to `directory`, plus `components`. With
+    mtls among them, the paths lead to a copy of k8s/ in `directory` whose mtls certificates are made
+    as the operator makes them offline (offline_certs; servers also for `server_ips`)."""
+    k8s = K8S
     directory.mkdir(parents=True, exist_ok=True)
+    if "mtls" in components:
+        k8s = directory / "k8s"
+        shutil.copytree(K8S, k8s)
+        offline_certs(k8s, directory / "offline-ca", server_ips)
+    root = yaml.safe_load((k8s / "kustomization.yaml").read_text())
 
     def rel(p: str) -> str:
-        return os.path.relpath(K8S / p, directory)
+        return os.path.relpath(k8s / p, directory)
 
     root["resources"] = [rel(p) for p in root.get("resources") or []]
     root["components"] = [rel(p) for p in (root.get("components") or [])] + \
         [rel(f"components/{c}") for c in components]
     (directory / "kustomization.yaml").write_text(yaml.safe_dump(root, sort_keys=False))
     return directory
+
+
+def offline_certs(k8s: pathlib.Path, ca_dir: pathlib.Path, server_ips: tuple[str, ...] = ()) -> pathlib.Path:
+    """Fills k8s/components/mtls/certs as docs/deploy.md has the operator do it on an offline machine:
+    the CA in `ca_dir`, outside the manifests (its key never goes near them); a server certificate for
+    each server whose files the component's secretGenerator reads (its Service's names in the
+    namespace, and `server_ips`); a client certificate, request then sign, for each client (org-*);
+    and ca.pem alone of the CA's files."""
+    from fedse import certs
+
+    component = k8s / "components" / "mtls"
+    out = component / "certs"
+    certs.init_ca(ca_dir, force=True)
+    generators = yaml.safe_load((component / "kustomization.yaml").read_text())["secretGenerator"]
+    files = {pathlib.PurePath(f.split("=", 1)[1]).name for g in generators for f in g["files"]}
+    for name in sorted(f[:-len(".pem")] for f in files if not f.endswith("-key.pem") and f != certs.CA_CERT):
+        if name.startswith("org-"):
+            certs.request(name, out, force=True)
+            certs.sign(ca_dir, out / f"{name}.csr", out / f"{name}.pem", force=True)
+            (out / f"{name}.csr").unlink()
+        else:
+            dns = [name, f"{name}.{NAMESPACE}", f"{name}.{NAMESPACE}.svc", f"{name}.{NAMESPACE}.svc.cluster.local"]
+            certs.issue(ca_dir, name, dns, list(server_ips), out, force=True)
+    shutil.copyfile(ca_dir / certs.CA_CERT, out / certs.CA_CERT)
+    return out
 
 
 class Pki:

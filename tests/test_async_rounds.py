@@ -195,3 +195,85 @@ def test_over_grpc_the_run_says_who_trains_and_fedse_status_shows_it(tmp_path):
         assert "not chosen: waits for a free training slot" in shown
         for c in clients:
             c.close()
+
+
+def test_a_client_that_declines_gives_its_slot_back_and_is_given_none(tmp_path):
+    clock = Clock()
+    fed = asynchronous(tmp_path, clock, start_clients=2, async_concurrency=1, async_buffer=1)
+    join(fed, "a", "b")
+    assert fed.status().selected == ("a",)  # one slot
+    fed.seen("a", 0, "declined")  # a's guardian declines: its privacy budget is spent
+    fed.tick()
+    assert fed.status().selected == ("b",)  # the slot went to b: the run goes on without a
+    send(fed, "b", 0, 1.0)
+    st = fed.status()
+    assert st.round == 1 and st.selected == ("b",) and fed.run.members["a"].dropouts == 0
+    _, views, _, _ = fed.run_view()
+    assert {v.client_id: v.selection_reason for v in views}["a"] == "declines: its privacy budget is spent"
+
+
+def test_async_uploads_take_from_the_privacy_budget_and_a_declined_client_stops_training(tmp_path):
+    """The client agent's asynchronous loop over real gRPC, its phases standing in for by a plain upload
+    of phi_0: each version it trains takes a release from its budget first; the budget (one release)
+    declines its second, and the run, one slot wide, finishes with org-b alone."""
+    import contextlib
+    import threading
+
+    from fedse import accounting
+    from services.client_agent import guardian
+    from services.client_agent.agent import ClientAgent
+    from services.client_agent.config import ClientConfig
+    from services.client_agent.federation import FederationClient
+    from services.client_agent.federation import StaleRound as StaleClientRound
+    from services.client_agent.heartbeat import Heartbeat
+    from services.client_agent.metrics import ROUNDS_DECLINED
+    from support import aggregator_in_process, join_with_phi0
+
+    state = {A: torch.zeros(2, 3), B: torch.zeros(3, 2)}
+    z, delta = 2.0, 1e-5
+    limit = (accounting.epsilons(z, 1, delta)[1] + accounting.epsilons(z, 2, delta)[1]) / 2  # one fits, two do not
+    with aggregator_in_process(tmp_path / "agg", min_clients=1, start_clients=2, rounds=3, mode="async",
+                               async_concurrency=1, async_buffer=1, heartbeat_timeout_s=600.0) as (_agg, port, _):
+        target = f"127.0.0.1:{port}"
+        agent = ClientAgent.__new__(ClientAgent)  # the loop alone: no model, no environments
+        agent.cfg = ClientConfig(client_id="org-a", privacy_epsilon=limit, round_timeout_s=60.0)
+        agent.fed = FederationClient(target, "org-a", retries=2, backoff_s=0.1)
+        agent.run_config = agent.fed.join("maze", "fedse-tiny", ad.Schema.of(state, '{"r": 2}')).config
+        agent.fed.max_staleness = agent.run_config.async_max_staleness  # as run() sets it
+        agent.heartbeat = Heartbeat(agent.fed, 0.2)
+        agent.heartbeat.start()
+        agent.budget = guardian.PrivacyBudget(limit, delta, tmp_path / "privacy.json")
+        # As an aggregator that lies would say it: a secure run with noise (async runs have neither).
+        agent.budget.start(fpb.RunConfig(run_id="t", secure_aggregation=True, clip_norm=1.0, noise_multiplier=z))
+        played, declined_before = [], ROUNDS_DECLINED._value.get()
+
+        def play_round(round_, done, final, tasks):
+            played.append((round_, final, list(agent.budget.rounds)))
+            if not final:
+                agent.fed.upload(round_, ad.encode(state), num_examples=1, num_successes=1)
+        agent.play_round = play_round
+        b = FederationClient(target, "org-b", retries=2, backoff_s=0.1)
+        join_with_phi0(b, "maze", "fedse-tiny")
+        b.max_staleness = agent.run_config.async_max_staleness
+
+        def org_b():
+            last = -1
+            while True:
+                st = b.wait_until(lambda s: s.state == fpb.ROUND_STATE_OPEN and s.round > last
+                                  and "org-b" in s.selected, timeout_s=60)
+                if st.state == fpb.ROUND_STATE_FINISHED:
+                    return
+                with contextlib.suppress(StaleClientRound):  # the version folded first: train from the next
+                    b.upload(st.round, ad.encode(state), num_examples=1, num_successes=1)
+                last = st.round
+        threading.Thread(target=org_b, daemon=True).start()
+        agent.run_async(0, "", [])
+        agent.heartbeat.stop(0.1)
+        assert [(r, final) for r, final, _ in played] == [(0, False), (3, True)]
+        assert played[0][2] == [0]  # booked before the version was played
+        # The one release it took; the first version it was given next (1 or 2, as org-b's slot fell) declined.
+        assert agent.budget.rounds == [0] and len(agent.budget.declined) == 1
+        assert agent.budget.declined[0] in (("t", 1), ("t", 2))
+        assert ROUNDS_DECLINED._value.get() == declined_before + 1
+        assert b.status().state == fpb.ROUND_STATE_FINISHED
+        agent.fed.close(), b.close()

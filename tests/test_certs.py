@@ -143,6 +143,35 @@ def test_issue_makes_a_server_certificate_for_the_names_and_addresses_dialled(ca
     assert 364 * DAY < lifetime(cert) <= 365 * DAY
 
 
+def end_certificate_checks(cert: x509.Certificate, purpose: x509.ObjectIdentifier) -> None:
+    """An end certificate for one purpose only: its extended key usage that purpose alone, not a CA
+    (critical BasicConstraints ca=False, no path length), and its key signs neither certificates nor CRLs."""
+    assert list(ext(cert, x509.ExtendedKeyUsage).value) == [purpose]
+    constraints = ext(cert, x509.BasicConstraints)
+    assert constraints.critical and constraints.value.ca is False and constraints.value.path_length is None
+    usage = ext(cert, x509.KeyUsage)
+    assert usage.critical and usage.value.digital_signature
+    assert not usage.value.key_cert_sign and not usage.value.crl_sign
+    assert certs.purposes(cert) == [{ExtendedKeyUsageOID.CLIENT_AUTH: "client",
+                                     ExtendedKeyUsageOID.SERVER_AUTH: "server"}[purpose]]
+
+
+def test_members_get_client_auth_only_and_servers_server_auth_only(ca, tmp_path, capsys):
+    """A member's certificate cannot serve (an organisation cannot pose as the aggregator to another), and
+    the aggregator's cannot join as a client nor sign certificates: one purpose each, never a CA."""
+    csr = requested(tmp_path, capsys, "org-a")
+    assert fedse_certs(capsys, "sign", "--ca-dir", ca, "--csr", csr, "--out", tmp_path / "org-a.pem")[0] == 0
+    assert fedse_certs(capsys, "issue", "--ca-dir", ca, "--name", "aggregator", "--dns", "aggregator.example.org",
+                       "--out-dir", tmp_path)[0] == 0
+    member, server = load(tmp_path / "org-a.pem"), load(tmp_path / "aggregator.pem")
+    end_certificate_checks(member, ExtendedKeyUsageOID.CLIENT_AUTH)
+    end_certificate_checks(server, ExtendedKeyUsageOID.SERVER_AUTH)
+    # And `show` says so, from the files.
+    for path, purpose in ((tmp_path / "org-a.pem", "client"), (tmp_path / "aggregator.pem", "server")):
+        rc, out, _ = fedse_certs(capsys, "show", path, "--ca-cert", ca / "ca.pem")
+        assert rc == 0 and f"  purpose: {purpose}\n" in out and "  CA: no\n" in out
+
+
 # ---- show --------------------------------------------------------------------------------------------
 def test_show_prints_identity_names_issuer_validity_and_purpose(ca, tmp_path, capsys):
     fedse_certs(capsys, "sign", "--ca-dir", ca, "--csr", requested(tmp_path, capsys, "org-a"),

@@ -2,6 +2,7 @@
 the tiny model against a memory limit, and it keeps the organisation's privacy budget."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -76,9 +77,72 @@ def test_the_privacy_budget_declines_rounds_once_spent_and_remembers_over_a_rest
     again = guardian.PrivacyBudget(two + 1e-9, 1e-5, path)  # a restarted client
     again.start(secure_run(noise=2.0))
     assert again.rounds == [0, 1] and again.take(3) is not None and again.take(1) is None
-    fresh = guardian.PrivacyBudget(two + 1e-9, 1e-5, path)
-    fresh.start(secure_run(run_id="other", noise=2.0))  # another run: its own ledger
-    assert fresh.rounds == [] and fresh.take(0) is None
+    other = guardian.PrivacyBudget(two + 1e-9, 1e-5, path)
+    other.start(secure_run(run_id="other", noise=2.0))  # a new run id, which the aggregator chose: same ledger
+    assert other.rounds == [] and other.take(0) is not None
+
+
+def test_the_ledger_spans_runs_and_only_the_organisation_resets_it(tmp_path):
+    path, delta = tmp_path / "privacy.json", 1e-5
+    rho2, rho3 = accounting.zcdp_rho(2.0), accounting.zcdp_rho(3.0)
+    limit = accounting.epsilon(2 * rho2 + rho3, delta) * (1 + 1e-9)  # two releases at z = 2 and one at z = 3
+    a = guardian.PrivacyBudget(limit, delta, path)
+    a.start(secure_run(run_id="run-a", noise=2.0))
+    assert a.take(0) is None and a.take(1) is None
+    b = guardian.PrivacyBudget(limit, delta, path)  # restarted, and told another run id
+    b.start(secure_run(run_id="run-b", noise=3.0))
+    assert b.take(0) is None  # each release at its own run's noise multiplier
+    assert b.spent() == pytest.approx(accounting.epsilon(2 * rho2 + rho3, delta))
+    why = b.take(1)
+    assert why is not None and "3 release(s) taken over 2 run(s)" in why and "--reset-privacy-ledger" in why
+    c = guardian.PrivacyBudget(limit, delta, path)
+    c.start(secure_run(run_id="run-c", noise=3.0))  # a third run would exceed it: declined
+    assert c.take(0) is not None and c.metrics()["rounds_declined"] == 2.0
+    back = guardian.PrivacyBudget(limit, delta, path)
+    back.start(secure_run(run_id="run-a", noise=2.0))  # back to run A: what it booked stays booked, no more
+    assert back.rounds == [0, 1] and back.take(1) is None and back.take(2) is not None
+
+    kept = guardian.reset_ledger(path)  # the organisation's reset: the old ledger kept aside
+    assert kept is not None and not path.exists() and kept.name.startswith("privacy.reset-")
+    assert len(json.loads(kept.read_text())["releases"]) == 3
+    fresh = guardian.PrivacyBudget(limit, delta, path)
+    fresh.start(secure_run(run_id="run-c", noise=3.0))
+    assert fresh.spent() == 0.0 and fresh.take(0) is None and fresh.take(1) is None
+    assert guardian.reset_ledger(tmp_path / "none.json") is None
+
+
+def test_an_old_ledger_is_read_and_a_damaged_one_stops_the_client(tmp_path):
+    path = tmp_path / "privacy.json"
+    path.write_text(json.dumps({"run_id": "old", "rounds": [0, 1], "declined": [2], "epsilon": 9.0}))
+    budget = guardian.PrivacyBudget(100.0, 1e-5, path)
+    budget.start(secure_run(run_id="new", noise=2.0))  # old releases count at this run's noise multiplier
+    assert budget.rounds == [] and budget.spent() == pytest.approx(accounting.epsilons(2.0, 2, 1e-5)[1])
+    assert budget.take(0) is None and budget.spent() == pytest.approx(accounting.epsilons(2.0, 3, 1e-5)[1])
+    saved = json.loads(path.read_text())
+    assert saved["version"] == 2 and saved["releases"] == [["old", 0, 2.0], ["old", 1, 2.0], ["new", 0, 2.0]]
+    assert saved["declined"] == [["old", 2]]
+    path.write_text("{not json")
+    with pytest.raises(guardian.LedgerError, match="cannot be read .* --reset-privacy-ledger"):
+        guardian.PrivacyBudget(100.0, 1e-5, path)
+    guardian.PrivacyBudget(0.0, 1e-5, path)  # no budget: the ledger is not read
+
+
+def test_reset_privacy_ledger_is_an_organisation_action_that_exits_without_joining(tmp_path):
+    import subprocess
+    import sys
+
+    ledger = tmp_path / "state" / "org-a" / "privacy.json"
+    ledger.parent.mkdir(parents=True)
+    ledger.write_text(json.dumps({"version": 2, "releases": [["r", 0, 2.0]], "declined": []}))
+    cmd = [sys.executable, "-m", "services.client_agent", "--reset-privacy-ledger", "--client-id", "org-a",
+           "--state-dir", str(tmp_path / "state"), "--aggregator", "127.0.0.1:1", "--metrics-port", "-1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    kept = list(ledger.parent.glob("privacy.reset-*.json"))
+    assert not ledger.exists() and len(kept) == 1 and json.loads(kept[0].read_text())["releases"] == [["r", 0, 2.0]]
+    assert f"the old one is kept as {kept[0]}" in done.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "nothing to reset" in again.stderr
 
 
 @pytest.mark.parametrize("run", [secure_run(secure=False), secure_run(noise=0.0)])

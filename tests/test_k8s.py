@@ -10,8 +10,11 @@ docs/join-a-federation.md tells an organisation to do.
 
 Every rendered object of a core Kubernetes kind is validated, offline, against the Kubernetes
 OpenAPI schemas that `kubernetes-validate` ships (strict: unknown fields fail). Custom resources
-(cert-manager's Issuer and Certificate, the Prometheus Operator's PodMonitor) are not in those
-schemas: they are checked structurally here (apiVersion, kind, the fields their controllers need).
+(the Prometheus Operator's PodMonitor) are not in those schemas: they are checked structurally here
+(apiVersion, kind, the fields their controllers need). The mtls component's Secrets are generated
+from certificates made offline; its scenarios build from a copy of k8s/ holding ones made as
+docs/deploy.md makes them (support.offline_certs), and no object of any scenario may hold the CA's
+private key, or anything that makes a CA in the cluster.
 
 Then policy: every container runs non-root with a read-only root filesystem, no privilege
 escalation and no capabilities, with requests and limits; every probe is a native gRPC probe on a
@@ -24,6 +27,7 @@ policies allow exactly the links the federation uses.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import ipaddress
@@ -34,8 +38,11 @@ import shutil
 
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
-from fedse import __version__
+from fedse import __version__, certs
+from fedse.certificates import public_bytes
 from support import K8S, KUBECTL, REPO, kustomize, service_module, write_scenario
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
 COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos", "secure-aggregation")
@@ -51,7 +58,7 @@ EXTERNAL_SECRETS = {"onprem": {"fedse-client-tls"}}
 CLUSTER_KINDS = ("Namespace", "PersistentVolume")
 # The line of k8s/overlays/onprem/kustomization.yaml that picks the organisation's pair.
 ONPREM_PAIR = "  - ../../base/envs/maze\n"
-# Keys of the Secrets cert-manager writes (and the on-prem Secret is documented to hold).
+# Keys of the TLS Secrets the mtls component generates (and the on-prem Secret is documented to hold).
 TLS_SECRET_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
 
@@ -201,7 +208,7 @@ def program_config(w: dict, c: dict, pem_dir: pathlib.Path):
     """The container's configuration as its program parses it (flags win over FEDSE_* variables).
 
     TLS files live on Secret volumes that exist only in a cluster: each must be a Secret mount of
-    one of the keys cert-manager writes, and is replaced by a stand-in PEM file for parsing."""
+    one of the keys a TLS Secret holds, and is replaced by a stand-in PEM file for parsing."""
     from fedse.config import parse
 
     cls = config_class(module_of(c))
@@ -316,10 +323,6 @@ def test_default_is_the_whole_cpu_federation(scenario_tmp):
 
 # Object kinds the schemas of kubernetes-validate do not cover, and what their controllers need.
 CRDS = {
-    ("cert-manager.io/v1", "Issuer"): lambda s: sum(k in s for k in ("selfSigned", "ca", "acme", "vault", "venafi")) == 1,
-    ("cert-manager.io/v1", "Certificate"): lambda s: bool(s.get("secretName")) and bool(s.get("issuerRef", {}).get("name"))
-    and (bool(s.get("dnsNames")) or bool(s.get("commonName"))) and set(s.get("usages", [])) <= {
-        "server auth", "client auth", "digital signature", "key encipherment", "cert sign", "crl sign"},
     ("monitoring.coreos.com/v1", "PodMonitor"): lambda s: isinstance(s.get("selector"), dict)
     and bool(s.get("podMetricsEndpoints")) and all(e.get("port") for e in s["podMetricsEndpoints"]),
 }
@@ -462,15 +465,17 @@ def test_every_claim_exists_and_state_is_persistent(scenario, configs):
                 assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate"
 
 
-def test_secrets_come_from_certificates_or_are_documented(scenario):
+def test_secrets_are_made_in_the_build_or_documented(scenario):
     name, docs = scenario
-    issued = {d["spec"]["secretName"] for d in of_kind(docs, "Certificate")}
-    issued |= {d["spec"]["ca"]["secretName"] for d in of_kind(docs, "Issuer") if "ca" in d["spec"]}
+    made = by_name(docs, "Secret")
+    for secret in made.values():  # a TLS Secret each: its certificate, key and the CA's certificate
+        assert set(secret.get("data", {})) == TLS_SECRET_KEYS, f"{name}: Secret {secret['metadata']['name']}"
     for w in of_kind(docs, *WORKLOAD_KINDS):
         for v in pod_spec(w).get("volumes", []):
             if "secret" in v:
                 secret = v["secret"]["secretName"]
-                assert secret in issued | EXTERNAL_SECRETS.get("onprem" if name in ONPREM else name, set()), f"{name}: Secret {secret} comes from nowhere"
+                documented = EXTERNAL_SECRETS.get("onprem" if name in ONPREM else name, set())
+                assert secret in set(made) | documented, f"{name}: Secret {secret} comes from nowhere"
                 assert v["secret"].get("defaultMode") == 0o440, f"{name}: {secret}: keys readable by owner and group only"
 
 
@@ -516,26 +521,119 @@ def test_links_resolve_to_services(scenario, configs):
             assert env_server[1].allowed() == {cfg.client_id}, f"{who}: an env server admits its own client only"
 
 
+def secret_files(secret: dict) -> dict[str, bytes]:
+    """A Secret's keys and their bytes (kustomize writes generated Secrets' values base64 in data)."""
+    return {k: base64.b64decode(v) for k, v in secret.get("data", {}).items()} | \
+        {k: v.encode() for k, v in secret.get("stringData", {}).items()}
+
+
+def mounted_secret(w: dict, c: dict) -> str:
+    return next(v["secret"]["secretName"] for _, _, v in mounts_of(w, c) if "secret" in v)
+
+
 def test_certificates_name_what_is_dialled(scenario, configs):
+    """Each workload mounts the certificate made for it: signed by the CA it is given, its key the
+    certificate's, a client's naming its client id first for client authentication only, and the
+    certificate of each server it dials naming the address dialled, for server authentication only."""
     name, docs = scenario
-    certs = {d["spec"]["secretName"]: d for d in of_kind(docs, "Certificate")}
-    if not certs:
-        pytest.skip(f"{name} has no Certificates")
+    secrets = {n: secret_files(s) for n, s in by_name(docs, "Secret").items()}
+    if not secrets:
+        pytest.skip(f"{name} makes no Secrets (the on-prem overlay's is created by hand)")
+    by_workload = {w["metadata"]["name"]: secrets[mounted_secret(w, c)] for w, c, _ in configs}
     for w, c, cfg in configs:
-        secret = next(v["secret"]["secretName"] for _, _, v in mounts_of(w, c) if "secret" in v)
-        spec = certs[secret]["spec"]
-        assert spec["issuerRef"]["name"] in by_name(docs, "Issuer")
-        if module_of(c) == "services.client_agent":
-            # The identity the servers see is the first subject alternative name.
-            assert spec["dnsNames"][0] == cfg.client_id and "client auth" in spec["usages"], secret
-            for address in (cfg.aggregator, cfg.env_server):
-                host = address.rsplit(":", 1)[0]
-                server_secret = next(
-                    v["secret"]["secretName"] for ww, cc, _ in configs if ww["metadata"]["name"] == host.split(".")[0]
-                    for _, _, v in mounts_of(ww, cc) if "secret" in v)
-                server = certs[server_secret]["spec"]
-                assert host in server["dnsNames"] and "server auth" in server["usages"], (host, server_secret)
-                assert f"{host.split('.')[0]}.{NAMESPACE}.svc.cluster.local" in server["dnsNames"]
+        files = by_workload[w["metadata"]["name"]]
+        cert = x509.load_pem_x509_certificate(files["tls.crt"])
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate(files["ca.crt"]))
+        key = serialization.load_pem_private_key(files["tls.key"], password=None)
+        assert public_bytes(key.public_key()) == public_bytes(cert.public_key()), w["metadata"]["name"]
+        assert not certs.is_ca(cert), f"{w['metadata']['name']} mounts a CA's certificate as its own"
+        if module_of(c) != "services.client_agent":
+            assert certs.purposes(cert) == ["server"], w["metadata"]["name"]
+            continue
+        assert certs.identity(cert) == cfg.client_id and certs.purposes(cert) == ["client"], w["metadata"]["name"]
+        for address in (cfg.aggregator, cfg.env_server):
+            host = address.rsplit(":", 1)[0]
+            server = x509.load_pem_x509_certificate(by_workload[host.split(".")[0]]["tls.crt"])
+            names = certs.san_texts(server)
+            assert f"DNS:{host}" in names and certs.purposes(server) == ["server"], (host, names)
+            assert f"DNS:{host.split('.')[0]}.{NAMESPACE}.svc.cluster.local" in names
+
+
+# Secret keys that name a CA's private key file (fedse certs init's, openssl's, cert-manager's CA Secret's).
+CA_KEY_NAMES = {"ca-key.pem", "ca.key", "ca-key", "ca.key.pem", "ca-private-key.pem"}
+PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----.+?-----END \1-----", re.S)
+
+
+def _texts(value, where: str):
+    """(where, bytes) for every string in an object, a Secret's data decoded."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _texts(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _texts(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        yield where, value.encode()
+        if ".data." in where:
+            try:
+                yield where, base64.b64decode("".join(value.split()), validate=True)  # kustomize wraps lines
+            except ValueError:
+                pass
+
+
+def ca_key_holders(docs: list[dict]) -> list[str]:
+    """Where the objects hold the CA's private key, or what would make a CA in the cluster: a private
+    key whose public key is a CA certificate's (any in the objects), a Secret key named as a CA key
+    file, a cert-manager CA Certificate, or a CA or self-signed Issuer."""
+    cas, keys, found = set(), [], []
+    for d in docs:
+        what = f"{d['kind']}/{d['metadata']['name']}"
+        for where, data in _texts(d, what):
+            for block in PEM_BLOCK.finditer(data):
+                if block[1] == b"CERTIFICATE":
+                    cert = x509.load_pem_x509_certificate(block[0])
+                    if certs.is_ca(cert):
+                        cas.add(public_bytes(cert.public_key()))
+                elif block[1].endswith(b"PRIVATE KEY"):
+                    keys.append((where, block[0]))
+        if d["kind"] == "Secret":
+            found += [f"{what}: a key named {k}" for k in {*d.get("data", {}), *d.get("stringData", {})}
+                      if k.lower() in CA_KEY_NAMES]
+        spec = d.get("spec") or {}
+        if (d["kind"] == "Certificate" and spec.get("isCA")) or (d["kind"] in ("Issuer", "ClusterIssuer")
+                                                                   and ("ca" in spec or "selfSigned" in spec)):
+            found.append(f"{what}: makes a CA in the cluster")
+    for where, pem in keys:
+        key = serialization.load_pem_private_key(pem, password=None)
+        if public_bytes(key.public_key()) in cas:
+            found.append(f"{where}: the CA's private key")
+    return found
+
+
+def test_no_object_holds_a_ca_private_key(scenario):
+    """The CA key never sits where the aggregator runs: the cluster holds certificates made offline."""
+    name, docs = scenario
+    assert ca_key_holders(docs) == [], name
+    secrets = [secret_files(s) for s in by_name(docs, "Secret").values()]
+    if "mtls" in scenario_dirs().get(name, []):
+        # Not vacuous: these hold every service's key and the CA's certificate, and nothing else.
+        assert len(secrets) == 11 and all(certs.is_ca(x509.load_pem_x509_certificate(s["ca.crt"])) for s in secrets)
+        assert all(b"PRIVATE KEY" not in s["ca.crt"] + s["tls.crt"] for s in secrets), name
+
+
+def test_the_ca_key_check_finds_a_ca_key_put_in_the_cluster(scenario_tmp):
+    """ca_key_holders is not vacuous: the CA key in place of a service's key, under a CA key's name, or
+    a cert-manager CA, is each found."""
+    docs = [json.loads(json.dumps(d)) for d in _render("mtls", scenario_tmp)]
+    ca_key = (pathlib.Path(scenario_tmp) / "mtls" / "offline-ca" / "ca-key.pem").read_bytes()
+    secret = by_name(docs, "Secret")["aggregator-tls"]
+    secret["data"]["tls.key"] = base64.b64encode(ca_key).decode()
+    assert ca_key_holders(docs) == ["Secret/aggregator-tls.data.tls.key: the CA's private key"]
+    named = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "fedse-ca"}, "stringData": {"ca.key": "x"}}
+    in_cluster = {"apiVersion": "cert-manager.io/v1", "kind": "Certificate", "metadata": {"name": "fedse-ca"},
+                  "spec": {"isCA": True, "secretName": "fedse-ca"}}
+    assert ca_key_holders([named, in_cluster]) == ["Secret/fedse-ca: a key named ca.key",
+                                                   "Certificate/fedse-ca: makes a CA in the cluster"]
 
 
 def test_jobs_finish_and_resume(scenario):
@@ -609,8 +707,8 @@ def test_secure_aggregation_component_switches_on_the_aggregator_alone(scenario_
     cfg = aggregator("secure-aggregation-over-mtls")
     assert cfg.tls_cert and cfg.tls_ca and set(cfg.allowed_clients.split(",")) == {f"org-{e}" for e in ENVS}
     # Nothing else changes: the client agents follow the run's settings.
-    def without_aggregator(name):
-        return [d for d in _render(name, scenario_tmp)
+    def without_aggregator(name):  # each scenario has certificates of its own: a Secret as its keys
+        return [d if d["kind"] != "Secret" else {**d, "data": sorted(d["data"])} for d in _render(name, scenario_tmp)
                 if (d["kind"], d["metadata"]["name"]) != ("Deployment", "aggregator")]
 
     assert without_aggregator("secure-aggregation-over-mtls") == without_aggregator("mtls")

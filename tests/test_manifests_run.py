@@ -13,8 +13,8 @@ args and its env exactly as rendered, except what only a cluster provides, which
 - Service names: host:port where host is a Service (short or fully qualified) becomes 127.0.0.1 and
   the local port of the container port the Service's port targets (aggregator:50060,
   env-server-maze:50051);
-- Secrets (mtls): the tls.crt, tls.key and ca.crt cert-manager would write for the Certificate
-  naming the Secret, issued by a test CA with that Certificate's names (servers' also name
+- Secrets (mtls): each generated Secret's keys (tls.crt, tls.key, ca.crt) as files, from
+  certificates made as the operator makes them offline (support.offline_certs; servers' also name
   127.0.0.1, the address dialled here).
 Nothing else is changed, so a flag or FEDSE_* variable the program does not know, a wrong port, a
 Service that does not exist or a path outside every volume fails here. To keep the run short on
@@ -82,7 +82,6 @@ class Cluster:
 
     def __init__(self, docs: list[dict], root: pathlib.Path):
         self.docs = docs
-        self.ca = None
         self.metrics: dict[str, str] = {}  # pod name -> what its metrics port served once it was ready
         self.services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         self.pods: list[Pod] = []
@@ -103,7 +102,7 @@ class Cluster:
                 elif "emptyDir" in v:
                     local = pod.root / "volumes" / m["name"]
                 elif "secret" in v:
-                    local = self.issue(v["secret"]["secretName"], root / "secrets")
+                    local = self.secret_volume(v["secret"]["secretName"], root / "secrets")
                 else:
                     raise AssertionError(f"{pod.name}: volume {m['name']} of an unexpected kind")
                 local.mkdir(parents=True, exist_ok=True)
@@ -113,25 +112,19 @@ class Cluster:
         for (pod, port), local in zip(wanted, free_ports(len(wanted))):
             pod.ports[port] = local
 
-    def issue(self, secret: str, root: pathlib.Path) -> pathlib.Path:
-        """The Secret cert-manager would write for the Certificate whose secretName is `secret` (tls.crt,
-        tls.key, ca.crt), issued here by a test CA (trustme) with the Certificate's names; a server
-        certificate also names 127.0.0.1, the address its clients dial here instead of the Service."""
-        import trustme
+    def secret_volume(self, secret: str, root: pathlib.Path) -> pathlib.Path:
+        """The Secret `secret` as the kubelet mounts it: each of its keys (tls.crt, tls.key, ca.crt) a
+        file, from the rendered object (the mtls component generates it from certificates made offline)."""
+        import base64
 
-        (cert,) = [d for d in self.docs if d["kind"] == "Certificate" and d["spec"]["secretName"] == secret] or [None]
-        assert cert is not None, f"Secret {secret} comes from no Certificate"
-        spec = cert["spec"]
+        (obj,) = [d for d in self.docs if d["kind"] == "Secret" and d["metadata"]["name"] == secret] or [None]
+        assert obj is not None, f"Secret {secret} is made by no object of the build"
         local = root / secret
         if local.exists():
             return local
-        self.ca = self.ca or trustme.CA()
-        names = list(spec.get("dnsNames", [])) + (["127.0.0.1"] if "server auth" in spec["usages"] else [])
-        leaf = self.ca.issue_cert(*names, common_name=spec.get("commonName"))
         local.mkdir(parents=True)
-        leaf.cert_chain_pems[0].write_to_path(str(local / "tls.crt"))
-        leaf.private_key_pem.write_to_path(str(local / "tls.key"))
-        self.ca.cert_pem.write_to_path(str(local / "ca.crt"))
+        for key, value in obj.get("data", {}).items():
+            (local / key).write_bytes(base64.b64decode(value))
         return local
 
     # ---- rewriting ---------------------------------------------------------------------------------
@@ -305,12 +298,12 @@ def test_default_manifests_run_a_federation_round(tmp_path):
 
 
 def test_mtls_manifests_run_a_federation_round(tmp_path):
-    """The mtls component: every link mutual TLS with the certificates its Certificates describe
-    (stand-ins issued by a test CA), probes on the plain health ports. Two of the five pairs (maze,
+    """The mtls component: every link mutual TLS with the certificates its Secrets are generated from
+    (made offline by fedse certs, servers' also for 127.0.0.1), probes on the plain health ports. Two of the five pairs (maze,
     wordle), so the aggregator is also told --start-clients=2 (round 0 opens once they have joined):
     what is checked is the wiring (mounted Secrets, TLS flags, allowed client ids, health ports),
     which the other three pairs share."""
-    docs = kustomize(write_scenario(tmp_path / "kustomization", ["mtls"]))
+    docs = kustomize(write_scenario(tmp_path / "kustomization", ["mtls"], server_ips=("127.0.0.1",)))
     extra = {"services.aggregator": ["--start-clients=2"]}
     cluster, servers, clients = run_federation(docs, tmp_path / "run", envs={"maze", "wordle"}, extra=extra)
     for pod in servers:  # TLS on the service port, plain health on another

@@ -189,8 +189,12 @@ def test_secure_mixed_ranks_by_zero_padding_with_a_guardian_that_sizes_the_rank_
     glob = tmp_path / "state" / "aggregator" / "local" / "global"
     phi1 = ad.decode((glob / "round_0001" / "adapter_model.safetensors").read_bytes())
     # The aggregator saw only masked vectors; what it published is the mean of the padded adapters
-    # (both clients' scaling is 2, the run's 1: B doubled), to the noise's and fixed point's precision.
-    want = {n: (ranks.padded(uploads[0], 8, 2.0)[n] + ranks.padded(uploads[1], 8, 2.0)[n]) / 2 for n in phi1}
+    # (both clients' scaling is 2, the run's 1: B doubled), to the noise's and fixed point's precision,
+    # with components 5..8 zero: only org-wordle holds them, fewer than the threshold of 2, so no one
+    # sends them (ranks.held_rank).
+    padded = [ranks.zero_above(ranks.padded(u, 8, 2.0), 4) for u in uploads]
+    want = {n: (padded[0][n] + padded[1][n]) / 2 for n in phi1}
+    assert all(t[4:].abs().sum() == 0 for n, t in phi1.items() if ".lora_A." in n)
     assert max(float((phi1[n] - want[n]).abs().max()) for n in phi1) < 1e-3
     assert (glob / "round_0002" / "adapter_model.safetensors").read_bytes() == \
         (glob / "round_0001" / "adapter_model.safetensors").read_bytes()  # round 1: every client declined
@@ -285,3 +289,37 @@ def test_the_aggregator_refuses_mixed_rank_settings_that_cannot_work_at_start_up
 
     with pytest.raises(ConfigError, match=message):
         AggregatorConfig(**settings)
+
+
+def test_a_rejoin_may_not_change_the_rank_or_alpha_of_an_accepted_upload_before_its_round_closes(tmp_path):
+    import grpc
+
+    from fedse.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.federation import FederationClient
+    from support import aggregator_in_process
+
+    trained, alpha8 = lora_state(2, 8, seed=1)  # scaling 4
+    _, alpha4 = lora_state(2, 4, seed=1)  # the same rank, scaling 2
+    large, large_config = lora_state(4, 4, seed=2)
+    with aggregator_in_process(tmp_path, strategy="hlora", max_lora_rank=4, rounds=2) as (agg, port, run_dir):
+        a, b = (FederationClient(f"127.0.0.1:{port}", name) for name in ("org-a", "org-b"))
+        a.join("maze", TINY_MODEL_NAME, ad.Schema.of(trained, alpha8))
+        b.join("wordle", TINY_MODEL_NAME, ad.Schema.of(large, large_config))
+        a.upload(0, ad.encode(trained), 1, 1)  # accepted at scaling 4
+        for changed in (ad.Schema.of(trained, alpha4), ad.Schema.of(*lora_state(4, 16, seed=1))):
+            with pytest.raises(grpc.RpcError) as err:
+                a.join("maze", TINY_MODEL_NAME, changed)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "joined at LoRA rank 2, scaling 4 (lora_alpha / r), and its upload of round 0 is accepted" in \
+                err.value.details() and "rejoin with --lora-r 2 and the --lora-alpha it had" in err.value.details()
+        a.join("maze", TINY_MODEL_NAME, ad.Schema.of(trained, alpha8))  # the same settings: welcome
+        b.upload(0, ad.encode(large), 1, 1)
+        b.wait_until(lambda s: s.round == 1)
+        g1 = ad.decode(b.download(1).data)  # org-a's upload aggregated at the scaling it was trained with
+        for name in g1:
+            if ".lora_A." in name:
+                bn = ranks.partner(name)
+                want = truncated_svd((4 * trained[bn] @ trained[name] + large[bn] @ large[name]) / 2, 4)
+                assert relative(g1[bn].double() @ g1[name].double(), want.double()) < 1e-4
+        a.join("maze", TINY_MODEL_NAME, ad.Schema.of(trained, alpha4))  # after the round closed: its new alpha
+        a.close(), b.close()

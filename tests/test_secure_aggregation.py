@@ -20,6 +20,7 @@ from fedse.v1 import federation_pb2 as fpb
 from secure_party import Party, base_adapter, close_to, leaks
 from services.aggregator import metrics
 from services.aggregator.server import AggregatorConfig
+from services.client_agent.secure import Protection
 from support import aggregator_in_process, free_ports
 
 
@@ -30,9 +31,12 @@ def settings(**over):
 
 @contextlib.contextmanager
 def federation(tmp_path, n, **over):
-    """A secure aggregator waiting for `n` clients, and `n` joined parties (org-0...)."""
+    """A secure aggregator waiting for `n` clients, and `n` joined parties (org-0...), which expect the
+    dropout rate the aggregator is told (their least ring is then the aggregator's)."""
     with aggregator_in_process(tmp_path, **settings(start_clients=n, **over)) as (agg, port, run_dir):
-        parties = [Party(f"127.0.0.1:{port}", f"org-{i}", seed=100 + i).join() for i in range(n)]
+        rate = over.get("secure_dropout_rate", 0.05)
+        parties = [Party(f"127.0.0.1:{port}", f"org-{i}", seed=100 + i,
+                         protection=Protection(min_colluders=0, dropout_rate=rate)).join() for i in range(n)]
         try:
             yield agg, port, run_dir, parties
         finally:
@@ -92,12 +96,16 @@ def test_weighted_weighs_by_successes_inside_the_masked_vector(tmp_path):
         assert_equals_mean(published(parties[0]), mean_of(parties, [0.0, 1.0, 3.0]))
 
 
-def test_weighted_with_no_success_anywhere_is_the_plain_mean(tmp_path):
+def test_weighted_with_no_success_anywhere_keeps_the_global_adapter(tmp_path):
+    """The masked sum holds no plain mean to fall back on: with every weight 0 the weighted mean is
+    undefined, and the round closes withheld, phi_1 = phi_0."""
+    withheld = counter(metrics.SECURE_ROUNDS_WITHHELD)
     with federation(tmp_path, 3, strategy="weighted") as (_, _, _, parties):
         for p in parties:
             p.successes = 0
         assert finish(parties, [p.start() for p in parties]) == [True] * 3
-        assert_equals_mean(published(parties[0]), mean_of(parties))
+        assert parties[0].fed.download(1).data == parties[0].fed.download(0).data
+    assert counter(metrics.SECURE_ROUNDS_WITHHELD) == withheld + 1
 
 
 def test_dropouts_before_and_after_the_masked_upload(tmp_path):

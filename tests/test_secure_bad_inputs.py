@@ -50,7 +50,7 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     a = feds["org-a"]
     st = a.status()
     nonce, run_id = st.round_nonce, st.run_id
-    ctx = secagg.context(run_id, nonce)
+    ctx = secagg.context(run_id, 0, nonce)
     me = {cid: Participant(cid, ctx) for cid in IDS}
 
     def advertise(cid, nonce=nonce, p=None):
@@ -109,13 +109,15 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     masked = {cid: secagg.pack_u64(me[cid].mask(layout.encode(adapters[cid], 1), roster.values())) for cid in IDS}
 
     def upload(cid, data, who=None):
-        (who or feds[cid]).upload(0, data, 1, 1, transport_dtype=secagg.MASKED_DTYPE, round_nonce=nonce,
+        (who or feds[cid]).upload(0, data, 0, 0, transport_dtype=secagg.MASKED_DTYPE, round_nonce=nonce,
                                   follow_nonce=False)
 
     refused(grpc.StatusCode.INVALID_ARGUMENT, f"this run's masked vectors are {layout.length} uint64 values",
             lambda: upload("org-a", masked["org-a"][:-8]))
     refused(grpc.StatusCode.FAILED_PRECONDITION, "not among those who shared keys",
             lambda: upload("org-a", masked["org-a"], who=feds["org-d"]))
+    refused(grpc.StatusCode.INVALID_ARGUMENT, "send 0 for both", lambda: a.upload(  # a weight in the clear
+        0, masked["org-a"], 0, 3, transport_dtype=secagg.MASKED_DTYPE, round_nonce=nonce, follow_nonce=False))
     for cid in IDS:
         upload(cid, masked[cid])
     wait_stage(a, fpb.SECURE_STAGE_UNMASKING)
@@ -173,8 +175,8 @@ def test_a_masked_vector_of_values_out_of_range_cannot_be_made():
 
 def test_a_sum_with_a_mask_left_in_is_caught_by_its_count():
     layout = secagg.Layout.of(SCHEMA, "weighted")
-    assert layout.length == 2 * (sum(t.numel() for t in base_adapter().values()) + 1)
-    ctx = secagg.context("t", "n")
+    assert layout.length == sum(t.numel() for t in base_adapter().values()) + 2  # [w*x, w, count]
+    ctx = secagg.context("t", 0, "n")
     p = Participant("org-a", ctx)
     total = p.mask(layout.encode(base_adapter(), 2), [])  # its self mask never removed
     with pytest.raises(SecureError, match="a mask was not removed"):

@@ -103,7 +103,7 @@ def test_the_aggregator_refuses_keys_signed_by_another_or_not_signed(tmp_path, p
     with federation(tmp_path, 2, pki) as (agg, liar, parties):
         a, b = parties
         st = a.fed.status()
-        me = secagg.Participant("org-0", secagg.context("t", st.round_nonce))
+        me = secagg.Participant("org-0", secagg.context("t", 0, st.round_nonce))
         signed_b = Protection.of(0.5, pki.ca_pem, *pki.issue(pki.ca, "org-1", "org-1")).signer
         message = signatures.advertisement(me.ctx, "org-0", me.sealing.public, me.masking.public, me.self_commitment)
         attempts = {
@@ -178,7 +178,7 @@ def swap_certificate(pki):
         for m in sr.roster:
             if m.client_id == "org-1":
                 m.encryption_key = masking.KeyPair(masking.Secret()).public
-                ctx = secagg.context("t", sr.round_nonce)
+                ctx = secagg.context("t", 0, sr.round_nonce)
                 m.certificate = mallory.der
                 m.signature = mallory.sign(signatures.advertisement(ctx, "org-1", m.encryption_key, m.masking_key,
                                                                     m.self_mask_commitment))
@@ -265,6 +265,11 @@ def split_ring(agg, k: int):
     return hold, chosen
 
 
+def sparse_parties(n: int) -> dict:
+    """Parties that expect as few dropouts as the aggregator is told (0.1 %): each accepts its ring."""
+    return {i: {"protection": Protection(min_colluders=0, dropout_rate=0.001)} for i in range(n)}
+
+
 RINGS = [(2, 8), (4, 10)]  # (neighbours, clients): every survivor keeps the threshold; only the split is wrong
 
 
@@ -275,8 +280,8 @@ def test_an_aggregator_aborts_an_attempt_whose_ring_is_split(tmp_path, caplog, k
     def abandoned() -> list[str]:
         return [str(getattr(r, "fields", "")) for r in caplog.records if "secure attempt abandoned" in r.getMessage()]
 
-    with federation(tmp_path, n, secure_neighbours=k, secure_max_roster=n, secure_dropout_rate=0.001) as \
-            (agg, liar, parties):
+    with federation(tmp_path, n, secure_neighbours=k, secure_max_roster=n, secure_dropout_rate=0.001,
+                    parties=sparse_parties(n)) as (agg, liar, parties):
         hold, chosen = split_ring(agg, k)
         for p in parties:
             p.hold_if = hold
@@ -298,8 +303,8 @@ def test_clients_refuse_to_unmask_a_split_ring_the_aggregator_would_unmask(tmp_p
     blind = {name: getattr(secagg, name) for name in dir(secagg) if not name.startswith("__")}
     blind["parts"] = lambda members, graph: [sorted(members)]
     monkeypatch.setattr(desk_module, "secagg", types.SimpleNamespace(**blind))
-    with federation(tmp_path, n, secure_neighbours=k, secure_max_roster=n, secure_dropout_rate=0.001) as \
-            (agg, liar, parties):
+    with federation(tmp_path, n, secure_neighbours=k, secure_max_roster=n, secure_dropout_rate=0.001,
+                    parties=sparse_parties(n)) as (agg, liar, parties):
         hold, chosen = split_ring(agg, k)
         for p in parties:
             p.hold_if = hold
@@ -450,7 +455,7 @@ def test_a_weight_out_of_range_is_refused_before_any_stage(tmp_path):
 
 def test_framing_keeps_parts_apart():
     assert masking.frame("a|b", "c") != masking.frame("a", "b|c")
-    assert secagg.context("run|1", "n") != secagg.context("run", "1|n")
+    assert secagg.context("run|1", 0, "n") != secagg.context("run", 1, "0|n")
     assert secagg.commitment(b"c", "self", "a|b", "", b"x" * 16) != secagg.commitment(b"c", "self", "a", "b", b"x" * 16)
 
 
@@ -465,7 +470,7 @@ def test_noise_comes_from_a_cryptographic_stream():
 def test_the_ring_order_is_drawn_from_the_roster_s_keys():
     """The aggregator picks the nonce before clients make their keys: the order it gets then depends on
     keys it has not seen, so no search over nonces seats chosen members around a client."""
-    ctx = secagg.context("t", "the-nonce")
+    ctx = secagg.context("t", 0, "the-nonce")
     ids = [f"org-{i:02d}" for i in range(20)]
     orders = set()
     for _ in range(5):
@@ -520,7 +525,7 @@ def test_a_client_agent_process_told_it_is_alone_masks_nothing(tmp_path):
             [sys.executable, "-m", "apps.cli", "client", "--client-id", "org-a", "--env", "maze",
              "--aggregator", target, "--env-server", env_target, "--state-dir", str(tmp_path / "c"),
              "--metrics-port", "-1", "--address", "127.0.0.1:0", "--expert-demos", "1", "--explore-tasks", "0",
-             "--eval-tasks", "1", "--epochs", "1", "--torch-threads", "1"],
+             "--eval-tasks", "1", "--epochs", "1", "--torch-threads", "1", "--secure-tolerate-colluders", "0"],
             capture_output=True, text=True, timeout=240, env={**os.environ})
         for t in threads:
             t.join(60)

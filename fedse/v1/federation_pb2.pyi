@@ -375,7 +375,7 @@ class StageAck(_message.Message):
     def __init__(self) -> None: ...
 
 class AdvertiseKeysRequest(_message.Message):
-    __slots__ = ("client_id", "round", "round_nonce", "encryption_key", "masking_key", "self_mask_commitment", "certificate", "signature")
+    __slots__ = ("client_id", "round", "round_nonce", "encryption_key", "masking_key", "self_mask_commitment", "certificate", "signature", "lora_rank")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,7 @@ class AdvertiseKeysRequest(_message.Message):
     SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     round: int
     round_nonce: str
@@ -392,10 +393,11 @@ class AdvertiseKeysRequest(_message.Message):
     self_mask_commitment: bytes
     certificate: bytes
     signature: bytes
-    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    lora_rank: int
+    def __init__(self, client_id: _Optional[str] = ..., round: _Optional[int] = ..., round_nonce: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., lora_rank: _Optional[int] = ...) -> None: ...
 
 class RosterMember(_message.Message):
-    __slots__ = ("client_id", "encryption_key", "masking_key", "self_mask_commitment", "index", "certificate", "signature")
+    __slots__ = ("client_id", "encryption_key", "masking_key", "self_mask_commitment", "index", "certificate", "signature", "lora_rank")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTION_KEY_FIELD_NUMBER: _ClassVar[int]
     MASKING_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +405,7 @@ class RosterMember(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     encryption_key: bytes
     masking_key: bytes
@@ -410,7 +413,8 @@ class RosterMember(_message.Message):
     index: int
     certificate: bytes
     signature: bytes
-    def __init__(self, client_id: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., index: _Optional[int] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    lora_rank: int
+    def __init__(self, client_id: _Optional[str] = ..., encryption_key: _Optional[bytes] = ..., masking_key: _Optional[bytes] = ..., self_mask_commitment: _Optional[bytes] = ..., index: _Optional[int] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., lora_rank: _Optional[int] = ...) -> None: ...
 
 class SealedShare(_message.Message):
     __slots__ = ("client_id", "sealed", "self_mask_commitment", "masking_commitment")

@@ -33,8 +33,9 @@ SECURE_ATTEMPTS_ABORTED = prometheus_client.Counter(
     "starts again at key advertisement).", ["stage"])
 SECURE_ROUNDS_WITHHELD = prometheus_client.Counter(
     "fedse_aggregator_secure_rounds_withheld",
-    "Secure rounds closed without an update after their sum was unmasked (it did not decode, or the aggregator "
-    "restarted while unmasking): a round's sum is released once and never tried again.")
+    "Secure rounds closed without an update after their sum was unmasked (it did not decode, with weighted no "
+    "uploader succeeded, or the aggregator restarted while unmasking): a round's sum is released once and never "
+    "tried again.")
 SELECTED = prometheus_client.Gauge(
     "fedse_aggregator_selected_clients",
     "Clients chosen to take part in the open round (--selector other than all; every client otherwise).")

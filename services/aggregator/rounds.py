@@ -31,11 +31,12 @@ from fedse.serving import log_fields
 
 from . import metrics
 from .adapter_files import AdapterFile, allocate, fresh
+from .attempt import Attempt, Stage, mask_keys
 from .closing import OpenRound, Rule, close_reason
 from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
-from .secure import Attempt, SecureDesk, Stage, mask_keys
+from .secure import SecureDesk
 from .selection import All, ClientHistory, Selection, SelectionInput
 from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, buffered, restore
 from .store import Store
@@ -112,7 +113,9 @@ class RoundKeeper:
         self.secure = SecureDesk(settings.run_id, settings.secure_threshold, settings.secure_stage_timeout_s,
                                  dataclasses.replace(self._rule, min_clients=max(2, settings.min_clients)),
                                  self._changed_locked, settings.secure_neighbours, settings.secure_ca,
-                                 settings.secure_max_roster) if settings.secure else None
+                                 settings.secure_max_roster,
+                                 (lambda cid: self.run.members[cid].lora_rank) if settings.max_lora_rank else None
+                                 ) if settings.secure else None
         self.uploads = UploadDesk(settings, store, self.run, self._cond, clock, self._changed_locked, self.secure,
                                   (lambda: self.layout().nbytes) if settings.secure else None)
         if self.secure is not None and self.run.state is State.OPEN:
@@ -222,6 +225,8 @@ class RoundKeeper:
                 return True, f"training from version {m.slot_version}"
             if m.accepted is not None:
                 return False, f"its update from version {m.accepted.base} waits in the buffer"
+            if m.phase == DECLINED:
+                return False, "declines: its privacy budget is spent"
             return False, (f"trained from version {m.slot_version}; waits for the next" if m.slot_version >= run.round
                            else "waits for a free training slot")
         return run.selected(client_id), run.selection_reason(client_id)
@@ -277,10 +282,13 @@ class RoundKeeper:
             client = Client(client_id, env, base_model)
             m = run.members.get(client_id)
             changed = m is None or m.client != client or (m.lora_rank, m.lora_scaling) != (lora_rank, lora_scaling)
-            if m is not None and changed and m.accepted is not None and m.lora_rank != lora_rank:
-                raise SchemaMismatch(f"client {client_id} joined at LoRA rank {m.lora_rank} and its upload of round "
-                                     f"{run.round} is accepted at that rank: rejoin with --lora-r {m.lora_rank}, or "
-                                     "after the round closed")
+            # An accepted upload is aggregated at the rank and scaling its client has when the round closes:
+            # a rejoin may not change them before then (the upload was trained at the ones it had).
+            if m is not None and m.accepted is not None and (m.lora_rank, m.lora_scaling) != (lora_rank, lora_scaling):
+                raise SchemaMismatch(f"client {client_id} joined at LoRA rank {m.lora_rank}, scaling "
+                                     f"{m.lora_scaling:g} (lora_alpha / r), and its upload of round {run.round} is "
+                                     f"accepted at those, not rank {lora_rank}, scaling {lora_scaling:g}: rejoin with "
+                                     f"--lora-r {m.lora_rank} and the --lora-alpha it had, or after the round closed")
             if m is None:
                 m = run.members[client_id] = Member(client)
             m.client, m.last_seen = client, self.clock()
@@ -421,7 +429,7 @@ class RoundKeeper:
         self.store.drop_uploads(run.round)
         run.state, run.nonce = State.OPEN, secrets.token_hex(16)
         self._persist_locked()
-        self.secure.begin(run.nonce, self.clock())
+        self.secure.begin(run.round, run.nonce, self.clock())
 
     # ---- closing a round ---------------------------------------------------------------------
     def _due_locked(self) -> str | None:
@@ -646,7 +654,7 @@ class RoundKeeper:
             self._select_locked(round_)
         if self.secure is not None:
             if run.state is State.OPEN:
-                self.secure.begin(run.nonce, run.opened_at)
+                self.secure.begin(run.round, run.nonce, run.opened_at)
             else:
                 self.secure.end()
         self._persist_locked()
@@ -676,30 +684,35 @@ class RoundKeeper:
         return None
 
     def _eligible_locked(self, now: float) -> list[Member]:
-        """Alive clients that may be given a slot: none held, nothing in the buffer, and not yet trained
-        from the open version; the longest without a slot first."""
+        """Alive clients that may be given a slot: none held, nothing in the buffer, not yet trained
+        from the open version, and not declining (its guardian's privacy budget is spent); the longest
+        without a slot first."""
         run = self.run
         return sorted((m for m in run.members.values() if m.slot_since is None and m.accepted is None
-                       and m.slot_version < run.round and self._rule.alive(m.last_seen, now)),
+                       and m.slot_version < run.round and self._rule.alive(m.last_seen, now)
+                       and m.phase != DECLINED),
                       key=lambda m: (m.slot_version, m.client.client_id))
 
     def _grant_locked(self) -> None:
-        """Frees the slots of clients that died, and gives the free slots (async_concurrency; every
-        joined client when 0) to eligible clients."""
+        """Frees the slots of clients that died or decline (their heartbeat says "declined": a declined
+        client trains no more, and its slot would keep the buffer from folding), and gives the free
+        slots (async_concurrency; every joined client when 0) to eligible clients."""
         run, now = self.run, self.clock()
         if run.state is not State.OPEN:
             return
+        freed = False
         for m in run.members.values():
-            if m.slot_since is not None and not self._rule.alive(m.last_seen, now):
-                m.slot_since = None
-                m.dropouts += 1
+            dead = not self._rule.alive(m.last_seen, now)
+            if m.slot_since is not None and (dead or m.phase == DECLINED):
+                m.slot_since, freed = None, True
+                m.dropouts += int(dead)
         held = sum(m.slot_since is not None for m in run.members.values())
         free = (self.settings.async_concurrency or len(run.members)) - held
         granted = self._eligible_locked(now)[:max(0, free)]
         for m in granted:
             m.slot_since, m.slot_version = now, run.round
             m.rounds_selected.append(run.round)
-        if granted:
+        if granted or freed:
             self._changed_locked()
         metrics.SELECTED.set(held + len(granted))
 

@@ -15,20 +15,20 @@ unmasking would then give each piece's sum.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from typing import Callable, Mapping, Sequence
 
-from fedse import masking
+from fedse import masking, ranks
 from fedse import secagg
 from fedse.certificates import read_pem
 from fedse import signatures
 from fedse.inputs import shown
-from fedse.secagg import Member, SecureError
+from fedse.secagg import Member
 from fedse.serving import log_fields
 from fedse.signatures import SignatureError, Verifier
 
 from . import metrics
+from .attempt import Attempt, Dealt, Kind, Stage, View
 from .closing import OpenRound, Rule, close_reason
 from .errors import DuplicateUpload, StaleRound
 
@@ -41,99 +41,20 @@ MAX_CERTIFICATE_BYTES = 16 * 1024
 MAX_SIGNATURE_BYTES = 1024
 
 
-class Stage(enum.Enum):
-    ADVERTISING = "advertising"
-    SHARING = "sharing"
-    UPLOADING = "uploading"
-    CONSISTENCY = "consistency"  # signed keys only
-    UNMASKING = "unmasking"
-
-    @property
-    def order(self) -> int:
-        return list(Stage).index(self)
-
-    def next(self, signed: bool) -> "Stage":
-        after = list(Stage)[self.order + 1]
-        return Stage.UNMASKING if after is Stage.CONSISTENCY and not signed else after
-
-
-class Kind(enum.Enum):
-    SELF_MASK = "self"
-    MASKING = "masking"
-
-
 class NotInRoster(StaleRound):
     """A stage call from a client that is not in the stage's set: it sits out this attempt."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Dealt:
-    """One share message a member dealt to another: the seal (relayed) and the commitments (kept)."""
-
-    sealed: bytes
-    self_commitment: bytes
-    masking_commitment: bytes
-
-
-@dataclasses.dataclass
-class Attempt:
-    """One attempt of the open round, as far as it has got. Sets grow stage by stage: advertised
-    (U1 = the roster), dealt (U2 = who shared), uploaded (U3), signed (U4, signed keys only: who
-    signed the uploader list), revealed (who unmasked)."""
-
-    nonce: str
-    context: bytes
-    stage: Stage = Stage.ADVERTISING
-    stage_opened: float = 0.0
-    threshold: int = 0
-    adverts: dict[str, tuple[Member, float]] = dataclasses.field(default_factory=dict)
-    roster: dict[str, Member] = dataclasses.field(default_factory=dict)
-    neighbours: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
-    dealt: dict[str, dict[str, Dealt]] = dataclasses.field(default_factory=dict)
-    shared: tuple[str, ...] = ()
-    uploaded: tuple[str, ...] = ()
-    signed: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    consistent: tuple[str, ...] = ()
-    revealed: dict[str, dict[tuple[str, Kind], bytes]] = dataclasses.field(default_factory=dict)
-    certificates: dict = dataclasses.field(default_factory=dict)  # client id -> its checked certificate
-
-    def dropped(self) -> list[str]:
-        """Members that shared but did not upload: their pairwise masks are rebuilt."""
-        return [c for c in self.shared if c not in self.uploaded]
-
-    def wanted(self, holder: str) -> set[tuple[str, Kind]]:
-        """The shares `holder` reveals: of its neighbours, the self-mask seeds of those that uploaded
-        and the masking seeds of those that shared and did not."""
-        near = self.neighbours[holder]
-        return {(c, Kind.SELF_MASK) for c in self.uploaded if c in near} | \
-            {(c, Kind.MASKING) for c in self.dropped() if c in near}
-
-    def short(self, holders: Sequence[str] | Mapping[str, object]) -> list[str]:
-        """The members whose seed the unmasking needs and fewer than the threshold of `holders` (their
-        neighbours among them) could reveal."""
-        return [c for c in self.shared if sum(h in self.neighbours[c] for h in holders) < self.threshold]
-
-
-@dataclasses.dataclass(frozen=True)
-class View:
-    """What GetSecureRound answers a client."""
-
-    stage: Stage
-    threshold: int
-    roster: tuple[Member, ...]
-    shared: tuple[str, ...]
-    inbound: tuple[tuple[str, Dealt], ...]
-    uploaded: tuple[str, ...]
-    consistency: tuple[tuple[str, bytes], ...] = ()
-
-
 class SecureDesk:
     def __init__(self, run_id: str, configured_threshold: int, stage_timeout_s: float, rule: Rule,
-                 changed: Callable[[], None], degree: int = 0, ca_file: str = "", max_roster: int = 1024):
+                 changed: Callable[[], None], degree: int = 0, ca_file: str = "", max_roster: int = 1024,
+                 joined_rank: Callable[[str], int] | None = None):
         """`degree`: each member's neighbours besides itself (0: everyone; secagg.neighbours);
         `ca_file`: the federation CA's PEM file, to check signed keys ("": keys are not signed), read
-        again at every attempt so that a renewed CA is taken; `max_roster`: the most members of a roster."""
+        again at every attempt so that a renewed CA is taken; `max_roster`: the most members of a roster;
+        `joined_rank`: in a mixed-rank run, the LoRA rank a client joined with (None: one rank)."""
         self.run_id = run_id
+        self.joined_rank = joined_rank
         self.degree = degree
         self.ca_file = ca_file
         self.verifier: Verifier | None = None
@@ -145,13 +66,13 @@ class SecureDesk:
         self.attempt: Attempt | None = None
 
     # ---- the attempt -------------------------------------------------------------------------
-    def begin(self, nonce: str, now: float) -> None:
-        """A new attempt of the open round (its round nonce new), at key advertisement."""
+    def begin(self, round_: int, nonce: str, now: float) -> None:
+        """A new attempt of round `round_` (its round nonce new), at key advertisement."""
         if self.attempt is not None:
             self._forget(self.attempt)
         if self.ca_file:
             self.verifier = Verifier(read_pem("--tls-ca", self.ca_file))
-        self.attempt = Attempt(nonce, secagg.context(self.run_id, nonce), stage_opened=now)
+        self.attempt = Attempt(nonce, secagg.context(self.run_id, round_, nonce), stage_opened=now)
         self._changed()
 
     def end(self) -> None:
@@ -181,8 +102,12 @@ class SecureDesk:
         return bool(self.ca_file)
 
     def advertise(self, client_id: str, encryption_key: bytes, masking_key: bytes, self_commitment: bytes,
-                  now: float, certificate: bytes = b"", signature: bytes = b"") -> None:
+                  now: float, certificate: bytes = b"", signature: bytes = b"", lora_rank: int = 0) -> None:
         a = self._at(Stage.ADVERTISING)
+        joined = self.joined_rank(client_id) if self.joined_rank is not None else 0
+        if lora_rank != joined:
+            raise ValueError(f"lora_rank {lora_rank}: advertise the LoRA rank this client joined with ({joined})"
+                             if joined else f"lora_rank {lora_rank}: this run has one LoRA rank; send 0")
         for name, value, size in (("encryption_key", encryption_key, masking.KEY_BYTES),
                                   ("masking_key", masking_key, masking.KEY_BYTES),
                                   ("self_mask_commitment", self_commitment, DIGEST_BYTES)):
@@ -197,12 +122,13 @@ class SecureDesk:
             raise ValueError(f"the certificate is {len(certificate)} bytes and the signature {len(signature)}: send "
                              f"at most {MAX_CERTIFICATE_BYTES} and {MAX_SIGNATURE_BYTES} (your mTLS certificate in "
                              "DER, and the signature of the advertisement)")
-        member = Member(client_id, 0, encryption_key, masking_key, self_commitment, certificate, signature)
+        member = Member(client_id, 0, encryption_key, masking_key, self_commitment, certificate, signature, lora_rank)
         if self.signed:
             assert self.verifier is not None
             try:
-                cert = self.verifier.certificate(certificate, client_id)
-                signed = signatures.advertisement(a.context, client_id, encryption_key, masking_key, self_commitment)
+                cert = self.verifier.member(certificate, client_id)
+                signed = signatures.advertisement(a.context, client_id, encryption_key, masking_key, self_commitment,
+                                                  lora_rank)
                 self.verifier.signature(cert, signed, signature, f"{client_id}'s signature of its keys")
             except SignatureError as exc:
                 raise ValueError(f"{exc}: this run signs keys (RunConfig.secure_signed); sign the advertisement "
@@ -261,8 +187,9 @@ class SecureDesk:
         self._in(a.uploaded, client_id, "the uploaders")
         assert self.verifier is not None, "the consistency stage runs with signed keys only"
         try:
-            self.verifier.signature(a.certificates[client_id], signatures.consistency(a.context, client_id, a.uploaded),
-                                    signature, f"{client_id}'s signature of the uploader list")
+            signed = signatures.consistency(a.context, client_id, a.threshold, self.degree, a.digest, a.uploaded)
+            self.verifier.signature(a.certificates[client_id], signed, signature,
+                                    f"{client_id}'s signature of the uploader list")
         except SignatureError as exc:
             raise ValueError(f"{exc}: sign the uploader list GetSecureRound.uploaded shows") from None
         self._record(a.signed, client_id, signature, "signed another uploader list")
@@ -342,8 +269,8 @@ class SecureDesk:
             first = sorted(a.adverts, key=lambda c: (a.adverts[c][1], c))[:self.max_roster]
             ids = sorted(first)
             a.roster = {cid: dataclasses.replace(a.adverts[cid][0], index=i + 1) for i, cid in enumerate(ids)}
-            a.neighbours = secagg.neighbours(ids, a.context, self.degree,
-                                             secagg.roster_digest(a.context, a.roster.values()))
+            a.digest = secagg.roster_digest(a.context, a.roster.values())
+            a.neighbours = secagg.neighbours(ids, a.context, self.degree, a.digest)
             a.threshold = secagg.threshold(self.configured_threshold, len(a.neighbours[ids[0]]) if ids else 0,
                                            self.signed)
             took = ids
@@ -358,6 +285,11 @@ class SecureDesk:
                 metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
                 return (f"the uploaders' masking graph is in {len(pieces)} pieces (sizes "
                         f"{', '.join(str(len(p)) for p in pieces)}): unmasking would give each piece's sum")
+            thin = self._thinly_held(a)
+            if thin:
+                metrics.SECURE_ATTEMPTS_ABORTED.labels(a.stage.value).inc()
+                return (f"LoRA component {thin} is held by fewer than the threshold of {a.threshold} uploads: "
+                        "unmasking would give their few values")
         elif a.stage is Stage.CONSISTENCY:
             a.consistent = tuple(sorted(a.signed))
             took = list(a.consistent)
@@ -387,6 +319,14 @@ class SecureDesk:
         return dataclasses.replace(a, revealed={h: dict(s) for h, s in a.revealed.items()}, dealt={})
 
     # ---- internals -----------------------------------------------------------------------
+    def _thinly_held(self, a: Attempt) -> int:
+        """In a mixed-rank run, the highest LoRA component that some but fewer than the threshold of the
+        uploads hold (each sent min(its rank, r*), r* from the members that shared: fedse.ranks); 0 if none."""
+        if self.joined_rank is None:
+            return 0
+        r_star = ranks.held_rank([a.roster[c].lora_rank for c in a.shared], a.threshold)
+        return ranks.thinly_held([min(a.roster[c].lora_rank, r_star) for c in a.uploaded], a.threshold)
+
     def _record(self, book: dict, client_id: str, value: object, other: str,
                 same: Callable[[object], bool] | None = None) -> None:
         """Keeps a client's message of a stage: once; the same message again is acknowledged (a retry),
@@ -430,38 +370,3 @@ def _few(names) -> str:
     """Up to five names, sorted, and '...' for the rest."""
     names = sorted(names)
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
-
-
-# ---- unmasking (outside the lock) ---------------------------------------------------------------
-def mask_keys(u: Attempt) -> tuple[list[bytes], list[tuple[bytes, int]]]:
-    """The keys of every mask left in the uploads' sum, rebuilt from the revealed shares: each
-    uploader's self mask, and the pairwise masks of uploaders with clients that dropped. SecureError
-    where a rebuilt seed is not the one its owner committed to. Nothing is unmasked yet: an attempt
-    that fails here may be followed by another."""
-    holders = sorted(u.revealed, key=lambda h: u.roster[h].index)
-
-    def seed_of(owner: str, kind: Kind) -> masking.Secret:
-        shares = [(u.roster[h].index, u.revealed[h][(owner, kind)]) for h in holders if (owner, kind) in u.revealed[h]]
-        return secagg.rebuild(shares, u.threshold)
-
-    self_keys, pair_terms = [], []
-    for owner in u.uploaded:
-        seed = seed_of(owner, Kind.SELF_MASK)
-        try:
-            if secagg.commitment(u.context, "self", owner, "", seed.reveal()) != u.roster[owner].self_commitment:
-                raise SecureError(f"the self-mask seed rebuilt for {owner} is not the one it committed to")
-            self_keys.append(secagg.self_mask_key(u.context, seed.reveal()))
-        finally:
-            seed.wipe()
-    for gone in u.dropped():
-        seed = seed_of(gone, Kind.MASKING)
-        try:
-            pair = masking.KeyPair(seed)
-        finally:
-            seed.wipe()
-        if pair.public != u.roster[gone].masking_key:
-            raise SecureError(f"the masking key rebuilt for {gone} is not the one it advertised")
-        for owner in (c for c in u.uploaded if c in u.neighbours[gone]):  # +PRG(s) for a peer above, - below
-            pair_terms.append((secagg.pair_key(pair, u.roster[owner].masking_key, u.context),
-                               +1 if gone > owner else -1))
-    return self_keys, pair_terms

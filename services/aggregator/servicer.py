@@ -19,7 +19,7 @@ from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from . import errors, rounds
-from .secure import Kind, Stage
+from .attempt import Kind, Stage
 from .state import State
 from .uploads import UploadHeader
 from .metrics import BYTES_RECEIVED, BYTES_SENT, CLIENTS, CLIENTS_ALIVE, ROUND, UPLOADS
@@ -117,7 +117,7 @@ def status_to_proto(st: rounds.Status) -> fpb.RoundStatus:
 def _member(m: secagg.Member) -> fpb.RosterMember:
     return fpb.RosterMember(client_id=m.client_id, encryption_key=m.encryption_key, masking_key=m.masking_key,
                             self_mask_commitment=m.self_commitment, index=m.index, certificate=m.certificate,
-                            signature=m.signature)
+                            signature=m.signature, lora_rank=m.lora_rank)
 
 
 def _no_identity(context: grpc.ServicerContext) -> str | None:
@@ -338,7 +338,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
     def AdvertiseKeys(self, request, context):
         self._stage(context, request, lambda desk: desk.advertise(
             request.client_id, request.encryption_key, request.masking_key, request.self_mask_commitment,
-            self.fed.clock(), request.certificate, request.signature))
+            self.fed.clock(), request.certificate, request.signature, request.lora_rank))
         return fpb.StageAck()
 
     @ERRORS.wrap

@@ -50,6 +50,10 @@ class UploadHeader:
             if self.size != masked_bytes:
                 raise ValueError(f"a masked upload of {self.size} bytes: this run's masked vectors are "
                                  f"{masked_bytes // 8} uint64 values ({masked_bytes} bytes)")
+            if self.num_examples or self.num_successes:
+                raise ValueError(f"the header of a masked upload counts {self.num_examples} examples and "
+                                 f"{self.num_successes} successes: send 0 for both (a weight travels masked "
+                                 "inside the vector; in the clear it would tell each client's weight)")
         elif self.transport == MASKED_DTYPE:
             raise ValueError("this run does not use secure aggregation: upload the adapter's safetensors bytes")
         else:

@@ -68,7 +68,7 @@ from .playing import Player
 from .prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
 from .resume import Phase, Progress, Resume, decide_resume
 from .rollout import expert_policy
-from .secure import Contribution, Protection, ReleaseBook, SecureRound
+from .secure import Contribution, SecureRound, client_protection
 from .seeding import count_demos, seed_buffer
 from .state import StateDir
 from .tasks import EnvTasks, capabilities, env_tasks, writing
@@ -344,12 +344,8 @@ class ClientAgent:
             ROUND.set(round_)
             final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= self.run_config.num_rounds
             taking = final or done or selected(st, self.cfg.client_id)
-            declined = None if final or not taking else self.budget.take(round_)
-            if declined is not None:  # the organisation's privacy budget: no more releases of its data
-                log.warning("declining this round: the privacy budget is spent",
-                            extra=log_fields(round=round_, reason=declined))
-                self.heartbeat.set(RoundPhase.DECLINED, round_)
-                ROUNDS_DECLINED.inc()
+            if taking and not final and not self.take_release(round_):
+                pass  # declined: the organisation's privacy budget allows no more releases of its data
             elif taking:
                 self.play_round(round_, done, final, tasks)
             else:  # the aggregator chose other clients for this round: wait for the next
@@ -372,25 +368,49 @@ class ClientAgent:
         """Asynchronous rounds (RunConfig.mode "async"): whenever the aggregator gives this client a
         training slot (RoundStatus.selected) on a version newer than the last it trained from, it plays
         that version as a round (download, evaluate, explore, train, upload); once the run finished, it
-        evaluates the final version. `round_`, `done`: where the resumed progress stands."""
-        me, last = self.cfg.client_id, -1
+        evaluates the final version. `round_`, `done`: where the resumed progress stands.
+
+        Each version it would upload to takes a release from the privacy budget first (`take_release`),
+        as a synchronous round does. Once the budget declines one, every later one would be declined
+        too (a run's releases all cost the same), so the client trains no more: its heartbeat says
+        "declined", the aggregator frees its slot and gives it none (a held slot would keep the buffer
+        from folding), and it follows the versions until the run finishes, then evaluates the final one."""
+        me, last, declined = self.cfg.client_id, -1, False
         if done:  # a version under way before a restart: finish it (an upload may still be taken)
             final = round_ >= self.run_config.num_rounds
-            self.play_round(round_, done, final, tasks)
+            declined = not final and not self.take_release(round_)
+            if not declined:
+                self.play_round(round_, done, final, tasks)
             if final:
                 return
             last = round_
         while True:
-            self.heartbeat.set(RoundPhase.WAITING, last)
+            if not declined:
+                self.heartbeat.set(RoundPhase.WAITING, last)
             with PHASE_SECONDS.labels("wait").time():
-                st = self.fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_OPEN and s.round > last
-                                         and selected(s, me), timeout_s=self.cfg.round_timeout_s)
+                st = self.fed.wait_until(lambda s: s.round > last and (declined or (
+                    s.state == fpb.ROUND_STATE_OPEN and selected(s, me))), timeout_s=self.cfg.round_timeout_s)
             ROUND.set(st.round)
             if st.state == fpb.ROUND_STATE_FINISHED:
                 self.play_round(st.round, "", True, tasks)
                 return
-            self.play_round(st.round, "", False, tasks)
+            declined = declined or not self.take_release(st.round)
+            if not declined:
+                self.play_round(st.round, "", False, tasks)
             last = st.round
+
+    def take_release(self, round_: int) -> bool:
+        """Books round `round_`'s release of this organisation's data in its privacy budget, before anything
+        is trained or uploaded (guardian.PrivacyBudget.take); False where the budget declines it: logged,
+        the heartbeat says "declined" (the aggregator does not wait for this client) and counted."""
+        declined = self.budget.take(round_)
+        if declined is None:
+            return True
+        log.warning("declining this round: the privacy budget is spent",
+                    extra=log_fields(round=round_, reason=declined))
+        self.heartbeat.set(RoundPhase.DECLINED, round_)
+        ROUNDS_DECLINED.inc()
+        return False
 
     def play_round(self, round_: int, done: str, final: bool, tasks: list[EnvTasks]) -> None:
         """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported":
@@ -617,13 +637,11 @@ class ClientAgent:
         cfg = self.run_config
         previous = self.fed.download(p.round).adapter() if cfg.clip_norm > 0 else None
         contribution = Contribution(self.run_rank_adapter(ad.decode_transport(data)), previous,
-                                    p.num_successes if cfg.strategy == "weighted" else 1, p.num_examples,
-                                    p.num_successes)
+                                    p.num_successes if cfg.strategy == "weighted" else 1,
+                                    rank=ranks.rank_of(self.schema) if cfg.max_lora_rank else 0)  # as it joined
         layout = secagg.Layout.of(ranks.run_schema(self.schema, cfg.max_lora_rank) if cfg.max_lora_rank else self.schema,
                                   cfg.strategy)
-        mine = self.cfg
-        protection = Protection.of(mine.secure_min_threshold, mine.tls_ca, mine.tls_cert, mine.tls_key,
-                                   ReleaseBook(self.state.path / "secure_released.json"))
+        protection = client_protection(self.cfg, self.state.path)
         secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s, protection)
         return secure.take_part(p.round, contribution, lambda step: log.info(
             "secure aggregation", extra=log_fields(round=p.round, step=step)))

@@ -94,6 +94,16 @@ class ClientConfig(Security):
                                              "of its neighbourhood; it takes part only where the threshold is above "
                                              "it (0.5: a majority; 0.66 keeps its adapter hidden from an aggregator "
                                              "that lies with up to a third of the neighbourhood colluding)")
+    secure_tolerate_colluders: int = field(1, "secure aggregation: the fewest colluding neighbours an attempt must "
+                                              "withstand before this client takes part (with its mTLS files, against "
+                                              "an aggregator that lies); 0 accepts the smallest federations, where "
+                                              "another member or the aggregator could learn its adapter")
+    secure_dropout_rate: float = field(0.05, "secure aggregation: the share of a roster this client expects to drop "
+                                             "out of a stage; it refuses a masking graph sparser than the least ring "
+                                             "that keeps whole at that rate")
+    secure_members: str = field("", "secure aggregation: the federation's member list, a file that `fedse certs "
+                                    "members` signed with the CA key (checked against --tls-ca) or one client id a "
+                                    "line; every roster member must be on it (empty: no list)")
     guardian: bool = field(False, "before joining, size the work to this machine's memory by measuring one training "
                                   "step: the largest LoRA rank (--lora-r 0), micro-batch (--train-batch-tokens 0) and "
                                   "precision (--precision auto) that fit; a value given pins it")
@@ -108,11 +118,16 @@ class ClientConfig(Security):
                                     "work to it, acting merges the LoRA into the weights only where the copy fits "
                                     "half of what is left, and training recomputes activations where a "
                                     "micro-batch's would not fit a quarter of it")
-    privacy_epsilon: float = field(0.0, "this organisation's privacy budget over the run: the epsilon of (epsilon, "
+    privacy_epsilon: float = field(0.0, "this organisation's privacy budget over every run it takes part in (a "
+                                        "ledger that a new run id does not reset): the epsilon of (epsilon, "
                                         "delta)-DP its uploads may spend; once the next round would exceed it the "
                                         "client declines the rest (0 = no budget; needs a run with secure "
                                         "aggregation and noise, which this client adds itself)")
     privacy_delta: float = field(1e-5, "the delta of --privacy-epsilon's budget")
+    reset_privacy_ledger: bool = field(False, "the organisation's reset of its privacy budget: moves the ledger of "
+                                              "what its uploads spent, over every run (privacy.json in the state "
+                                              "directory), aside to a timestamped file, and exits without joining; "
+                                              "the next start spends from zero")
     log_level: str = field("INFO", "log level")
     env_server_plain: bool = field(False, "talk to the env server without TLS or token (e.g. one in the same pod "
                                           "or on the same host), whatever the aggregator link uses")
@@ -164,6 +179,10 @@ class ClientConfig(Security):
         if not 0.5 <= self.secure_min_threshold < 1:
             raise ConfigError(f"--secure-min-threshold must be in [0.5, 1): a share of the neighbourhood the threshold "
                               f"must exceed, got {self.secure_min_threshold}")
+        if self.secure_tolerate_colluders < 0:
+            raise ConfigError(f"--secure-tolerate-colluders must be 0 or more, got {self.secure_tolerate_colluders}")
+        if not 0 < self.secure_dropout_rate < 1:
+            raise ConfigError(f"--secure-dropout-rate must lie strictly between 0 and 1, got {self.secure_dropout_rate}")
         envs = self.env_list()
         if not envs:
             raise ConfigError("--env is empty: name an environment, e.g. maze, or several: maze,wordle")

@@ -277,11 +277,12 @@ class FederationClient:
 
     # ---- secure aggregation's stages (secure.py takes part in them) -------------------------------
     def advertise_keys(self, round_: int, nonce: str, encryption_key: bytes, masking_key: bytes,
-                       self_commitment: bytes, certificate: bytes = b"", signature: bytes = b"") -> None:
+                       self_commitment: bytes, certificate: bytes = b"", signature: bytes = b"",
+                       lora_rank: int = 0) -> None:
         req = fpb.AdvertiseKeysRequest(client_id=self.client_id, round=round_, round_nonce=nonce,
                                        encryption_key=encryption_key, masking_key=masking_key,
                                        self_mask_commitment=self_commitment, certificate=certificate,
-                                       signature=signature)
+                                       signature=signature, lora_rank=lora_rank)
         self._retry("AdvertiseKeys", lambda: self.stub.AdvertiseKeys(req, timeout=self.timeout_s))
 
     def share_keys(self, round_: int, nonce: str, shares: list[fpb.SealedShare]) -> None:

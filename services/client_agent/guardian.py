@@ -27,14 +27,18 @@ the model with them as JSON, and checks its answer: it must name one of the opti
 Any other answer, or a model that fails, leaves the tools' choice standing, and the fallback is
 counted and said.
 
-Privacy (--privacy-epsilon E, --privacy-delta D): the organisation's (E, D) over the whole run. Each
-round this client uploads to is one release of the Gaussian mechanism over its data (fedse.accounting,
-the aggregator's accounting: zCDP composed over releases). The noise is what this client adds itself
-under secure aggregation (RunConfig.noise_multiplier), so the budget never rests on the aggregator's
-word: a run without it is refused at Join (UnaccountedRun). Before each round it would upload to, the
-guardian adds that release; if the total would exceed E, it declines the round (its heartbeat says
-"declined", and the aggregator does not wait for it) and every later one. The rounds it took are kept
-in the state directory (privacy.json, written before the upload), so a restart spends nothing twice.
+Privacy (--privacy-epsilon E, --privacy-delta D; privacy.py): the organisation's (E, D) over every run
+it takes part in. Each round this client uploads to, synchronous or asynchronous, is one release of the
+Gaussian mechanism over its data, at the noise this client adds itself under secure aggregation
+(RunConfig.noise_multiplier z: rho = 1/(2 z^2), fedse.accounting), so the budget never rests on the
+aggregator's word: a run without it is refused at Join (UnaccountedRun). Before each round it would
+upload to, the guardian books that release in its ledger (privacy.json in the state directory, written
+before the upload, so a restart spends nothing twice); if the ledger's total would exceed E, it
+declines the round (its heartbeat says "declined", and the aggregator does not wait for it) and every
+later one. The ledger spans runs: a new run id, which the aggregator chooses, starts nothing afresh.
+Only the organisation resets it: `fedse client --reset-privacy-ledger` (same --state-dir and
+--client-id) moves privacy.json aside to privacy.reset-<UTC time>.json and exits, and the next start
+spends from zero.
 """
 
 from __future__ import annotations
@@ -44,18 +48,16 @@ import dataclasses
 import json
 import logging
 import pathlib
-import time
 from typing import Callable, Iterator
 
 import torch
 
-from fedse import accounting
 from fedse.asking import AnswerError, json_object
 from fedse.files import atomic_write
 from fedse.machine import available_memory_bytes, release_free_memory, resident_bytes
 from fedse.serving import log_fields
 
-from .federation import InsecureRun
+from .privacy import LedgerError, PrivacyBudget, UnaccountedRun, reset_ledger  # noqa: F401 - the guardian's
 
 log = logging.getLogger("fedse.client.guardian")
 
@@ -304,80 +306,6 @@ def advise(s: Sizing, options: list[Candidate], answer: Callable[[str], str], no
 
 
 # ---- the privacy budget --------------------------------------------------------------------------
-
-class UnaccountedRun(InsecureRun):
-    """A run whose noise this client cannot account for, where the organisation keeps a privacy budget."""
-
-    def __init__(self, run_id: str, epsilon: float):  # noqa: D107 - the message says it
-        RuntimeError.__init__(
-            self, f"this client keeps a privacy budget of epsilon {epsilon:g} (--privacy-epsilon), and the aggregator's "
-                  f"run {run_id} adds no noise this client adds itself (that needs secure aggregation with "
-                  "--clip-norm and --noise-multiplier): its rounds would spend an unbounded epsilon; nothing was "
-                  "uploaded")
-
-
-class PrivacyBudget:
-    """The organisation's (epsilon, delta) over a run, kept in `path` (see the module doc)."""
-
-    def __init__(self, epsilon: float, delta: float, path: pathlib.Path):
-        self.epsilon, self.delta, self.path = epsilon, delta, path
-        self.run_id, self.rounds, self.declined = "", [], []
-        self.noise_multiplier = 0.0
-        try:
-            saved = json.loads(path.read_text())
-            self.run_id, self.rounds = str(saved["run_id"]), [int(r) for r in saved["rounds"]]
-            self.declined = [int(r) for r in saved.get("declined", [])]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-
-    @property
-    def active(self) -> bool:
-        return self.epsilon > 0
-
-    def start(self, run) -> None:
-        """Checks the run (a RunConfig) before anything is trained: UnaccountedRun unless this client adds
-        the noise itself. A ledger of another run starts afresh."""
-        if not self.active:
-            return
-        if not (run.secure_aggregation and run.noise_multiplier > 0 and run.clip_norm > 0):
-            raise UnaccountedRun(run.run_id, self.epsilon)
-        self.noise_multiplier = run.noise_multiplier
-        if run.run_id != self.run_id:
-            self.run_id, self.rounds, self.declined = run.run_id, [], []
-            self._save()
-
-    def spent(self, releases: int | None = None) -> float:
-        """The epsilon of `releases` rounds taken (default: those taken so far)."""
-        n = len(self.rounds) if releases is None else releases
-        return accounting.epsilons(self.noise_multiplier, n, self.delta)[1] if n else 0.0
-
-    def take(self, round_: int) -> str | None:
-        """None where the client may upload to `round_` (the release is booked now, before the upload);
-        else why it declines."""
-        if not self.active or round_ in self.rounds:
-            return None
-        after = self.spent(len(self.rounds) + 1)
-        if after > self.epsilon:
-            if round_ not in self.declined:
-                self.declined.append(round_)
-                self._save()
-            return (f"round {round_} would bring epsilon to {after:.3g} (delta {self.delta:g}) over the budget of "
-                    f"{self.epsilon:g}; {len(self.rounds)} round(s) taken, epsilon {self.spent():.3g}")
-        self.rounds.append(round_)
-        self._save()
-        return None
-
-    def metrics(self) -> dict[str, float]:
-        if not self.active:
-            return {}
-        return {"privacy_epsilon_spent": self.spent(), "privacy_epsilon_limit": self.epsilon,
-                "rounds_declined": float(len(self.declined))}
-
-    def _save(self) -> None:
-        atomic_write(self.path, json.dumps({"run_id": self.run_id, "rounds": self.rounds, "declined": self.declined,
-                                            "epsilon": self.epsilon, "delta": self.delta,
-                                            "saved_unix": time.time()}).encode())
-
 
 def save_sizing(path: pathlib.Path, s: Sizing, context: dict) -> None:
     """Keeps the choice in the state directory, with what it was made for (`context`: the base model and

@@ -6,7 +6,7 @@ round's sum.
 Each attempt of a round has its own keys, made here and held only in memory (a restarted client sits
 out the attempt it was in); an attempt abandoned by the aggregator (fewer than the threshold took
 part, or it restarted) is taken part in again from key advertisement, with the same adapter and the
-same noise.
+same noise, drawn once per round and release and the same after a restart (releases.ReleaseBook).
 
 The aggregator may lie, so the client checks what it is told before it acts, and the organisation's
 protection (`Protection`) is its own setting, never the aggregator's word:
@@ -15,15 +15,17 @@ protection (`Protection`) is its own setting, never the aggregator's word:
 - it masks only with at least the threshold of neighbours that shared, and the shares relayed to it
   open and match their commitments;
 - before revealing anything: the uploaders are clients that shared, itself among them, at least the
-  threshold of its neighbours, their masking graph is connected and, with signed keys, at least the
-  threshold of its neighbours signed the very uploader list it was shown;
-- it reveals shares in at most one attempt of a round, remembered across restarts (`ReleaseBook`).
+  threshold of its neighbours, their masking graph is connected, in a mixed-rank run at least the
+  threshold of them hold every LoRA component it sent (it zeroes, before masking, those fewer would
+  hold: fedse.ranks.held_rank) and, with signed keys, at least the threshold of its neighbours signed
+  the very uploader list it was shown;
+- it reveals shares in at most one attempt of a round, under every run id it was ever told, remembered
+  across restarts (`ReleaseBook`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 from typing import Callable
@@ -31,14 +33,16 @@ from typing import Callable
 import grpc
 import torch
 
-from fedse import fixedpoint, secagg, signatures
-from fedse.files import atomic_write
+from fedse import ranks, reach, secagg, signatures
 from fedse.secagg import Member, Participant, SecureError
+from fedse.inputs import shown
 from fedse.serving import log_fields
-from fedse.signatures import SignatureError, Signer, Verifier
+from fedse.signatures import Signer, Verifier
 from fedse.v1 import federation_pb2 as fpb
 
 from .federation import FederationClient, NotSelected, StaleRound, selected
+from .releases import ReleaseBook
+from .secure_checks import NotInRoster, SeenAttempts, View, check_roster, load_members
 
 log = logging.getLogger("client_agent.secure")
 
@@ -53,50 +57,36 @@ class AttemptOver(Exception):
 @dataclasses.dataclass(frozen=True)
 class Contribution:
     """What a client adds to a secure round: its adapter's values, the global adapter it trained from
-    (to clip its update against; None when the run does not clip), its weight and the counts its
-    upload header carries."""
+    (to clip its update against; None when the run does not clip), and its weight (weighted: its
+    successes; it travels masked, never in the upload's header, which counts 0); `rank`: in a
+    mixed-rank run, its own LoRA rank, the components of the run's rank-R adapter it holds (0: it
+    holds every value), which are all its clip counts and which it advertises (ranks.held_rank)."""
 
     values: dict[str, torch.Tensor]
     previous: dict[str, torch.Tensor] | None
     weight: int
-    num_examples: int
-    num_successes: int
-
-
-class ReleaseBook:
-    """The rounds of a run in which this client revealed shares for an unmasked sum. It takes part in
-    no other attempt of such a round: a second sum over other clients would give their difference.
-    Kept in a file (None: in memory only) so that a restarted client remembers."""
-
-    def __init__(self, path: pathlib.Path | None = None):
-        self.path = path
-        self._run, self._rounds = "", set()
-        if path is not None and path.exists():
-            saved = json.loads(path.read_text())
-            self._run, self._rounds = saved.get("run_id", ""), set(saved.get("rounds", []))
-
-    def has(self, run_id: str, round_: int) -> bool:
-        return run_id == self._run and round_ in self._rounds
-
-    def mark(self, run_id: str, round_: int) -> None:
-        if run_id != self._run:
-            self._run, self._rounds = run_id, set()
-        self._rounds.add(round_)
-        if self.path is not None:
-            atomic_write(self.path, json.dumps({"run_id": run_id, "rounds": sorted(self._rounds)}).encode())
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Protection:
     """What this organisation requires of a secure round, whatever the aggregator says: the least
-    threshold it accepts (a share of its neighbourhood the threshold must exceed), and, with its mTLS
-    files, signed keys: `signer` signs its own keys and the uploader list, `verifier` (the federation's
-    CA) checks every other member's."""
+    threshold it accepts (a share of its neighbourhood the threshold must exceed); with its mTLS files,
+    signed keys: `signer` signs its own keys and the uploader list, `verifier` (the federation's CA)
+    checks every other member's, none of which may name the aggregator (`aggregator_names`); the
+    federation's member list where it has one (`members`, empty: none); the fewest colluding
+    neighbours an attempt must withstand (`min_colluders`) and the dropout rate its least ring is
+    sized for (secure_checks). `book` and `attempts` are what it remembers across restarts."""
 
     min_threshold: float = 0.5
     signer: Signer | None = None
     verifier: Verifier | None = None
     book: ReleaseBook = dataclasses.field(default_factory=ReleaseBook)
+    members: frozenset[str] = frozenset()
+    aggregator_names: frozenset[str] = frozenset()
+    min_colluders: int = 1
+    dropout_rate: float = 0.05
+    attempts: SeenAttempts = dataclasses.field(default_factory=SeenAttempts)
 
     @property
     def signed(self) -> bool:
@@ -104,23 +94,30 @@ class Protection:
 
     @staticmethod
     def of(min_threshold: float, tls_ca: str, tls_cert: str, tls_key: str,
-           book: ReleaseBook | None = None) -> "Protection":
-        """From a client's settings: signed keys where it has its mTLS files (CA, certificate, key)."""
+           book: ReleaseBook | None = None, **more) -> "Protection":
+        """From a client's settings: signed keys where it has its mTLS files (CA, certificate, key);
+        `more`: the other fields."""
         book = book or ReleaseBook()
         if not (tls_ca and tls_cert and tls_key):
-            return Protection(min_threshold, book=book)
+            return Protection(min_threshold, book=book, **more)
         signer = Signer(pathlib.Path(tls_cert).read_bytes(), pathlib.Path(tls_key).read_bytes())
-        return Protection(min_threshold, signer, Verifier(pathlib.Path(tls_ca).read_bytes()), book)
+        return Protection(min_threshold, signer, Verifier(pathlib.Path(tls_ca).read_bytes()), book, **more)
 
 
-@dataclasses.dataclass
-class _View:
-    """What this client holds of an attempt once the roster is checked."""
+_AGGREGATOR_NAMES: dict[str, frozenset[str]] = {}
 
-    roster: dict[str, Member]
-    threshold: int
-    graph: dict[str, frozenset[str]]
-    certificates: dict
+
+def client_protection(cfg, state_dir: pathlib.Path) -> Protection:
+    """A client agent's protection from its settings (services.client_agent.config.ClientConfig), with
+    its books in `state_dir`. The aggregator's names are read from its certificate once per process."""
+    names = _AGGREGATOR_NAMES.get(cfg.aggregator)
+    if names is None:
+        names = _AGGREGATOR_NAMES[cfg.aggregator] = reach.server_names(cfg.aggregator, cfg)
+    members = load_members(cfg.secure_members, cfg.tls_ca) if cfg.secure_members else frozenset()
+    return Protection.of(cfg.secure_min_threshold, cfg.tls_ca, cfg.tls_cert, cfg.tls_key,
+                         ReleaseBook(state_dir / "secure_released.json"), members=members, aggregator_names=names,
+                         min_colluders=cfg.secure_tolerate_colluders, dropout_rate=cfg.secure_dropout_rate,
+                         attempts=SeenAttempts(state_dir / "secure_attempts.txt"))
 
 
 class SecureRound:
@@ -134,7 +131,7 @@ class SecureRound:
         self.layout = layout
         self.wait_s = wait_s
         self.protection = protection or Protection()
-        self._noised: tuple[int, dict[str, torch.Tensor]] | None = None  # (threshold, values): drawn once
+        self._noised: tuple[bytes, int, dict[str, torch.Tensor]] | None = None  # (release, threshold, values)
 
     def take_part(self, round_: int, c: Contribution, on_step: Callable[[str], None] = lambda step: None) -> bool:
         """True once the round closed with this client's masked upload in its sum; False when it closed
@@ -162,12 +159,22 @@ class SecureRound:
             if self.protection.book.has(self.run_id, round_):
                 raise SecureError(f"the aggregator started another attempt of round {round_} after this client "
                                   "revealed shares for its sum: this client takes part in no other attempt of it")
-            if st.state == fpb.ROUND_STATE_OPEN and st.secure_stage == fpb.SECURE_STAGE_ADVERTISING:
+            seen = self.protection.attempts.step(st.round_nonce)
+            advertising = st.state == fpb.ROUND_STATE_OPEN and st.secure_stage == fpb.SECURE_STAGE_ADVERTISING
+            if advertising and seen not in (None, "advertised"):
+                raise SecureError(f"the aggregator shows round nonce {shown(st.round_nonce)} at key advertisement again, "
+                                  f"that of an attempt this client already {seen} in (a reused round nonce): it could "
+                                  "show this client's earlier messages as this attempt's; this client takes part in no "
+                                  "attempt under it")
+            if advertising and seen is None:
                 try:
                     return self._attempt(round_, st.round_nonce, c, on_step)
                 except AttemptOver as exc:
                     log.info("secure attempt over without us; waiting for the next", extra=log_fields(
                         round=round_, reason=str(exc)))
+            elif advertising:
+                log.info("this client advertised keys in this attempt before it restarted; waiting for the next",
+                         extra=log_fields(round=round_))
             else:
                 log.info("key advertisement of this attempt is over; waiting for the next attempt or round",
                          extra=log_fields(round=round_, stage=fpb.SecureStage.Name(st.secure_stage)))
@@ -175,19 +182,23 @@ class SecureRound:
 
     # ---- one attempt ---------------------------------------------------------------------------
     def _attempt(self, round_: int, nonce: str, c: Contribution, on_step: Callable[[str], None]) -> bool:
-        me = Participant(self.fed.client_id, secagg.context(self.run_id, nonce))
+        me = Participant(self.fed.client_id, secagg.context(self.run_id, round_, nonce))
         signer = self.protection.signer
+        attempts = self.protection.attempts
         try:
             certificate, signature = b"", b""
             if signer is not None:
                 certificate = signer.der
                 signature = signer.sign(signatures.advertisement(me.ctx, me.client_id, me.sealing.public,
-                                                                 me.masking.public, me.self_commitment))
+                                                                 me.masking.public, me.self_commitment, c.rank))
+            attempts.mark(nonce, "advertised")  # before the keys leave: never twice under one nonce
             self._call(lambda: self.fed.advertise_keys(round_, nonce, me.sealing.public, me.masking.public,
-                                                       me.self_commitment, certificate, signature))
+                                                       me.self_commitment, certificate, signature, c.rank))
             on_step("advertised")
             view = self._roster(self._reached(round_, nonce, fpb.SECURE_STAGE_SHARING), me)
+            self._check_ranks(view, me.client_id, c.rank)
             roster, t, near = view.roster, view.threshold, view.graph[me.client_id]
+            attempts.mark(nonce, "shared")
             self._call(lambda: self.fed.share_keys(round_, nonce, [
                 fpb.SealedShare(client_id=to, sealed=sealed, self_mask_commitment=b, masking_commitment=s)
                 for to, sealed, b, s in me.shares([roster[v] for v in sorted(near)], t)]))
@@ -206,7 +217,8 @@ class SecureRound:
             if set(held) != set(peers):
                 raise SecureError(f"the aggregator relayed shares from {sorted(held)}, not from every neighbour that "
                                   f"shared ({peers}): this client will not take part in this attempt")
-            self._upload(round_, nonce, me, c, [roster[v] for v in peers], t)
+            attempts.mark(nonce, "uploaded")
+            self._upload(round_, nonce, me, c, [roster[v] for v in peers], t, self._held_rank(view, shared))
             on_step("uploaded")
             try:
                 sr = self._before_reveal(round_, nonce, me, view, shared, held, on_step)
@@ -217,7 +229,8 @@ class SecureRound:
                     on_step("unmasked")
             except AttemptOver:
                 pass  # the unmasking closed without our shares: the status below says how it ended
-            st = self._wait(lambda s: s.round != round_ or s.round_nonce != nonce)
+            st = self._wait(lambda s: s.round != round_ or s.round_nonce != nonce
+                            or s.secure_stage == fpb.SECURE_STAGE_ADVERTISING)
             if st.round == round_:
                 raise AttemptOver("the aggregator abandoned the attempt after our upload")
             return True
@@ -241,27 +254,45 @@ class SecureRound:
             held[s.client_id] = (b, m)
         return held
 
-    def _upload(self, round_: int, nonce: str, me: Participant, c: Contribution, peers: list[Member], t: int) -> None:
-        """Masks the contribution (clipped, and noised for a threshold of `t`: drawn at the round's first
-        attempt and kept, so that every attempt masks the same values) for `peers` and uploads it."""
-        values = c.values
-        clip, std = self.config.clip_norm, secagg.noise_std(self.config.clip_norm, self.config.noise_multiplier, t)
-        if clip > 0 or std > 0:
-            if self._noised is None:
-                assert c.previous is not None, "a run that clips needs the global adapter the client trained from"
-                self._noised = (t, secagg.clip_and_noise(values, c.previous, clip, std))
-            drawn_for, values = self._noised
-            if std > 0 and t < drawn_for:
-                raise AttemptOver(f"this attempt's threshold {t} is below the {drawn_for} this client's noise was "
-                                  "drawn for: its noise would not cover the sum")
+    def _upload(self, round_: int, nonce: str, me: Participant, c: Contribution, peers: list[Member], t: int,
+                cut: int = 0) -> None:
+        """Masks the contribution (clipped, and noised: `_noised_values`; with `cut`, a mixed-rank run's
+        r*, its LoRA components above r* zeroed, held by fewer than t) for `peers` and uploads it. The
+        header counts 0 examples and successes: the weight travels masked."""
+        values = self._noised_values(round_, c, t)
+        if cut:
+            values = ranks.zero_above(values, cut)
         vector = me.mask(self.layout.encode(values, c.weight), peers)
         data = secagg.pack_u64(vector)
         del vector
-        self._call(lambda: self.fed.upload(round_, data, num_examples=c.num_examples, num_successes=c.num_successes,
+        self._call(lambda: self.fed.upload(round_, data, num_examples=0, num_successes=0,
                                            transport_dtype=secagg.MASKED_DTYPE, round_nonce=nonce,
                                            follow_nonce=False))
 
-    def _before_reveal(self, round_: int, nonce: str, me: Participant, view: _View, shared: list[str],
+    def _noised_values(self, round_: int, c: Contribution, t: int) -> dict[str, torch.Tensor]:
+        """The values this client masks in an attempt of threshold `t`: its adapter, clipped (on the
+        components it holds) and noised for the threshold the release's noise was first drawn for. The
+        draw is the organisation's (ReleaseBook.draw): the same for the same round and release in every
+        attempt and after a restart. AttemptOver where `t` is below that threshold: the noise would not
+        cover the sum, and re-scaling the same draw by another std would give the values away."""
+        cfg = self.config
+        if not (cfg.clip_norm > 0 or secagg.noise_std(cfg.clip_norm, cfg.noise_multiplier, t) > 0):
+            return c.values
+        assert c.previous is not None, "a run that clips needs the global adapter the client trained from"
+        release = secagg.release_digest(c.values, c.previous, cfg.clip_norm, cfg.noise_multiplier)
+        if self._noised is None or self._noised[0] != release:
+            draw = self.protection.book.draw(round_, release, t) if cfg.noise_multiplier > 0 else None
+            std = secagg.noise_std(cfg.clip_norm, cfg.noise_multiplier, draw.threshold) if draw else 0.0
+            held = ranks.held(c.values, c.rank) if c.rank else None
+            self._noised = (release, draw.threshold if draw else t, secagg.clip_and_noise(
+                c.values, c.previous, cfg.clip_norm, std, draw.key if draw else None, held))
+        _, drawn_for, values = self._noised
+        if cfg.noise_multiplier > 0 and t < drawn_for:
+            raise AttemptOver(f"this attempt's threshold {t} is below the {drawn_for} this client's noise was "
+                              "drawn for: its noise would not cover the sum")
+        return values
+
+    def _before_reveal(self, round_: int, nonce: str, me: Participant, view: View, shared: list[str],
                        held: dict[str, tuple[bytes, bytes]], on_step: Callable[[str], None]) -> fpb.SecureRound | None:
         """The attempt's view at UNMASKING once the uploader list is checked (and, with signed keys,
         signed by this client and by at least the threshold of its neighbours); None when the round
@@ -277,7 +308,10 @@ class SecureRound:
         uploaded = sorted(sr.uploaded)
         self._check_uploaders(me.client_id, sr, view, shared, held)
         assert self.protection.signer is not None
-        signature = self.protection.signer.sign(signatures.consistency(me.ctx, me.client_id, uploaded))
+        degree = self.config.secure_neighbours
+        signature = self.protection.signer.sign(signatures.consistency(me.ctx, me.client_id, view.threshold, degree,
+                                                                       view.digest, uploaded))
+        self.protection.attempts.mark(nonce, "signed")
         self._call(lambda: self.fed.check_consistency(round_, nonce, signature))
         on_step("signed")
         sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UNMASKING, closed_ok=True)
@@ -291,14 +325,14 @@ class SecureRound:
         good = self.protection.verifier.signed_by_all(
             {c: cert for c, cert in view.certificates.items() if c in near and c in uploaded},
             [(s.client_id, s.signature) for s in sr.consistency],
-            lambda cid: signatures.consistency(me.ctx, cid, uploaded))
+            lambda cid: signatures.consistency(me.ctx, cid, view.threshold, degree, view.digest, uploaded))
         if len(set(good)) < view.threshold:
             raise SecureError(f"{len(set(good))} of this client's neighbours signed the uploader list it was shown, "
                               f"fewer than the threshold of {view.threshold}: the aggregator may show others another "
                               "list; this client reveals nothing")
         return sr
 
-    def _check_uploaders(self, me: str, sr: fpb.SecureRound, view: _View, shared: list[str],
+    def _check_uploaders(self, me: str, sr: fpb.SecureRound, view: View, shared: list[str],
                          held: dict[str, tuple[bytes, bytes]]) -> None:
         """SecureError unless the uploaders are clients that shared, this client among them, at least the
         threshold of its neighbours (`held`: the shares of its neighbours that shared), and their masking
@@ -313,6 +347,34 @@ class SecureRound:
             raise SecureError(f"the uploaders' masking graph is in {len(pieces)} pieces (sizes "
                               f"{', '.join(str(len(p)) for p in pieces)}): unmasking would give each piece's sum; "
                               "this client reveals nothing")
+        cut = self._held_rank(view, shared)
+        if cut:
+            sent = {u: min(view.roster[u].lora_rank, cut) if u in view.roster else 0 for u in uploaded}
+            holders = sum(r >= sent[me] for r in sent.values())
+            if holders < t:
+                raise SecureError(f"{holders} uploads hold this client's LoRA component {sent[me]}, fewer than the "
+                                  f"threshold of {t}: unmasking would give their few values; this client reveals "
+                                  "nothing")
+
+    def _check_ranks(self, view: View, me: str, rank: int) -> None:
+        """SecureError unless the roster's ranks are this run's: in a mixed-rank run every member's from 1
+        to RunConfig.max_lora_rank and this client's own; else all 0."""
+        top = self.config.max_lora_rank
+        if view.roster[me].lora_rank != rank:
+            raise SecureError(f"the roster gives this client LoRA rank {view.roster[me].lora_rank}, not its own "
+                              f"{rank}: this client will not take part")
+        odd = sorted(m.client_id for m in view.roster.values() if not (1 <= m.lora_rank <= top if top else
+                                                                         m.lora_rank == 0))
+        if odd:
+            raise SecureError(f"the roster gives {', '.join(odd[:5])} a LoRA rank this run cannot have (from 1 to "
+                              f"{top}, or 0 in a run of one rank): this client will not take part")
+
+    def _held_rank(self, view: View, shared: list[str]) -> int:
+        """A mixed-rank run's r*: the largest rank at least the threshold of the members that shared hold
+        (fedse.ranks.held_rank); 0 in a run of one rank, where every value is every member's."""
+        if not self.config.max_lora_rank:
+            return 0
+        return ranks.held_rank([view.roster[v].lora_rank for v in shared if v in view.roster], view.threshold)
 
     @staticmethod
     def _reveal(sr: fpb.SecureRound, held: dict[str, tuple[bytes, bytes]]) -> list[fpb.RevealedShare]:
@@ -324,54 +386,30 @@ class SecureRound:
                 for v in sorted(held)]
 
     # ---- following the attempt -----------------------------------------------------------------
-    def _roster(self, sr: fpb.SecureRound | None, me: Participant) -> _View:
+    def _roster(self, sr: fpb.SecureRound | None, me: Participant) -> View:
         """The attempt's roster, graph and threshold, checked against this client's own protection."""
         assert sr is not None
-        roster = {m.client_id: Member(m.client_id, m.index, m.encryption_key, m.masking_key, m.self_mask_commitment,
-                                      m.certificate, m.signature) for m in sr.roster}
-        mine = roster.get(me.client_id)
-        if mine is None:
-            raise AttemptOver("our keys arrived after key advertisement closed")
-        refuse = "this client will not take part"
-        if len(roster) != len(sr.roster) or len(roster) > fixedpoint.MAX_CLIENTS:
-            raise SecureError(f"the roster names a client twice or holds more than {fixedpoint.MAX_CLIENTS}: {refuse}")
-        if sorted(m.index for m in roster.values()) != list(range(1, len(roster) + 1)):
-            raise SecureError(f"the roster's share indices are not 1..n: {refuse}")
-        if (mine.encryption_key, mine.masking_key, mine.self_commitment) != \
-                (me.sealing.public, me.masking.public, me.self_commitment):
-            raise SecureError(f"the roster's entry for this client holds keys that are not its own: {refuse}")
-        keys = [k for m in roster.values() for k in (m.encryption_key, m.masking_key)]
-        if len(set(keys)) != len(keys):
-            raise SecureError(f"two roster entries share a key: {refuse}")
-        certificates = {}
-        if self.protection.verifier is not None:
-            for m in roster.values():  # its own too: its signature of the uploader list counts like the others'
-                try:
-                    cert = self.protection.verifier.certificate(m.certificate, m.client_id)
-                    self.protection.verifier.signature(
-                        cert, signatures.advertisement(me.ctx, m.client_id, m.encryption_key, m.masking_key,
-                                                       m.self_commitment), m.signature,
-                        f"{m.client_id}'s signature of its keys")
-                except SignatureError as exc:
-                    raise SecureError(f"{exc}: {refuse}") from None
-                certificates[m.client_id] = cert
-        graph = secagg.neighbours(sorted(roster), me.ctx, self.config.secure_neighbours,
-                                  secagg.roster_digest(me.ctx, roster.values()))
-        near = graph[me.client_id]
-        least = secagg.floor(len(near), self.protection.min_threshold)
-        if not least <= sr.threshold <= len(near):
-            raise SecureError(f"the aggregator asks for a threshold of {sr.threshold} in a neighbourhood of "
-                              f"{len(near)}: this client requires {least} to {len(near)} (--secure-min-threshold "
-                              f"{self.protection.min_threshold:g}): {refuse}")
-        return _View(roster, int(sr.threshold), graph, certificates)
+        try:
+            return check_roster(sr, me, self.protection, self.config.secure_neighbours)
+        except NotInRoster as exc:
+            raise AttemptOver(str(exc)) from None
 
     def _reached(self, round_: int, nonce: str, stage: int, closed_ok: bool = False) -> fpb.SecureRound | None:
         """The attempt's view once it reached `stage`; AttemptOver if the attempt ended first. With
         `closed_ok`, None when the round closed meanwhile (the others unmasked it)."""
         at = _ORDER.index(stage)
+
+        def rewound(s: fpb.RoundStatus) -> bool:  # past sharing, the attempt can only go forwards
+            return at > 1 and s.secure_stage == fpb.SECURE_STAGE_ADVERTISING
+
         st = self._wait(lambda s: s.round != round_ or s.round_nonce != nonce or s.state != fpb.ROUND_STATE_OPEN
-                        or (s.secure_stage in _ORDER and _ORDER.index(s.secure_stage) >= at))
+                        or (s.secure_stage in _ORDER and _ORDER.index(s.secure_stage) >= at) or rewound(s))
         if st.round == round_ and st.round_nonce == nonce and st.state == fpb.ROUND_STATE_OPEN:
+            if rewound(st):
+                raise SecureError(f"the aggregator took this attempt back to key advertisement under the same round "
+                                  f"nonce (a reused round nonce) after this client "
+                                  f"{self.protection.attempts.step(nonce)} in it: it could show this client's messages "
+                                  "as a new attempt's; this client takes part in no attempt under that nonce")
             return self._call(lambda: self.fed.secure_round(round_, nonce))
         if closed_ok and st.round_nonce == nonce and st.round == round_:
             return None  # aggregating: the others' shares sufficed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 import signal
 import sys
 import threading
@@ -23,6 +24,8 @@ def serve(config: ClientConfig) -> int:
     be made and, with --require-secure-aggregation, a run that is not secure (right after Join)."""
     setup_logging("client_agent", config.log_level)
     log = logging.getLogger("client_agent")
+    if config.reset_privacy_ledger:
+        return reset_privacy_ledger(config)
     metrics_port = start_metrics(config.metrics_port)
     try:
         health = Service("client_agent", config.address, max_workers=2)
@@ -72,6 +75,22 @@ def serve(config: ClientConfig) -> int:
         print(failure, file=sys.stderr)
         return 2
     log.info("run complete", extra=log_fields(client_id=config.client_id))
+    return 0
+
+
+def reset_privacy_ledger(config: ClientConfig) -> int:
+    """--reset-privacy-ledger: the organisation's reset of its privacy budget (privacy.py). Moves the
+    client's ledger aside and exits without joining (exit status 0), so that the flag, left set, never
+    resets a running client's ledger; one line says where the old ledger is kept."""
+    from .privacy import LEDGER_NAME, reset_ledger
+
+    path = pathlib.Path(config.state_dir) / config.client_id / LEDGER_NAME
+    kept = reset_ledger(path)
+    if kept is None:
+        print(f"no privacy ledger at {path}: nothing to reset", file=sys.stderr)
+    else:
+        print(f"privacy ledger reset: the old one is kept as {kept}; start the client again without "
+              "--reset-privacy-ledger, and it spends its budget from zero", file=sys.stderr)
     return 0
 
 

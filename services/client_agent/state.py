@@ -1,6 +1,8 @@
 """A client's state directory (`--state-dir/<client id>`): its progress (progress.json, resume.py),
 its trajectory buffer (buffer.jsonl) and the adapter it trained and has yet to see acknowledged
-(upload.safetensors); set aside whole, never deleted, when it belongs to another run."""
+(upload.safetensors); set aside, never deleted, when it belongs to another run. The organisation's
+files (`ORGANISATION`: its privacy ledger, what it revealed in secure rounds, its noise secret) stay
+where they are: they span runs, whose ids the aggregator chooses."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ log = logging.getLogger("client_agent")
 
 UPLOAD_NAME = "upload.safetensors"
 BUFFER_NAME = "buffer.jsonl"
+# What belongs to the organisation, not to a run (privacy.py, releases.py, secure_checks.py): never set aside.
+ORGANISATION = ("privacy.json", "secure_released.json", "secure_noise.key", "secure_attempts.txt")
 
 
 def _slug(text: str) -> str:
@@ -50,8 +54,10 @@ class StateDir:
             return None
 
     def set_aside(self, old: Progress | None) -> bool:
-        """Moves the directory aside (never deletes it) and starts an empty one; False where it held
-        nothing to keep (it stays as it is)."""
+        """Moves the run's files aside, into a directory beside this one (never deletes them), and keeps
+        the organisation's here (ORGANISATION); False where it held nothing to keep (it stays as it is).
+        progress.json moves last: a crash part-way leaves it naming the old run, and the next start
+        sets the rest aside too."""
         names = (BUFFER_NAME, PROGRESS_NAME, UPLOAD_NAME)
         if not any((self.path / n).exists() and (self.path / n).stat().st_size for n in names):
             return False
@@ -61,9 +67,13 @@ class StateDir:
         n = 1
         while target.exists():
             target, n = self.path.with_name(f"{base}-{n}"), n + 1
-        os.replace(self.path, target)
+        target.mkdir()
         fsync_dir(self.path.parent)
-        self.path.mkdir(parents=True)
+        for entry in sorted(self.path.iterdir(), key=lambda e: e.name == PROGRESS_NAME):
+            if entry.name not in ORGANISATION:
+                os.replace(entry, target / entry.name)
+        fsync_dir(target)
+        fsync_dir(self.path)
         log.warning("previous client state set aside", extra=log_fields(moved_to=str(target)))
         return True
 
