@@ -3,8 +3,9 @@ sizes: SmolLM2-135M's LoRA (r = 8 on every linear layer of its 30 blocks, 9.8 MB
 80 MB one (Llama-2-7B's LoRA, r = 8, 32 blocks).
 
 Each case starts a real aggregator process (`python -m services.aggregator`, --rounds 1,
---start-clients K, fedavg) and K client processes. Each client makes its adapter, joins, waits for
-the round to open, says ready; when all are ready they are told to go at once, and each:
+--start-clients K, fedavg, or weighted with --strategy weighted) and K client processes. Each client
+makes its adapter, joins, waits for the round to open, says ready; when all are ready they are told
+to go at once, and each:
   plain   uploads its adapter (FederationClient.upload), then waits until the round closed;
   secure  takes part in the secure stages (services.client_agent.secure.SecureRound: fresh keys,
           sealed shares, the masked vector of 8 bytes per value, the unmasking), then waits until
@@ -86,7 +87,7 @@ def shapes(size: str) -> dict[str, tuple[int, int]]:
 
 
 # ---- a client process (this file run with --client) ---------------------------------------------
-def client(target: str, client_id: str, size: str, seed: int, mode: str, pki: str) -> None:
+def client(target: str, client_id: str, size: str, seed: int, mode: str, pki: str, strategy: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"{client_id} %(message)s")
     torch.set_num_threads(1)  # as a client agent on a shared machine (--torch-threads): no OpenMP spinning
     secure, mtls = mode in ("secure", "signed"), mode in ("plain-mtls", "signed")
@@ -109,19 +110,20 @@ def client(target: str, client_id: str, size: str, seed: int, mode: str, pki: st
     sys.stdin.readline()
     t = {"go": time.monotonic()}
     if secure:
-        layout = secagg.Layout.of(schema, "fedavg")
+        layout = secagg.Layout.of(schema, strategy)
         timing = _Timed()
         timing.wrap(secagg.Participant, "mask", "mask")
         timing.wrap(signatures.Signer, "sign", "sign")
         timing.wrap(signatures.Verifier, "certificate", "certificate")
         timing.wrap(signatures.Verifier, "signature", "signature", static=True)
         SecureRound(fed, config.run_id, config, layout, START_S, protection).take_part(
-            st.round, Contribution(adapter, None, 1), lambda step: t.__setitem__(step, time.monotonic()))
+            st.round, Contribution(adapter, None, weight_of(seed, strategy)),
+            lambda step: t.__setitem__(step, time.monotonic()))
         for name in timing.seconds:
             t[f"{name}_s"], t[f"{name}_n"] = timing.seconds[name], timing.calls[name]
     else:
-        fed.upload(st.round, data, num_examples=1, num_successes=1, adapter_config_json=CONFIG_JSON,
-                   round_nonce=st.round_nonce)
+        fed.upload(st.round, data, num_examples=1, num_successes=weight_of(seed, strategy),
+                   adapter_config_json=CONFIG_JSON, round_nonce=st.round_nonce)
     fed.wait_until(lambda s: s.round > st.round or s.state == fpb.ROUND_STATE_FINISHED, timeout_s=START_S)
     t["closed"] = time.monotonic()
     fed.close()
@@ -163,14 +165,19 @@ def make_pki(directory: pathlib.Path, clients: int) -> None:
         certs.sign(directory, directory / f"{cid}.csr", directory / f"{cid}.pem")
 
 
-def run_case(work: pathlib.Path, k: int, size: str, mode: str, pki: pathlib.Path) -> dict:
+def weight_of(seed: int, strategy: str) -> int:
+    """A client's weight: 1 for fedavg; for weighted, its successes, 1 to 3 by client."""
+    return 1 + seed % 3 if strategy == "weighted" else 1
+
+
+def run_case(work: pathlib.Path, k: int, size: str, mode: str, pki: pathlib.Path, strategy: str = "fedavg") -> dict:
     secure, mtls = mode in ("secure", "signed"), mode in ("plain-mtls", "signed")
     state = work / f"{size}-{k}-{mode}"
     state.mkdir()
     argv = ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(state),
             "--run-id", "bench", "--rounds", "1", "--min-clients", "2", "--start-clients", str(k),
             "--heartbeat-timeout-s", "3600", "--wait-after-min-s", "3600", "--secure-stage-timeout-s", "3600",
-            "--max-adapter-mb", "1024"] + (["--secure-aggregation"] if secure else [])
+            "--max-adapter-mb", "1024", "--strategy", strategy] + (["--secure-aggregation"] if secure else [])
     if mtls:
         argv += ["--tls-ca", str(pki / certs.CA_CERT), "--tls-cert", str(pki / "server.pem"),
                  "--tls-key", str(pki / "server-key.pem")]
@@ -179,7 +186,7 @@ def run_case(work: pathlib.Path, k: int, size: str, mode: str, pki: pathlib.Path
     try:
         target = f"127.0.0.1:{agg.port()}"
         clients = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--client", target, f"org-{i:02d}",
-                                     size, str(i + 1), mode, str(pki)], stdin=subprocess.PIPE,
+                                     size, str(i + 1), mode, str(pki), strategy], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for i in range(k)]
         for c in clients:
             if c.stdout.readline().strip() != "ready":
@@ -232,7 +239,7 @@ def detail(case: dict) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        client(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], sys.argv[7])
+        client(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], sys.argv[7], sys.argv[8])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ks", default="5,20")
@@ -240,6 +247,8 @@ def main() -> None:
     p.add_argument("--signed-sizes", default="smollm2,80mb",
                    help="the sizes also timed over mTLS (plain and signed); the others are timed without TLS only")
     p.add_argument("--workdir", default=tempfile.gettempdir())
+    p.add_argument("--strategy", default="fedavg", choices=("fedavg", "weighted"),
+                   help="the aggregation (weighted: each client's weight 1-3, masked with its adapter)")
     a = p.parse_args()
     ks = [int(x) for x in a.ks.split(",")]
     signed_sizes = set(filter(None, a.signed_sizes.split(",")))
@@ -247,7 +256,7 @@ def main() -> None:
     pki = work / "pki"
     pki.mkdir()
     make_pki(pki, max(ks))
-    print(f"# {describe_cpu()}", flush=True)
+    print(f"# {describe_cpu()}; --strategy {a.strategy}", flush=True)
     print("# secure: secure aggregation without TLS; signed: secure aggregation over mTLS (signed keys and the "
           "consistency stage); plain: plain uploads without TLS and over mTLS. One run each.")
     print(f"{'adapter':>8} {'K':>3} {'plain s':>8} {'secure s':>9} {'x plain':>8} {'mask/client s':>14} "
@@ -258,14 +267,14 @@ def main() -> None:
         for size in a.sizes.split(","):
             mb = sum(r * c for r, c in shapes(size).values()) * 4 / 1e6
             for k in ks:
-                plain = run_case(work, k, size, "plain", pki)
-                secure = run_case(work, k, size, "secure", pki)
+                plain = run_case(work, k, size, "plain", pki, a.strategy)
+                secure = run_case(work, k, size, "secure", pki, a.strategy)
                 line = (f"{mb:6.1f}MB {k:>3} {plain['round_s']:>8.2f} {secure['round_s']:>9.2f} "
                         f"{secure['round_s'] / plain['round_s']:>7.2f}x {secure['mask_s']:>14.2f} "
                         f"{secure['client_upload_s']:>19.2f}")
                 if size in signed_sizes:
-                    plain_tls = run_case(work, k, size, "plain-mtls", pki)
-                    signed = run_case(work, k, size, "signed", pki)
+                    plain_tls = run_case(work, k, size, "plain-mtls", pki, a.strategy)
+                    signed = run_case(work, k, size, "signed", pki, a.strategy)
                     verify_ms = (signed["certificate_s"] + signed["signature_s"]) * 1e3
                     line += (f" {plain_tls['round_s']:>13.2f} {signed['round_s']:>9.2f} "
                              f"{signed['round_s'] / plain_tls['round_s']:>12.2f}x {signed['sign_s'] * 1e3:>15.1f} "

@@ -9,6 +9,7 @@ attempt it aims at, with a reason that names what was wrong:
 - the aggregator's own server certificate, or one naming the aggregator, in the roster as a member;
 - a masking ring thinner than the client's own least ring, and a federation too small to withstand
   one colluder;
+- a client moved between run ids, back to a round it revealed in;
 - a client restarted mid-round, shown its attempt again from key advertisement.
 """
 
@@ -30,6 +31,7 @@ from secure_party import Party
 from services.client_agent import secure_checks
 from services.client_agent.secure import Protection
 from support import Pki
+from test_secure_lying import finish, refused
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -75,17 +77,6 @@ def federation(tmp_path, fpki: FederationPki, n: int, protect: dict | None = Non
         finally:
             for p in parties:
                 p.close()
-
-
-def finish(parties, timeout=60.0):
-    threads = [p.start() for p in parties]
-    for t in threads:
-        t.join(timeout)
-    return [p.result for p in parties]
-
-
-def refused(result, *words: str) -> bool:
-    return isinstance(result, secagg.SecureError) and all(w in str(result) for w in words)
 
 
 def reuse_nonces(monkeypatch) -> None:
@@ -336,6 +327,35 @@ def test_a_ring_is_refused_over_real_grpc(tmp_path, fpki):
             t.join(0.1)
 
 
+# ---- run ids ------------------------------------------------------------------------------------------
+def test_a_client_moved_between_run_ids_reveals_in_a_round_once(tmp_path):
+    """The attacker runs round 0 as run A, then as run B, then as run A again, the victim's state
+    directory kept throughout: it takes part in A and in B, and refuses A's round 0 the second time
+    before anything of it leaves (another sum with the same release would give the difference)."""
+    from services.client_agent.secure import ReleaseBook
+    from services.client_agent.secure_checks import SeenAttempts
+
+    state = tmp_path / "victim"
+    state.mkdir()
+    outcomes = []
+    for i, run in enumerate(("A", "B", "A")):
+        with lying_aggregator(tmp_path / f"agg-{i}", start_clients=3, run_id=run) as (agg, port, run_dir, liar):
+            target = f"127.0.0.1:{port}"
+            victim = Party(target, "org-0", 100, protection=Protection(
+                book=ReleaseBook(state / "secure_released.json"), min_colluders=0,
+                attempts=SeenAttempts(state / "secure_attempts.txt"))).join()
+            parties = [victim] + [Party(target, f"org-{j}", 100 + j).join() for j in (1, 2)]
+            try:
+                results = finish(parties)
+            finally:
+                for p in parties:
+                    p.close()
+            outcomes.append((victim.config.run_id, results[0], "org-0" in liar.uploaders, victim.steps))
+    assert [o[:3] for o in outcomes[:2]] == [("A", True, True), ("B", True, True)]
+    run_id, result, uploaded, steps = outcomes[2]
+    assert run_id == "A" and refused(result, "already revealed shares", "round 0") and not uploaded and steps == []
+
+
 # ---- a restart mid-round ------------------------------------------------------------------------------------
 def test_a_restarted_client_shown_its_attempt_again_refuses(tmp_path, monkeypatch):
     """A client process is killed after its masked upload; the attacker abandons the attempt and opens the
@@ -373,3 +393,20 @@ def test_a_restarted_client_shown_its_attempt_again_refuses(tmp_path, monkeypatc
         assert "REFUSED" in again.stdout and "at key advertisement again" in again.stdout
         assert "already uploaded in" in again.stdout
         assert liar.uploaders.count("org-0") == 1
+
+
+def test_a_member_list_that_does_not_verify_stops_the_client_at_start(tmp_path, fpki):
+    from fedse import members
+    from fedse.config import ConfigError
+    from services.client_agent.config import ClientConfig
+
+    listed = tmp_path / "members.json"
+    members.sign_member_list(fpki.root / "ca", ["org-0", "org-1"], listed)
+    listed.write_text(listed.read_text().replace('"org-1"', '"org-2"'))
+    cert, key = fpki.member("org-0")
+    with pytest.raises(ConfigError, match="--secure-members: .*not signed by the federation CA"):
+        ClientConfig(tls_ca=fpki.ca_pem, tls_cert=cert, tls_key=key, secure_members=str(listed), metrics_port=-1)
+    with pytest.raises(ConfigError, match="give --tls-ca to check it"):
+        ClientConfig(secure_members=str(listed), metrics_port=-1)
+    with pytest.raises(ConfigError, match="--secure-members"):
+        ClientConfig(secure_members=str(tmp_path / "missing.txt"), metrics_port=-1)

@@ -183,6 +183,9 @@ class ClientConfig(Security):
             raise ConfigError(f"--secure-tolerate-colluders must be 0 or more, got {self.secure_tolerate_colluders}")
         if not 0 < self.secure_dropout_rate < 1:
             raise ConfigError(f"--secure-dropout-rate must lie strictly between 0 and 1, got {self.secure_dropout_rate}")
+        if self.secure_members:  # read and checked now, as the TLS files are: a bad list stops the start
+            from .secure_checks import load_members
+            load_members(self.secure_members, self.tls_ca)
         envs = self.env_list()
         if not envs:
             raise ConfigError("--env is empty: name an environment, e.g. maze, or several: maze,wordle")
