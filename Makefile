@@ -63,8 +63,10 @@ bench-transfer: $(STAMP)
 bench-secure: $(STAMP)
 	$(PY) bench/secure_round.py
 
+## Selectors' time and success to the same updates, then against a liar and a client that dies (exits 1 on a FAIL).
 bench-selection: $(STAMP)
 	$(PY) bench/selection.py
+	$(PY) bench/selection_adversarial.py
 
 bench-ranks: $(STAMP)
 	$(PY) bench/mixed_ranks.py

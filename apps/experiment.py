@@ -17,7 +17,8 @@ The selectors (--methods selectors) are Fed-SE with half the clients taking part
 by `sample`, `utility`, `agent-tools` or `agent-llm` (every client evaluates the final adapter).
 Mixed ranks (--methods ranks) are Fed-SE with the clients at LoRA ranks 4, 16 and 8 in turn (alpha =
 2 x rank), combined by `hlora` (the exact sum of the products, each client taking its best rank) and
-by `zero-pad` (HetLoRA's padded mean, the naive baseline), beside Fed-SE with every client at rank 8.
+by `zero-pad` (the zero-padded factors' mean, the naive baseline HetLoRA builds on), beside Fed-SE with every
+client at rank 8.
 
 All methods share seeds, tasks and budgets: for each seed the runs start from the same base model
 and phi_0 and see the same training and test tasks. The score of a run is the held-out success of

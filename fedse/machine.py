@@ -105,6 +105,26 @@ def resident_bytes(device=None) -> int:
         return 0
 
 
+def reset_peak_resident() -> bool:
+    """Resets this process's peak resident set (VmHWM) to what it holds now, so that peak_resident_bytes
+    then tells the peak of what runs next (Linux 4.0+: "5" written to /proc/self/clear_refs); False
+    where it cannot be reset (the peak is then the process's lifetime peak)."""
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_resident_bytes() -> int:
+    """The most this process has held resident (VmHWM) since it started or reset_peak_resident; 0 where
+    it cannot be read."""
+    try:
+        return _proc_bytes("/proc/self/status", "VmHWM")
+    except (OSError, ValueError):
+        return 0
+
+
 def available_memory_bytes(device=None) -> int:
     """The most this process may hold: on a CUDA device what is free there plus what this process
     holds (other processes sharing the card keep theirs); on a CPU its cgroup's memory limit (a

@@ -8,7 +8,7 @@ update as it is), which is what the exported PEFT directory says and stock peft 
 What both sides need, the aggregator and the clients, lives here:
 - `scaling`, `rank_of`, `at_rank`, `check_fits`: a client's rank and scaling from its schema, the run's
   schema at rank R, and the check that a client's schema fits it;
-- `padded` and `truncated`: HetLoRA's zero-padding of a client's factors to rank R (B scaled by
+- `padded` and `truncated`: zero-padding of a client's factors to rank R, as HetLoRA pads (B scaled by
   s_k / s_R, so that the padded product is the client's update) and its inverse, the first r_k
   components; `held`: which values of the padded adapter are the client's own (all its clip counts);
 - `held_rank`, `thinly_held`, `zero_above`: under secure aggregation, no component summed over fewer
@@ -41,7 +41,7 @@ def run_schema(schema: Schema, max_rank: int) -> Schema:
 def to_own_rank(adapter: Mapping[str, torch.Tensor], strategy: str, rank: int, own_scaling: float
                 ) -> dict[str, torch.Tensor]:
     """The run's global adapter as a client of `rank` and `own_scaling` trains from it: the first components
-    for zero-pad (HetLoRA), the best rank-`rank` approximation for the product strategies."""
+    for zero-pad (as HetLoRA truncates), the best rank-`rank` approximation for the product strategies."""
     if strategy == "zero-pad":
         return truncated(adapter, rank, own_scaling / RUN_SCALING)
     return refactored(adapter, rank, own_scaling, RUN_SCALING)
@@ -140,7 +140,7 @@ def check_fits(run: Schema, client: Schema, max_rank: int) -> int:
     return r
 
 
-# ---- zero-padding (HetLoRA) and truncation --------------------------------------------------------
+# ---- zero-padding (as HetLoRA pads) and truncation ------------------------------------------------
 
 class Padded(Mapping[str, torch.Tensor]):
     """A client's adapter as the run's rank-R adapter: each lora_A gets zero rows and each lora_B zero

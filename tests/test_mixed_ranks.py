@@ -65,6 +65,60 @@ def test_hlora_is_the_truncated_svd_of_the_dense_scaled_sum_for_ranks_2_4_8_16_m
     assert relative(out_scaling * flex[B] @ flex[A], out_scaling * result[B] @ result[A]) > 1e-3  # not hlora's
 
 
+def test_flexlora_weighs_by_examples_and_keeps_the_largest_components_of_the_scaled_sum():
+    # x: rank 1, scaling 1, 1 example; y: rank 2, scaling 0.5, 3 examples. p = (1/4, 3/4), so
+    # dW = 1/4 * 1 * 2 e1e1^T + 3/4 * 0.5 * (3 e2e2^T + 1 e3e3^T) = diag(0.5, 1.125, 0.375); at rank 2 the
+    # 0.375 goes, and with s_R = 0.5, B'A' = diag(1, 2.25, 0): B' = U sqrt(S), A' = sqrt(S) V^T.
+    x = {A: torch.tensor([[1.0, 0, 0]]), B: torch.tensor([[2.0], [0], [0]])}
+    y = {A: torch.tensor([[0.0, 1, 0], [0, 0, 1]]), B: torch.tensor([[0.0, 0], [3, 0], [0, 1]])}
+    prev = {A: torch.zeros(2, 3), B: torch.zeros(3, 2)}
+    got = aggregate("flexlora", [Update("x", x, 1, 0, scaling=1.0), Update("y", y, 3, 0, scaling=0.5)], prev,
+                    out_scaling=0.5)
+    assert torch.allclose(got[B] @ got[A], torch.diag(torch.tensor([1.0, 2.25, 0])), atol=1e-6)
+    assert torch.allclose(got[B].abs(), torch.tensor([[0.0, 1], [1.5, 0], [0, 0]]), atol=1e-6)
+    assert torch.allclose(got[A].abs(), torch.tensor([[0.0, 1.5, 0], [1, 0, 0]]), atol=1e-6)
+
+
+def dense_flexlora(updates, rank, out_scaling, a, b):
+    """What flexlora computed before it worked from the factors: the dense sum, a full SVD, cut to rank."""
+    weights = [float(u.num_examples) for u in updates]
+    delta = dense(updates, weights, a, b)
+    u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+    return ranks.svd_factors(u, s, vh, rank, out_scaling, max(delta.shape))
+
+
+@pytest.mark.parametrize("seed, client_ranks, rank, examples, out_scaling", [
+    (0, (2, 4, 8, 16), 16, (1, 2, 3, 4), 0.75),
+    (1, (16, 1, 8), 16, (100, 1, 7), 1.0),
+    (2, (2, 4), 8, (5, 2), 2.0),  # sum of ranks 6 < 8: two components left dead
+    (3, (4, 4, 4, 4, 4), 4, (3, 0, 9, 1, 1), 0.5),  # one rank, a client of no examples
+])
+def test_flexlora_from_the_factors_is_the_dense_svd_it_replaces_and_never_decomposes_an_out_by_in_matrix(
+        monkeypatch, seed, client_ranks, rank, examples, out_scaling):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((A, B, 40, 36), (A2, B2, 12, 16))  # m wider than every sum of ranks; n narrower than some
+    updates = []
+    for k, (r, n) in enumerate(zip(client_ranks, examples)):
+        adapter, s = client(r, 2 * r + k, gen, shapes)
+        updates.append(Update(f"c{k}", adapter, num_examples=n, num_successes=0, scaling=s))
+    prev = {**client(rank, rank, gen, shapes)[0], B: torch.zeros(40, rank, dtype=torch.float64),
+            B2: torch.zeros(12, rank, dtype=torch.float64)}
+    want = {a: dense_flexlora(updates, rank, out_scaling, a, b) for a, b in ((A, B), (A2, B2))}
+    decomposed = []
+    svd = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda m, **kw: decomposed.append(tuple(m.shape)) or svd(m, **kw))
+    got = aggregate("flexlora", updates, prev, out_scaling=out_scaling)
+    monkeypatch.undo()
+    assert decomposed and max(max(shape) for shape in decomposed) <= sum(client_ranks)
+    for a, b in ((A, B), (A2, B2)):
+        b_old, a_old, live = want[a]
+        product, old = got[b] @ got[a], b_old @ a_old
+        assert relative(product, old) < 1e-12
+        assert torch.allclose(torch.linalg.svdvals(product)[:rank], torch.linalg.svdvals(old)[:rank], atol=1e-12)
+        assert torch.allclose(got[a][~live], prev[a][~live]) and not got[b][:, ~live].any()
+        assert int(live.sum()) == min(rank, sum(client_ranks), *prev[b].shape[:1], *prev[a].shape[1:])
+
+
 def test_each_client_refactors_the_global_adapter_to_the_truncated_svd_at_its_own_rank_and_scaling():
     gen = torch.Generator().manual_seed(5)
     updates = [Update(f"c{r}", client(r, 2 * r, gen)[0], 1, 0, scaling=2.0) for r in (4, 8, 16)]

@@ -3,6 +3,7 @@ upload, when such a round closes, what is recorded and what a restart keeps."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -160,12 +161,12 @@ def test_over_grpc_the_status_names_the_chosen_and_a_left_out_upload_is_refused(
         assert f"client {out} does not take part in round 0 (not sampled, 1 of 3 alive)" in refused.value.details()
         run = clients[out].stub.GetRunStatus(fpb.RunStatusRequest())
         assert run.selection.round == 0 and list(run.selection.chosen) == [chosen]
-        assert run.selection.policy == "sample" and run.selector_fallbacks == 0
+        assert run.selection.policy == "sample+fairness_floor" and run.selector_fallbacks == 0  # the floor: default
         assert {c.client_id: c.selected for c in run.clients} == {cid: cid == chosen for cid in clients}
         assert all(c.selection_reason.startswith("sampled" if c.selected else "not sampled") for c in run.clients)
         from apps.cli import format_status
         shown = format_status(run)  # what fedse status prints
-        assert f"selection (sample) of round 0: {chosen} by sample" in shown
+        assert f"selection (sample) of round 0: {chosen} by sample+fairness_floor" in shown
         assert shown.count("not chosen: not sampled, 1 of 3 alive") == 2
         clients[chosen].upload(0, data, num_examples=1, num_successes=1)
         assert clients[out].wait_until(lambda s: s.round == 1, timeout_s=10).selective
@@ -244,3 +245,88 @@ def test_a_client_agent_sits_out_a_round_it_was_not_chosen_for_even_across_a_res
         assert reports == {("org-a", 1), ("org-a", 2)}
         assert [e["chosen"] for e in Store(tmp_path / "agg", "t").selections()] == [["org-b"], ["org-a"]]
         b.close()
+
+
+def test_over_grpc_a_chosen_client_that_dies_is_replaced_and_the_accepted_upload_kept(tmp_path):
+    """sample K = 2, --min-clients 2, four clients heartbeating over gRPC: one chosen client uploads,
+    the other's heartbeat stops. An alive client left out takes its place at once, the upload already
+    accepted counts, and the round closes long before its deadline."""
+    import threading
+    import time
+
+    import torch
+
+    from fedse.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.federation import FederationClient
+    from support import aggregator_in_process
+
+    state = {"m.lora_A.weight": torch.zeros(2, 3), "m.lora_B.weight": torch.zeros(3, 2)}
+    schema, data = ad.Schema.of(state, '{"r": 2}'), ad.encode(state)
+    with aggregator_in_process(tmp_path, rounds=1, min_clients=2, start_clients=4, selector="sample",
+                               clients_per_round=2, heartbeat_timeout_s=1.0, round_deadline_s=60.0,
+                               wait_after_min_s=60.0) as (agg, port, run_dir):
+        clients = {cid: FederationClient(f"127.0.0.1:{port}", cid, retries=2, backoff_s=0.1) for cid in CLIENTS}
+        for c in clients.values():
+            c.join("maze", TINY_MODEL_NAME, schema)
+        beating = {cid: threading.Event() for cid in CLIENTS}
+        for e in beating.values():
+            e.set()
+
+        def beat(cid: str) -> None:
+            while beating[cid].is_set():
+                clients[cid].heartbeat(0, "training")
+                time.sleep(0.2)
+        threads = [threading.Thread(target=beat, args=(cid,), daemon=True) for cid in CLIENTS]
+        for t in threads:
+            t.start()
+        first, dying = clients["a"].status().selected
+        clients[first].upload(0, data, num_examples=1, num_successes=1)
+        beating[dying].clear()  # it dies: no heartbeat, no upload
+        died = time.monotonic()
+        st = clients[first].wait_until(lambda s: dying not in s.selected, timeout_s=8)
+        assert time.monotonic() - died < 5  # the heartbeat timeout (1 s) and a tick, not the deadline (60 s)
+        (new,) = set(st.selected) - {first}
+        assert new != dying and st.round == 0
+        clients[new].upload(0, data, num_examples=1, num_successes=1)
+        clients[first].wait_until(lambda s: s.round == 1, timeout_s=10)
+        for e in beating.values():
+            e.clear()
+        sel = Store(tmp_path, "t").selections()[-1]
+        assert sorted(sel["chosen"]) == sorted([first, new]) and sel["reasoning"][0] == f"topped up: {new} for {dying}"
+        assert sel["reasons"][new] == f"topped up: replaces {dying} (not alive)"
+        members = agg.federation.run.members
+        assert members[first].rounds_uploaded == [0] and members[new].rounds_uploaded == [0]  # both folded
+        assert members[dying].dropouts == 1 and members[dying].rounds_uploaded == []
+        for t in threads:
+            t.join(timeout=2)
+        for c in clients.values():
+            c.close()
+
+
+@pytest.mark.parametrize("with_success", [False, True])
+def test_a_liar_reporting_loss_1e30_and_success_1_gets_no_more_than_its_share(tmp_path, with_success):
+    """utility, two places among four clients for ten rounds. Every client reports every round, chosen or
+    not; the liar claims a loss of 1e30 (and a success of 1.0), the honest ones ordinary values. Ranks,
+    reports counted only for rounds taken part in, and the staleness bonus hold the liar to its share
+    (10 * 2 / 4 = 5 places, one more at most for the round-0 draw)."""
+    clock = Clock()
+    fed = federation(tmp_path, clock, num_rounds=10, start_clients=4,
+                     selection=SelectionSettings("utility", clients_per_round=2))
+    join(fed, "liar", "b", "c", "d")
+    honest = {"b": (0.9, 0.30), "c": (0.8, 0.35), "d": (0.7, 0.40)}
+    places = collections.Counter()
+    for r in range(10):
+        st = fed.status()
+        assert st.round == r
+        for cid in CLIENTS_WITH_LIAR:
+            loss, success = (1e30, 1.0) if cid == "liar" else (honest[cid][0] - 0.01 * r, honest[cid][1] + 0.02 * r)
+            fed.report_metrics(cid, r, {"train_loss": loss, **({"test_success": success} if with_success else {})})
+        places.update(st.selected)
+        for cid in st.selected:
+            upload(fed, cid, 1.0)
+        clock.now += 1
+    assert places["liar"] <= 6, places
+    assert all(places[c] >= 4 for c in honest), places  # nobody starved
+
+
+CLIENTS_WITH_LIAR = ("liar", "b", "c", "d")

@@ -15,6 +15,7 @@ from services.aggregator.selection import (
     Available,
     ClientHistory,
     FairnessFloor,
+    Policy,
     Sample,
     Selection,
     SelectionInput,
@@ -161,20 +162,21 @@ def test_utility_prefers_useful_and_fast_clients_and_explores_the_untried_one():
     assert set(sel.chosen) == {"gainer", "late", "newcomer"}
     util = {cid: value for cid, (value, _) in policy.utilities(given).items()}
     assert set(util) == ALIVE - {"newcomer"}  # only alive, tried clients are ranked
-    # Gains scaled by the best alive one (0.30; gone's 0.5 does not count); the median of the alive
+    # Gains count by their rank among the alive clients' (gone's 0.5 does not count): steady 0.05 is
+    # 1/4, late 0.10 is 2/4, gainer and slow share ranks 3 and 4 (3.5/4). The median of the alive
     # clients' durations (50, 60, 70, 240 s) is 65 s, and anyone slower is scaled by (65 / d)^2.
-    assert util["gainer"] == pytest.approx(1.0)
-    assert util["slow"] == pytest.approx((65 / 240) ** 2)  # gainer's gain, but 3.7 times slower
-    assert util["late"] == pytest.approx(0.10 / 0.30 * (65 / 70) ** 2)
-    assert util["steady"] == pytest.approx(0.05 / 0.30)
-    # A claimed gain above 1 (impossible for a change of a ratio) counts as 1, no more.
+    assert util["gainer"] == pytest.approx(0.875)
+    assert util["slow"] == pytest.approx(0.875 * (65 / 240) ** 2)  # gainer's gain, but 3.7 times slower
+    assert util["late"] == pytest.approx(0.5 * (65 / 70) ** 2)
+    assert util["steady"] == pytest.approx(0.25)
+    # A claimed gain above 1 (impossible for a change of a ratio) is no report: steady's loss ranks it.
     boasting = tuple(dataclasses.replace(c, success_gain=50.0) if c.client_id == "steady" else c for c in history())
     boasted = policy.utilities(inp(clients=boasting))
-    assert boasted["steady"][0] == pytest.approx(1.0) and boasted["gainer"][0] == pytest.approx(0.30)
-    assert sel.reasons["gainer"] == "utility 1.00, rank 1 of 4; top 2 taken"
-    assert sel.reasons["late"] == "utility 0.29 (slow: 70 s, median 65 s), rank 2 of 4; top 2 taken"
-    assert sel.reasons["steady"] == "utility 0.17, rank 3 of 4; top 2 taken"
-    assert sel.reasons["slow"] == "utility 0.07 (slow: 240 s, median 65 s), rank 4 of 4; top 2 taken"
+    assert boasted["steady"][0] == pytest.approx(0.5) and boasted["gainer"][0] == pytest.approx(2.5 / 3)
+    assert sel.reasons["gainer"] == "utility 0.88, 0 rounds out, rank 1 of 4; top 2 taken"
+    assert sel.reasons["late"] == "utility 0.43 (slow: 70 s, median 65 s), 0 rounds out, rank 2 of 4; top 2 taken"
+    assert sel.reasons["steady"] == "utility 0.25, 0 rounds out, rank 3 of 4; top 2 taken"
+    assert sel.reasons["slow"] == "utility 0.06 (slow: 240 s, median 65 s), 0 rounds out, rank 4 of 4; top 2 taken"
     assert sel.reasons["newcomer"] == "exploring: never tried"
     assert sel.reasons["gone"].startswith("not alive")
     assert policy.select(inp()) == sel  # reproducible
@@ -182,23 +184,24 @@ def test_utility_prefers_useful_and_fast_clients_and_explores_the_untried_one():
 
 
 def test_utility_falls_back_to_loss_and_fills_slots_across_groups():
-    # No one has a gain yet: the training loss ranks them (gone's 2.0 is not alive and does not scale).
+    # No one has a gain yet: the training loss ranks them (gone's 2.0 is not alive and does not count).
     clients = tuple(dataclasses.replace(c, success_gain=None) for c in history())
     given = inp(clients=clients)
     util = {cid: v for cid, (v, _) in Utility(clients_per_round=2).utilities(given).items()}
-    assert util == pytest.approx({"steady": 0.8, "gainer": 0.9, "slow": (65 / 240) ** 2,
-                                  "late": 0.7 * (65 / 70) ** 2})
-    # epsilon 0: no exploration; epsilon 1: all slots explore, the one untried client and then the best.
+    assert util == pytest.approx({"steady": 0.5, "gainer": 0.75, "slow": (65 / 240) ** 2,
+                                  "late": 0.25 * (65 / 70) ** 2})
+    # epsilon 0: no exploration; epsilon 1: all slots explore, the one untried client and then the one
+    # longest unchosen (all were chosen last round: the seeded order decides).
     assert "newcomer" not in Utility(clients_per_round=2, epsilon=0).select(given).chosen
     sel = Utility(clients_per_round=2, epsilon=1).select(given)
     check(sel, given)
-    assert set(sel.chosen) == {"newcomer", "gainer"}
+    assert "newcomer" in sel.chosen and any(r.startswith("exploring: not chosen for 0") for r in sel.reasons.values())
     # More slots than alive clients: everyone alive.
     assert set(Utility(fraction=1.0).select(given).chosen) == ALIVE
-    # Selected before but never reported: tried, so it does not explore, and ranked last.
+    # Selected before but never reported: tried, so it does not explore; it dropped both its rounds.
     silent = inp(clients=clients + (ClientHistory("silent", True, 1.0, (3, 4), dropouts=2),))
-    sel = Utility(clients_per_round=2).select(silent)
-    assert sel.reasons["silent"] == "utility unknown (nothing reported), rank 5 of 5; top 2 taken"
+    sel = Utility(clients_per_round=2, epsilon=0).select(silent)
+    assert sel.reasons["silent"] == "utility unknown (nothing reported), 0 rounds out, rank 5 of 5; top 2 taken"
 
 
 def test_utility_draws_explorers_reproducibly_and_leaves_the_others_a_reason():
@@ -210,7 +213,7 @@ def test_utility_draws_explorers_reproducibly_and_leaves_the_others_a_reason():
         explorers = [c for c in sel.chosen if c.startswith("new")]
         assert len(explorers) == 1 and sel.reasons[explorers[0]] == "exploring: never tried"
         left = [c for c in ("newcomer", "new-0", "new-1", "new-2", "new-3") if c not in sel.chosen]
-        assert all(sel.reasons[c] == "never tried, not drawn to explore (1 of 5 taken)" for c in left)
+        assert all(sel.reasons[c] == "never tried, not drawn to explore (1 explore)" for c in left)
     assert len({s.chosen for s in sels}) == 5  # every untried client gets its turn across rounds
     assert policy.select(inp(round_=3, clients=clients)) == sels[3]
 
@@ -226,7 +229,14 @@ def test_fairness_floor_forces_in_a_client_left_out_for_f_rounds():
         ClientHistory("gone", False, 99.0, (0,)),
     )
     given = inp(round_=5, clients=clients)
-    inner = Utility(clients_per_round=1, epsilon=0)
+
+    class Favourite(Policy):  # a policy with a favourite, whatever else it is told
+        name = "favourite"
+
+        def _choose(self, inp):
+            return {"favourite"}, {c.client_id: "favourite" if c.client_id == "favourite" else "not it"
+                                   for c in inp.clients}
+    inner = Favourite()
     assert inner.select(given).chosen == ("favourite",)
     sel = FairnessFloor(inner, every_f_rounds=3).select(given)
     check(sel, given)
@@ -234,8 +244,8 @@ def test_fairness_floor_forces_in_a_client_left_out_for_f_rounds():
     assert sel.chosen == ("favourite", "ignored", "joined-late")
     assert sel.reasons["ignored"] == "fairness floor: not chosen for 3 rounds"
     assert sel.reasons["joined-late"] == "fairness floor: never chosen in 5 rounds"
-    assert sel.reasons["recent"].startswith("utility")
-    assert sel.policy == "utility+fairness_floor"
+    assert sel.reasons["recent"] == "not it"
+    assert sel.policy == "favourite+fairness_floor"
     # Before round F a client never chosen is not forced in yet.
     early = FairnessFloor(inner, every_f_rounds=3).select(inp(round_=2, clients=clients))
     assert "joined-late" not in early.chosen
@@ -311,7 +321,7 @@ def test_nobody_alive_gives_an_empty_selection_with_reasons():
     ("utility", {"clients_per_round": 2, "epsilon": 1.2}, "epsilon must be in [0, 1]"),
     ("utility", {"clients_per_round": 2, "epsilon": float("nan")}, "epsilon must be in [0, 1]"),
     ("utility", {"clients_per_round": 2, "alpha": -1}, "alpha must be a finite number >= 0"),
-    ("sample", {"clients_per_round": 2, "every_f_rounds": 0}, "every_f_rounds must be an integer >= 1, got 0"),
+    ("sample", {"clients_per_round": 2, "every_f_rounds": -1}, "every_f_rounds must be an integer >= 0, got -1"),
 ])
 def test_bad_parameters_are_refused_saying_what_to_fix(name, params, message):
     with pytest.raises(ValueError) as e:
@@ -334,3 +344,60 @@ def test_bad_inputs_are_refused():
     assert odd.success_gain is None and odd.last_loss is None and odd.last_success is None and not odd.tried
     with pytest.raises(ValueError, match="already under a fairness floor"):
         FairnessFloor(FairnessFloor(All(), 2), 3)
+
+
+# ---- nobody starved: exploration, staleness, the floor on by default ----------------------------
+
+def simulate(policy, clients: tuple[ClientHistory, ...], rounds: int) -> dict[str, list[int]]:
+    """`policy` over `rounds` rounds, each chosen client's rounds_selected growing: the rounds each
+    client was chosen in."""
+    hist = {c.client_id: c for c in clients}
+    for r in range(rounds):
+        for cid in policy.select(SelectionInput("run-1", r, 7, tuple(hist.values()))).chosen:
+            hist[cid] = dataclasses.replace(hist[cid], rounds_selected=(*hist[cid].rounds_selected, r))
+    return {cid: list(c.rounds_selected) for cid, c in hist.items()}
+
+
+REPORTED = tuple(ClientHistory(f"hi-{i}", True, 1.0, success_gain=0.3 + 0.01 * i, last_loss=1.0)
+                 for i in range(3)) + tuple(ClientHistory(f"lo-{i}", True, 1.0, success_gain=0.0, last_loss=0.1)
+                                            for i in range(3))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_utility_never_shuts_out_a_low_utility_client(k):
+    # Everyone reported once (tried), three learn and three do not; their reports never change.
+    rounds = simulate(Utility(clients_per_round=k), REPORTED, 24)
+    for cid, chosen in rounds.items():
+        assert any(r > 3 for r in chosen), (cid, rounds)
+    # The one place at K = 1 explores with probability epsilon; at K >= 2 one place always explores.
+    assert Utility(clients_per_round=2).explorers(inp(), 2) == 1
+    assert Utility(clients_per_round=1, epsilon=0.2).explorers(inp(), 1) in (0, 1)
+    assert sum(Utility(clients_per_round=1).explorers(inp(round_=r), 1) for r in range(200)) in range(20, 61)
+
+
+def test_the_fairness_floor_is_on_by_default_and_agent_tools_obeys_it():
+    from services.aggregator.selection import SelectionSettings
+
+    floor = SelectionSettings("sample", clients_per_round=1).policy()
+    assert isinstance(floor, FairnessFloor) and floor.every_f_rounds == 0 and floor.rounds(4) == 5  # ceil(4/1)+1
+    assert isinstance(SelectionSettings("sample", clients_per_round=1, fairness_rounds=-1).policy(), Sample)
+    assert not isinstance(SelectionSettings("all").policy(), FairnessFloor)
+    with pytest.raises(ValueError, match="--fairness-rounds must be -1"):
+        SelectionSettings("sample", clients_per_round=1, fairness_rounds=-2).policy()
+    # agent-tools leaves a once-slow client out as a straggler; the floor brings it back every few rounds.
+    clients = tuple(ClientHistory(f"c{i}", True, 1.0, success_gain=0.1, mean_round_s=50.0) for i in range(3)) + \
+        (ClientHistory("once-slow", True, 1.0, success_gain=0.1, mean_round_s=500.0),)
+    rounds = simulate(SelectionSettings("agent-tools").policy(), clients, 10)
+    assert len(rounds["once-slow"]) >= 2, rounds  # F = ceil(4/4) + 1 = 2: at least every third round
+
+
+def test_reported_values_out_of_range_are_no_report_and_a_huge_loss_is_clipped():
+    c = ClientHistory("x", True, 1.0, last_success=1.5, success_gain=-2.0, last_loss=1e30, buffer_size=-3)
+    assert c.last_success is None and c.success_gain is None and c.buffer_size is None
+    assert c.last_loss == 1e3
+    assert ClientHistory("y", True, 1.0, last_loss=-1.0, buffer_size=10 ** 12).last_loss is None
+    # One outlier weighs what the top honest value weighs: utility ranks the signal.
+    liar = ClientHistory("liar", True, 1.0, (0,), last_loss=1e30)
+    honest = tuple(ClientHistory(f"h{i}", True, 1.0, (0,), last_loss=0.5 + 0.1 * i) for i in range(3))
+    util = Utility(clients_per_round=1).utilities(inp(round_=1, clients=(liar, *honest)))
+    assert util["liar"][0] == pytest.approx(1.0) and util["h2"][0] == pytest.approx(0.75)

@@ -74,7 +74,7 @@ def test_a_valid_answer_is_taken_with_its_reason():
 
 def scripted(answer: str) -> LLMAgent:
     agent = LLMAgent(clients_per_round=2, model="any")
-    agent.generate = lambda name, prompt: answer  # the model's answer, scripted
+    agent.generate = lambda name, prompt, schema=None: answer  # the model's answer, scripted
     return agent
 
 
@@ -101,15 +101,29 @@ def test_agent_llm_prompts_with_the_history_as_json():
 
 
 def test_agent_llm_with_the_real_tiny_model_answers_and_is_checked():
-    """The embedded tiny model (built in code) is prompted for real; it is no planner, so its answer is
-    refused and the tools decide, and the selection says so."""
+    """The embedded tiny model (built in code, random weights) is prompted for real. Unconstrained it
+    writes no JSON, and the tools decide; constrained, its answer parses and has the schema's form
+    every time (a random model: the constraint, not the model, makes it valid), and the policy's
+    checks still judge what it says."""
     given = dataclasses.replace(inp(), base_model="fedse-tiny")
-    agent = LLMAgent(clients_per_round=2, max_new_tokens=24)
+    free = LLMAgent(clients_per_round=2, max_new_tokens=24, max_seconds=60, constrained=False).select(given)
+    check(free, given)
+    assert free.fallback_reason == "the model's answer was refused: no JSON object in the answer"
+    assert free.chosen == ToolAgent(clients_per_round=2).select(given).chosen
+    agent = LLMAgent(clients_per_round=2, max_new_tokens=48, max_seconds=60)
+    alive = sorted(c.client_id for c in given.alive())
+    for round_ in range(4):
+        situation = dataclasses.replace(given, round=round_ + 5)
+        plan = agent.tools._choose(situation)
+        schema = agent.schema(situation, len(alive), 2)
+        answer = json.loads(agent.generate("fedse-tiny", agent.prompt(situation, plan), schema))
+        assert set(answer) == {"clients", "reason"} and len(answer["clients"]) == 2
+        assert set(answer["clients"]) <= set(alive) and isinstance(answer["reason"], str)
+        assert len(answer["reason"]) <= schema["properties"]["reason"]["maxLength"]
     sel = agent.select(given)
     check(sel, given)
-    assert sel.fallback_reason.startswith("the model's answer was refused: ")
+    assert "does not parse" not in sel.fallback_reason and "no JSON" not in sel.fallback_reason
     assert sel.reasoning[-1].startswith("model answered: ")
-    assert sel.chosen == ToolAgent(clients_per_round=2).select(given).chosen
 
 
 def test_a_model_that_cannot_load_falls_back(tmp_path):
@@ -125,7 +139,7 @@ def test_selector_settings_refuse_what_does_not_fit():
         SelectionSettings("sample").policy()
     with pytest.raises(ValueError, match="--selector available does not take --clients-per-round"):
         SelectionSettings("available", clients_per_round=2).policy()
-    assert make_policy(**SelectionSettings("agent-llm", 3, model="fedse-tiny").policy().config()).model == \
+    assert make_policy(**SelectionSettings("agent-llm", 3, model="fedse-tiny").policy().config()).policy.model == \
         "fedse-tiny"
     with pytest.raises(ValueError, match="max_seconds must be a number of seconds in"):
         LLMAgent(max_seconds=0)
@@ -141,17 +155,66 @@ def test_the_round_keeper_counts_fallbacks_and_keeps_the_agents_memory_across_a_
 
     def keeper() -> RoundKeeper:
         fed = RoundKeeper(settings(selection=chosen, start_clients=3), Store(tmp_path, "r"), clock=clock)
-        fed.policy.generate = lambda name, prompt: "no idea"
+        fed.policy.policy.generate = lambda name, prompt, schema=None: "no idea"  # the agent, under the fairness floor
         return fed
     fed = keeper()
     join(fed, "a", "b", "c")
+    assert fed.thinking.wait()  # the model is asked outside the round keeper's lock
     sel, fallbacks = fed.selection()
     assert fallbacks == 1 and sel.fallback_reason == "the model's answer was refused: no JSON object in the answer"
     for cid in sel.chosen:
         upload(fed, cid, 1.0)
-    assert fed.status().round == 1 and fed.selection()[1] == 2
+    assert fed.thinking.wait() and fed.status().round == 1 and fed.selection()[1] == 2
     memory = fed.run.selector_memory
     assert memory["round"] == 1 and memory["chosen"] == list(fed.status().selected)
     again = keeper()
     assert again.run.selector_memory == memory and again.selection()[1] == 2
     assert again.status().selected == fed.status().selected
+
+
+def test_an_answer_that_breaks_the_policy_falls_back_and_is_counted_and_shown(tmp_path):
+    """Under --clients-per-round 3, an answer naming one client is well formed but takes the wrong
+    number; an answer leaving out a client the fairness floor requires breaks the floor. Both fall back
+    to the tools' plan, counted, and `fedse status` shows the fallback."""
+    given = inp()
+    agent = LLMAgent(clients_per_round=3, model="any")
+    agent.generate = lambda name, prompt, schema=None: '{"clients": ["gainer"], "reason": "the best"}'
+    sel = agent.select(given)
+    assert sel.fallback_reason == "the model's answer was refused: names 1 client(s); this round takes exactly 3"
+    assert sel.chosen == ToolAgent(clients_per_round=3).select(given).chosen
+    due = dataclasses.replace(given, must=("slow",))
+    agent.generate = lambda name, prompt, schema=None: '{"clients": ["gainer", "steady", "late"], "reason": "fast ones"}'
+    sel = agent.select(due)
+    assert sel.fallback_reason == "the model's answer was refused: leaves out slow, due under the fairness floor"
+    assert "slow" in sel.chosen  # the tools place the client due first
+    with pytest.raises(AnswerError, match="this round takes exactly 2"):
+        check_answer('{"clients": ["gainer", "steady", "late"]}', given, 4, exactly=2)
+
+    from apps.cli import format_status
+    from services.aggregator.rounds import RoundKeeper
+    from services.aggregator.servicer import FederationServicer
+    from services.aggregator.store import Store
+    from test_rounds import Clock, join, settings
+
+    fed = RoundKeeper(settings(selection=SelectionSettings("agent-llm", clients_per_round=2, model="any"),
+                               start_clients=3), Store(tmp_path, "r"), clock=Clock())
+    fed.policy.policy.generate = lambda name, prompt, schema=None: '{"clients": ["a"], "reason": "a alone"}'
+    join(fed, "a", "b", "c")
+    assert fed.thinking.wait()
+    sel, fallbacks = fed.selection()
+    assert fallbacks == 1 and len(sel.chosen) == 2
+    assert sel.fallback_reason == "the model's answer was refused: names 1 client(s); this round takes exactly 2"
+    from fedse.v1 import federation_pb2 as fpb
+
+    shown = format_status(FederationServicer(fed).GetRunStatus(fpb.RunStatusRequest(), None))
+    assert "selector fallbacks so far: 1" in shown
+    assert "  fallback: the model's answer was refused: names 1 client(s); this round takes exactly 2" in shown
+
+
+def test_selector_agents_imports_first_without_a_circle():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import services.aggregator.selector_agents"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

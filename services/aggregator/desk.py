@@ -15,6 +15,7 @@ from typing import Callable
 from fedse import adapter as ad
 from fedse.serving import log_fields
 
+from .buffer_rules import check_upload
 from .errors import DuplicateUpload, ResumeMismatch, RunFinished, StaleRound, Superseded
 from .secure import SecureDesk
 from .state import Member, RunSettings, RunState, State
@@ -237,6 +238,7 @@ class UploadDesk:
         if pending is not None and pending.base != base:
             raise DuplicateUpload(f"client {client_id}'s upload trained from version {pending.base} is still in the "
                                   "buffer: one upload of a client is folded at a time; wait for the next version")
+        check_upload(run, self.settings, self.store, client_id, base)  # a slot, once a version, a fold to come
 
     def _check_round(self, client_id: str, round_: int, nonce: str) -> None:
         """Raises unless an upload of `client_id` for `round_` with `nonce` may land now."""

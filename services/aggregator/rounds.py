@@ -32,12 +32,14 @@ from fedse.serving import log_fields
 from . import metrics
 from .adapter_files import AdapterFile, allocate, fresh
 from .attempt import Attempt, Stage, mask_keys
+from .buffer_rules import OpenBuffer, buffer_size, fold_reason, slot_expired
 from .closing import OpenRound, Rule, close_reason
 from .desk import UploadDesk
 from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
 from .secure import SecureDesk
-from .selection import All, ClientHistory, Selection, SelectionInput
+from .selection import All, ClientHistory, Selection, SelectionInput, top_up
+from .selecting import Pending, Thinking, is_placeholder, model_agent, placeholder
 from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, buffered, restore
 from .store import Store
 from .tracking import Tracker
@@ -104,6 +106,8 @@ class RoundKeeper:
         self._rule = Rule(settings.min_clients, settings.wait_after_min_s, settings.heartbeat_timeout_s)
         self._layout: secagg.Layout | None = None
         self.policy = settings.selection.policy() if settings.selection.selective else None
+        # A selector that asks a model chooses outside the lock (selecting.Thinking); None for the others.
+        self.thinking = Thinking(self._choose, self._chosen) if model_agent(self.policy) is not None else None
         self.run = restore(settings, store, clock())
         # At least two uploads close a secure round; min_clients close a plain one early.
         self._minimum = max(2, settings.min_clients) if settings.secure else settings.min_clients
@@ -134,6 +138,9 @@ class RoundKeeper:
         self._reported: set[tuple[str, int]] = set()
         for cid, r, m in store.metrics_reports():
             self._note_report_locked(cid, r, m)
+        if self.run.state is State.OPEN and is_placeholder(self.run.selection):
+            with self._cond:  # it stopped while the selector's model was choosing: choose again
+                self._select_locked(self.run.round, "the aggregator restarted while the selector was choosing")
 
     # ---- queries -------------------------------------------------------------------------
     def joined(self, client_ids: Iterable[str]) -> set[str]:
@@ -150,8 +157,11 @@ class RoundKeeper:
         # phi_round exists once the schema is fixed: phi_0 is written at the first join, and
         # phi_{t+1} before round t+1 opens.
         sha = self.globals.get(run.round)[1] if run.schema is not None else ""
+        # While the selector's model chooses, clients see the round as not open yet, and wait for it.
+        thinking = self.thinking is not None and self.thinking.pending is not None and run.state is State.OPEN
         return Status(
-            run_id=self.settings.run_id, round=run.round, state=run.state, num_rounds=self.settings.num_rounds,
+            run_id=self.settings.run_id, round=run.round, state=State.AGGREGATING if thinking else run.state,
+            num_rounds=self.settings.num_rounds,
             joined=tuple(sorted(run.members)), uploaded=tuple(run.uploaded()), deadline_unix=run.deadline,
             global_sha256=sha, version=self._version, round_nonce=run.nonce,
             secure_stage=self.secure.stage() if self.secure is not None and run.state is State.OPEN else None,
@@ -227,6 +237,8 @@ class RoundKeeper:
                 return False, f"its update from version {m.accepted.base} waits in the buffer"
             if m.phase == DECLINED:
                 return False, "declines: its privacy budget is spent"
+            if m.slot_lost == run.round:
+                return False, "its slot was taken back (it stopped answering, or did not upload by its deadline)"
             return False, (f"trained from version {m.slot_version}; waits for the next" if m.slot_version >= run.round
                            else "waits for a free training slot")
         return run.selected(client_id), run.selection_reason(client_id)
@@ -383,7 +395,8 @@ class RoundKeeper:
         self._reported.add((client_id, round_))
         m = self.run.members.get(client_id)
         if m is not None and round_ >= m.metrics_round:
-            if round_ > m.metrics_round and "test_success" in m.metrics:
+            # The gain is measured from the latest report of a round it took part in (see _history_locked).
+            if round_ > m.metrics_round and "test_success" in m.metrics and m.metrics_round in m.rounds_uploaded:
                 m.previous_success = m.metrics["test_success"]
             m.metrics_round, m.metrics = round_, dict(values)
 
@@ -438,6 +451,8 @@ class RoundKeeper:
             return None
         if self.settings.asynchronous:
             return self._fold_due_locked()
+        if self.thinking is not None and self.thinking.pending is not None:
+            return None  # the selector's model is choosing: the round has not begun for anyone
         now = self.clock()
         accepted = {cid: m.accepted.accepted_unix for cid, m in run.uploaded().items()}
         # A selective round is over its chosen clients alone: the others take no part in it; nor does a
@@ -490,7 +505,8 @@ class RoundKeeper:
             try:
                 # A buffer of updates all trained from this version is a synchronous round's: the strategy.
                 stale = [a.base for _, a in records if a.base not in (-1, round_)]
-                image = self._fold(round_, records) if stale else self._aggregate(round_, records)
+                folds = stale or (self.settings.asynchronous and self.settings.async_server_lr != 1.0)
+                image = self._fold(round_, records) if folds else self._aggregate(round_, records)
                 self.globals.save(round_ + 1, image, self.run.adapter_config())
             except Exception:  # noqa: BLE001 - a failed aggregation must not end the run
                 with self._cond:
@@ -587,7 +603,7 @@ class RoundKeeper:
         image, views = allocate(self.run.schema)
         updates = [(AdapterFile(self.store.upload_path(a.base, cid)), AdapterFile(self.store.global_path(a.base)),
                     version - a.base) for cid, a in records]
-        fedbuff(AdapterFile(self.store.global_path(version)), updates, out=views)
+        fedbuff(AdapterFile(self.store.global_path(version)), updates, out=views, lr=self.settings.async_server_lr)
         return image
 
     def _aggregate(self, round_: int, records: list[tuple[str, Accepted]]) -> bytearray:
@@ -666,71 +682,77 @@ class RoundKeeper:
         return {cid: m for cid, m in sorted(self.run.members.items())
                 if m.accepted is not None and m.accepted.collected == self.run.round}
 
-    def _buffer_size(self) -> int:
-        s = self.settings
-        return s.async_buffer or s.async_concurrency or max(1, len(self.run.members))
-
     def _fold_due_locked(self) -> str | None:
-        """Why the open version's buffer folds now: it is full, or no client could add to it."""
-        pending = len(self._buffer_locked())
-        if not pending:
-            return None
-        if pending >= self._buffer_size():
-            return "buffer full"
-        now = self.clock()
-        training = any(m.slot_since is not None and self._rule.alive(m.last_seen, now) for m in self.run.members.values())
-        if not training and not self._eligible_locked(now) and not self.uploads.receiving():
-            return "no client left to fill the buffer"
-        return None
+        """Why the open version's buffer folds now (buffer_rules.fold_reason), or None."""
+        run, now = self.run, self.clock()
+        training = any(m.slot_since is not None and self._rule.alive(m.last_seen, now) for m in run.members.values())
+        uploading = self.uploads.receiving() and now - self.uploads.progress_at <= self._rule.heartbeat_timeout_s
+        return fold_reason(self._rule, OpenBuffer(
+            len(self._buffer_locked()), buffer_size(self.settings, len(run.members)), training,
+            bool(self._eligible_locked(now)), uploading, run.deadline), now)
 
     def _eligible_locked(self, now: float) -> list[Member]:
         """Alive clients that may be given a slot: none held, nothing in the buffer, not yet trained
         from the open version, and not declining (its guardian's privacy budget is spent); the longest
-        without a slot first."""
+        without a slot first. One that lost its slot at this version without uploading comes last."""
         run = self.run
         return sorted((m for m in run.members.values() if m.slot_since is None and m.accepted is None
-                       and m.slot_version < run.round and self._rule.alive(m.last_seen, now)
+                       and (m.slot_version < run.round or m.slot_lost == run.round)
+                       and self._rule.alive(m.last_seen, now)
                        and m.phase != DECLINED),
-                      key=lambda m: (m.slot_version, m.client.client_id))
+                      key=lambda m: (m.slot_lost == run.round, m.slot_version, m.client.client_id))
 
     def _grant_locked(self) -> None:
         """Frees the slots of clients that died or decline (their heartbeat says "declined": a declined
-        client trains no more, and its slot would keep the buffer from folding), and gives the free
-        slots (async_concurrency; every joined client when 0) to eligible clients."""
+        client trains no more, and its slot would keep the buffer from folding) or held theirs past the
+        deadline without an upload (buffer_rules.slot_expired: alive and silent, it would hold the run),
+        and gives the free slots (async_concurrency; every joined client when 0) to eligible clients."""
         run, now = self.run, self.clock()
         if run.state is not State.OPEN:
             return
         freed = False
         for m in run.members.values():
             dead = not self._rule.alive(m.last_seen, now)
+            uploading = m.stream is not None and now - self.uploads.progress_at <= self._rule.heartbeat_timeout_s
+            if slot_expired(m, now, self.settings.round_deadline_s, uploading) and not dead and m.phase != DECLINED:
+                # Alive, and no upload by its deadline: another client trains in its place (it goes last).
+                log.warning("training slot taken back at its deadline", extra=log_fields(
+                    client=m.client.client_id, version=run.round, held_s=round(now - (m.slot_since or now), 1)))
+                m.slot_since, m.slot_lost, freed = None, run.round, True
+                m.dropouts += 1
             if m.slot_since is not None and (dead or m.phase == DECLINED):
-                m.slot_since, freed = None, True
+                m.slot_since, m.slot_lost, freed = None, run.round, True
                 m.dropouts += int(dead)
         held = sum(m.slot_since is not None for m in run.members.values())
         free = (self.settings.async_concurrency or len(run.members)) - held
         granted = self._eligible_locked(now)[:max(0, free)]
         for m in granted:
-            m.slot_since, m.slot_version = now, run.round
-            m.rounds_selected.append(run.round)
+            m.slot_since = now
+            if m.slot_lost != run.round:  # else it lost one at this version without uploading: it goes on
+                m.slot_version = run.round
+                m.rounds_selected.append(run.round)
         if granted or freed:
             self._changed_locked()
         metrics.SELECTED.set(held + len(granted))
 
     # ---- selection (settings.selection: who takes part in a round) -----------------------------------
     def _history_locked(self, now: float) -> list[ClientHistory]:
-        """Each member's record as a selector reads it."""
+        """Each member's record as a selector reads it. What a client reported counts only for a round it
+        took part in (chosen, where rounds are chosen, and its upload accepted): a client cannot steer
+        selection with reports of rounds it sat out (ClientHistory range-checks the values)."""
         out = []
         for cid, m in self.run.members.items():
-            success = m.metrics.get("test_success")
+            reported = m.metrics if m.metrics_round in m.rounds_uploaded else {}
+            success = reported.get("test_success")
             durations = [d for d in m.upload_seconds if d > 0]
             out.append(ClientHistory(
                 cid, alive=self._rule.alive(m.last_seen, now), heartbeat_age_s=max(0.0, now - m.last_seen),
                 rounds_selected=tuple(m.rounds_selected), rounds_uploaded=tuple(m.rounds_uploaded),
                 last_success=success,
                 success_gain=None if success is None or m.previous_success is None else success - m.previous_success,
-                last_loss=m.metrics.get("train_loss"),
+                last_loss=reported.get("train_loss"),
                 mean_round_s=sum(durations) / len(durations) if durations else None, dropouts=m.dropouts,
-                buffer_size=int(m.metrics["buffer"]) if math.isfinite(m.metrics.get("buffer", math.nan)) else None))
+                buffer_size=int(reported["buffer"]) if math.isfinite(reported.get("buffer", math.nan)) else None))
         return out
 
     def _select_locked(self, round_: int, why: str = "") -> None:
@@ -741,11 +763,42 @@ class RoundKeeper:
         run, now = self.run, self.clock()
         inp = SelectionInput(self.settings.run_id, round_, self.settings.seed, tuple(self._history_locked(now)),
                              minimum=self._minimum, memory=run.selector_memory, base_model=run.base_model or "")
+        if self.thinking is not None:  # outside the lock: nobody is chosen until the model answered
+            self.thinking.begin(inp, run.nonce, why)
+            run.selection = placeholder(inp, self.policy.name)
+            return
+        self._record_locked(self._choose(inp), why)
+
+    def _choose(self, inp: SelectionInput) -> Selection:
+        """The policy's selection for `inp`; every alive client where the policy fails (a fallback)."""
+        assert self.policy is not None
         try:
-            sel = self.policy.select(inp)
+            return self.policy.select(inp)
         except Exception as exc:  # noqa: BLE001 - a selector that fails must not stop the run
-            log.exception("the selector failed; every alive client takes part", extra=log_fields(round=round_))
-            sel = dataclasses.replace(All().select(inp), fallback_reason=f"the selector failed: {exc}")
+            log.exception("the selector failed; every alive client takes part", extra=log_fields(round=inp.round))
+            return dataclasses.replace(All().select(inp), fallback_reason=f"the selector failed: {exc}")
+
+    def _chosen(self, pending: Pending, sel: Selection) -> None:
+        """The selector's answer, chosen outside the lock: recorded if its round is still the open one (the
+        round's clock starts then), else discarded."""
+        with self._cond:
+            run = self.run
+            if not self.thinking or not self.thinking.current(pending, run.round, run.nonce, run.state is State.OPEN):
+                log.info("the selector's answer came for a round that moved on; discarded",
+                         extra=log_fields(round=pending.inp.round))
+                return
+            self.thinking.pending = None
+            self._record_locked(sel, pending.why)
+            run.opened_at, run.deadline = self.clock(), self.clock() + self.settings.round_deadline_s
+            if self.secure is not None:
+                self.secure.begin(run.round, run.nonce, run.opened_at)
+            self._persist_locked()
+            self._changed_locked()
+
+    def _record_locked(self, sel: Selection, why: str) -> None:
+        """Makes `sel` the open round's selection: the fallback count, the agent's memory, each member's
+        record, the selections log, the metrics."""
+        run, round_ = self.run, sel.round
         if sel.fallback_reason:
             run.selector_fallbacks += 1
             metrics.SELECTOR_FALLBACKS.inc()
@@ -762,18 +815,37 @@ class RoundKeeper:
                                                      of=len(run.members), fallback=sel.fallback_reason or None))
 
     def _reselect_if_stalled_locked(self) -> None:
-        """Chooses again when no client of the open round's selection is alive and none has uploaded:
-        the round could not close otherwise. A secure round starts a new attempt with the new choice."""
+        """Chosen clients that died (heartbeat timed out) before uploading: every one of them, with no
+        upload yet, and the policy chooses again; else each is replaced by an alive client not chosen
+        (selection.top_up), the uploads already accepted kept. A dead chosen client would otherwise hold
+        the round to its deadline, or for ever short of min_clients. A secure round starts a new attempt."""
         run, now = self.run, self.clock()
-        if run.selection is None or run.state is not State.OPEN or run.uploaded() or self.uploads.receiving():
+        if run.selection is None or run.state is not State.OPEN or self.uploads.receiving():
             return
-        if any(self._rule.alive(run.members[cid].last_seen, now) for cid in run.selection.chosen):
-            return
-        if not any(self._rule.alive(m.last_seen, now) for m in run.members.values()):
-            return  # nobody to choose
-        for cid in run.selection.chosen:  # chosen, and gone without an upload
+        uploaded = run.uploaded()
+        gone = {cid for cid in run.selection.chosen
+                if cid not in uploaded and not self._rule.alive(run.members[cid].last_seen, now)}
+        if not gone or not any(self._rule.alive(m.last_seen, now) for m in run.members.values()):
+            return  # nobody gone, or nobody to choose
+        if uploaded or gone != set(run.selection.chosen):
+            inp = SelectionInput(self.settings.run_id, run.round, self.settings.seed,
+                                 tuple(self._history_locked(now)), minimum=self._minimum)
+            sel = top_up(run.selection, inp, gone)
+            if sel is run.selection:
+                return  # no alive client to take their places: they may come back
+            gone -= set(sel.chosen)
+            run.selection = sel
+            for cid in sel.chosen:  # the clients topped up are chosen for this round too
+                if run.round not in run.members[cid].rounds_selected:
+                    run.members[cid].rounds_selected.append(run.round)
+            self.store.append_selection(sel.to_dict())
+            metrics.SELECTED.set(len(sel.chosen))
+            log.info("round topped up", extra=log_fields(round=run.round, replaced=sorted(gone),
+                                                         chosen=list(sel.chosen)))
+        else:
+            self._select_locked(run.round, "no chosen client was alive")
+        for cid in gone:  # chosen, and gone without an upload
             run.members[cid].dropouts += 1
-        self._select_locked(run.round, "no chosen client was alive")
         if self.secure is not None:
             self._new_attempt_locked("the round's clients were chosen again")
         self._persist_locked()

@@ -19,13 +19,18 @@ The policies (`make_policy(name, **params)`; names and descriptions, what --sele
 - available: alive clients heard from within `late_after_s`; a client with a late heartbeat is likely
   to stall the round until its deadline.
 - utility: Oort's guided selection (Lai et al., OSDI 2021, "Oort: Efficient Federated Learning via
-  Guided Participant Selection"): the top K(1 - epsilon) clients by statistical utility times a
-  system factor, and the other epsilon K slots for clients never tried (see `Utility`).
+  Guided Participant Selection"): the top clients by the rank of their reported utility times what
+  the server observes (speed, reliability) plus a bonus per round left out, and at least one place
+  (epsilon K) exploring clients never tried or longest unchosen (see `selection_utility`).
 - agent-tools, agent-llm: selector agents that decide K too, with their reasoning and memory
   (`selector_agents`).
 
 Any of them can be wrapped in `FairnessFloor` (`every_f_rounds`), which adds every alive client left
-out for F rounds, so that no organisation is starved by sampling or by a low utility.
+out for F rounds, so that no organisation is starved by sampling, a low utility or an agent; the
+aggregator wraps every selector but `all` in it by default (F = ceil(alive / places) + 1).
+
+The shared types live in `selection_base`, `utility` in `selection_utility` (both re-exported here),
+so that `selector_agents` imports neither this module nor a circle.
 
 Guarantees, checked on every selection whatever the policy: no client that is not alive is chosen;
 at least one client is chosen whenever at least one is alive; every client of the input, chosen or
@@ -35,171 +40,17 @@ not, has a short reason (what `fedse status` would show).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
-import json
 import math
-import statistics
-from typing import Any, Mapping
+from typing import Any
+
+from .selection_base import (  # noqa: F401 - re-exported: the policies' types, where they always were
+    ClientHistory, Choice, Policy, Selection, SelectionInput, _Count, _age, _dead, _draw, _integer, _number)
+from .selection_utility import Utility
+from .selector_agents import AGENTS
 
 DEFAULT_POLICY = "all"
-
-
-@dataclasses.dataclass(frozen=True)
-class ClientHistory:
-    """What the round keeper knows of one joined client when a round opens. Rounds are round numbers;
-    the optional values are None until the client has reported or been measured. last_success,
-    dropouts and buffer_size no policy reads yet: they are there for the reasons `fedse status` shows
-    and for policies to come, so that adding one changes no input."""
-
-    client_id: str
-    alive: bool                        # heard from within the heartbeat timeout
-    heartbeat_age_s: float             # seconds since it was last heard from
-    rounds_selected: tuple[int, ...] = ()
-    rounds_uploaded: tuple[int, ...] = ()  # rounds whose upload was accepted
-    last_success: float | None = None  # latest held-out success ratio it reported
-    success_gain: float | None = None  # latest change of that ratio
-    last_loss: float | None = None     # latest training loss it reported
-    mean_round_s: float | None = None  # its mean time from round open to accepted upload
-    dropouts: int = 0                  # rounds it was selected for and did not upload
-    buffer_size: int | None = None     # successful trajectories it holds
-
-    def __post_init__(self) -> None:
-        # Tuples, also when built from JSON lists: the dataclass stays hashable and comparable.
-        object.__setattr__(self, "rounds_selected", tuple(int(r) for r in self.rounds_selected))
-        object.__setattr__(self, "rounds_uploaded", tuple(int(r) for r in self.rounds_uploaded))
-        # Reported by the client, so untrusted: a NaN or infinite value says nothing, like no report.
-        for name in ("last_success", "success_gain", "last_loss"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                object.__setattr__(self, name, None)
-        if not isinstance(self.client_id, str) or not self.client_id:
-            raise ValueError(f"client_id must be a non-empty string, got {self.client_id!r}")
-        if math.isnan(self.heartbeat_age_s) or self.heartbeat_age_s < 0:
-            raise ValueError(f"client {self.client_id}: heartbeat_age_s must be >= 0, got {self.heartbeat_age_s}")
-        if self.mean_round_s is not None and not (math.isfinite(self.mean_round_s) and self.mean_round_s > 0):
-            raise ValueError(f"client {self.client_id}: mean_round_s must be a finite number > 0 or None "
-                             f"(never measured), got {self.mean_round_s}")
-
-    @property
-    def tried(self) -> bool:
-        """Whether it has ever been selected, uploaded or reported anything (Oort explores the others)."""
-        return bool(self.rounds_selected or self.rounds_uploaded) or any(
-            v is not None for v in (self.last_success, self.success_gain, self.last_loss))
-
-
-@dataclasses.dataclass(frozen=True)
-class SelectionInput:
-    """Everything a policy may read. `clients` may come in any order: they are kept sorted by id."""
-
-    run_id: str
-    round: int
-    seed: int
-    clients: tuple[ClientHistory, ...]
-    minimum: int = 1  # the fewest clients the round needs (min_clients; 2 with secure aggregation)
-    memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # what an agent kept (JSON types)
-    base_model: str = ""  # the run's base model (what agent-llm reasons with unless given another)
-
-    def __post_init__(self) -> None:
-        if not _integer(self.minimum) or self.minimum < 1:
-            raise ValueError(f"minimum must be an integer >= 1, got {self.minimum!r}")
-        clients = tuple(sorted(self.clients, key=lambda c: c.client_id))
-        ids = [c.client_id for c in clients]
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        if twice:
-            raise ValueError(f"client ids must be unique in a selection input, got {', '.join(twice)} twice")
-        if self.round < 0:
-            raise ValueError(f"round must be >= 0, got {self.round}")
-        object.__setattr__(self, "clients", clients)
-
-    def alive(self) -> list[ClientHistory]:
-        return [c for c in self.clients if c.alive]
-
-
-@dataclasses.dataclass(frozen=True)
-class Selection:
-    """Who takes part in `round` (sorted ids) and why each client of the input is in or out."""
-
-    round: int
-    chosen: tuple[str, ...]
-    reasons: dict[str, str]
-    policy: str
-    reasoning: tuple[str, ...] = ()  # an agent's steps, one a line (what `fedse status` shows)
-    memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # an agent's memory after it
-    fallback_reason: str = ""  # why the selector's own answer was replaced ("" when it was used)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "chosen", tuple(sorted(self.chosen)))
-        object.__setattr__(self, "reasoning", tuple(str(r) for r in self.reasoning))
-        missing = sorted(set(self.chosen) - set(self.reasons))
-        if missing:
-            raise ValueError(f"selection of round {self.round}: no reason for chosen client(s) {', '.join(missing)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The run state's record of it (JSON types only)."""
-        out = {"round": self.round, "policy": self.policy, "chosen": list(self.chosen),
-               "reasons": dict(sorted(self.reasons.items()))}
-        if self.reasoning:
-            out["reasoning"] = list(self.reasoning)
-        if self.memory:
-            out["memory"] = dict(self.memory)
-        if self.fallback_reason:
-            out["fallback_reason"] = self.fallback_reason
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Selection:
-        return cls(round=int(d["round"]), chosen=tuple(str(c) for c in d["chosen"]),
-                   reasons={str(k): str(v) for k, v in d["reasons"].items()}, policy=str(d["policy"]),
-                   reasoning=tuple(d.get("reasoning", ())), memory=dict(d.get("memory", {})),
-                   fallback_reason=str(d.get("fallback_reason", "")))
-
-
-@dataclasses.dataclass
-class Choice:
-    """What a policy's `_choose` returns: who and why, and for an agent its reasoning, its memory after
-    this round and, where its own answer was not used, why (a fallback)."""
-
-    chosen: set[str]
-    reasons: dict[str, str]
-    reasoning: tuple[str, ...] = ()
-    memory: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    fallback_reason: str = ""
-
-
-class Policy:
-    """One selection policy. Subclasses say who they choose and why (`_choose`); `select` checks the
-    guarantees of the module doc on every result, so a policy cannot break them by mistake."""
-
-    name = ""
-    description = ""  # one line, for --help and the docs
-
-    def select(self, inp: SelectionInput) -> Selection:
-        out = self._choose(inp)
-        choice = out if isinstance(out, Choice) else Choice(*out)
-        chosen, reasons = choice.chosen, choice.reasons
-        alive = {c.client_id for c in inp.alive()}
-        if not chosen <= alive:
-            raise RuntimeError(f"policy {self.name} chose client(s) not alive: {', '.join(sorted(chosen - alive))}")
-        if alive and not chosen:
-            raise RuntimeError(f"policy {self.name} chose no client of the {len(alive)} alive")
-        unexplained = sorted({c.client_id for c in inp.clients} - set(reasons))
-        if unexplained:
-            raise RuntimeError(f"policy {self.name} gave no reason for {', '.join(unexplained)}")
-        chosen, reasons = set(chosen), dict(reasons)
-        need = min(inp.minimum, len(alive))
-        for c in _draw(inp, "minimum", [c for c in inp.alive() if c.client_id not in chosen])[:max(0, need - len(chosen))]:
-            chosen.add(c.client_id)  # the round could not close with fewer
-            reasons[c.client_id] = f"added: the round needs {inp.minimum} clients ({reasons[c.client_id]})"
-        return Selection(inp.round, tuple(chosen), {c.client_id: reasons[c.client_id] for c in inp.clients},
-                         self.name, choice.reasoning, choice.memory, choice.fallback_reason)
-
-    def config(self) -> dict[str, Any]:
-        """Its name and parameters, as `make_policy` takes them back (for the run's settings fingerprint)."""
-        return {"name": self.name}
-
-    def _choose(self, inp: SelectionInput) -> tuple[set[str], dict[str, str]] | Choice:
-        raise NotImplementedError
+NO_FLOOR = -1  # --fairness-rounds that turns the fairness floor off
 
 
 class All(Policy):
@@ -264,103 +115,23 @@ class Available(Policy):
         return chosen, reasons
 
 
-class Utility(Policy):
-    """Oort's guided selection, adapted to what Fed-SE clients report.
-
-    Statistical utility: the client's latest success gain if it reported one (clipped to [0, 1], a
-    change of a ratio; a client whose held-out success rose learns from this federation), else its latest training loss (Oort's
-    signal: a high loss leaves more to learn), else unknown. Success shares and losses of different
-    environments are not on one scale, so each signal is divided by its largest value among the alive
-    clients reporting it: the best client by each signal scores 1.0.
-
-    System factor: with T the median of the known mean_round_s of alive clients, a client slower than
-    T (duration d > T) is scaled by (T/d)^alpha; a client never measured is not scaled.
-
-    K clients are chosen (clients_per_round, or ceil(fraction * alive)): the top K - E tried clients
-    by utility (unknown utility last, ties in a seeded order), and E = round(epsilon * K) (half up)
-    clients never tried, drawn as `sample` draws. When one group is short, the other fills its slots.
-    """
-
-    name = "utility"
-    description = "Oort: top clients by success gain (else loss) times a speed factor, epsilon explores untried ones"
-
-    def __init__(self, clients_per_round: int | None = None, fraction: float | None = None,
-                 epsilon: float = 0.2, alpha: float = 2.0) -> None:
-        self.count = _Count(self.name, clients_per_round, fraction)
-        if not _number(epsilon) or not 0.0 <= epsilon <= 1.0:
-            raise ValueError(f"epsilon must be in [0, 1] (the share of slots that explore clients never tried; "
-                             f"0 turns exploration off), got {epsilon!r}; use e.g. 0.2")
-        if not _number(alpha) or not (math.isfinite(alpha) and alpha >= 0):
-            raise ValueError(f"alpha must be a finite number >= 0 (how hard a slow client is penalised; "
-                             f"0: not at all), got {alpha!r}; use e.g. 2")
-        self.epsilon, self.alpha = float(epsilon), float(alpha)
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, **self.count.config(), "epsilon": self.epsilon, "alpha": self.alpha}
-
-    def utilities(self, inp: SelectionInput) -> dict[str, tuple[float | None, str]]:
-        """Each alive tried client's utility (None: unknown) and what scaled it, by client id."""
-        alive = inp.alive()
-        top_gain = max((c.success_gain for c in alive if c.success_gain is not None), default=0.0)
-        top_loss = max((c.last_loss for c in alive if c.last_loss is not None), default=0.0)
-        durations = [c.mean_round_s for c in alive if c.mean_round_s is not None]
-        preferred = statistics.median(durations) if durations else None
-        out: dict[str, tuple[float | None, str]] = {}
-        for c in alive:
-            if not c.tried:
-                continue
-            if c.success_gain is not None:  # a change of a ratio: at most 1, whatever a client claims
-                stat = min(max(c.success_gain, 0.0), 1.0) / min(top_gain, 1.0) if top_gain > 0 else 0.0
-            elif c.last_loss is not None:
-                stat = max(c.last_loss, 0.0) / top_loss if top_loss > 0 else 0.0
-            else:
-                out[c.client_id] = (None, "")
-                continue
-            note = ""
-            if preferred is not None and c.mean_round_s is not None and c.mean_round_s > preferred:
-                stat *= (preferred / c.mean_round_s) ** self.alpha
-                note = f" (slow: {c.mean_round_s:.0f} s, median {preferred:.0f} s)"
-            out[c.client_id] = (stat, note)
-        return out
-
-    def _choose(self, inp: SelectionInput) -> tuple[set[str], dict[str, str]]:
-        alive = inp.alive()
-        k = self.count.of(len(alive))
-        utility = self.utilities(inp)
-        order = {c.client_id: i for i, c in enumerate(_draw(inp, "utility-ties", alive))}
-        tried = sorted(utility, key=lambda cid: (utility[cid][0] is None, -(utility[cid][0] or 0.0), order[cid]))
-        fresh = [c.client_id for c in _draw(inp, "utility-explore", [c for c in alive if not c.tried])]
-        explore = min(math.floor(self.epsilon * k + 0.5), len(fresh))
-        exploit = min(k - explore, len(tried))
-        explore = min(k - exploit, len(fresh))
-        chosen = set(tried[:exploit]) | set(fresh[:explore])
-        reasons = {}
-        for c in inp.clients:
-            cid = c.client_id
-            if not c.alive:
-                reasons[cid] = _dead(c)
-            elif cid in utility:
-                value, note = utility[cid]
-                shown = "unknown (nothing reported)" if value is None else f"{value:.2f}{note}"
-                reasons[cid] = f"utility {shown}, rank {tried.index(cid) + 1} of {len(tried)}; top {exploit} taken"
-            elif cid in chosen:
-                reasons[cid] = "exploring: never tried"
-            else:
-                reasons[cid] = f"never tried, not drawn to explore ({explore} of {len(fresh)} taken)"
-        return chosen, reasons
-
-
 class FairnessFloor(Policy):
     """Another policy, plus every alive client not selected in the last F rounds (rounds t-F .. t-1), or
-    never selected once round F is reached: sampling or a low utility must not shut an organisation
-    out of the federation for good. With F = 1 no alive client sits out two rounds in a row."""
+    never selected once round F is reached: sampling, a low utility or an agent's judgement must not
+    shut an organisation out of the federation for good. With F = 1 no alive client sits out two
+    rounds in a row. every_f_rounds 0 (the aggregator's default) sets F each round to
+    ceil(N / K) + 1 for N alive clients and K places (K = N where the policy takes no count): a fair
+    rotation gives everyone a place every ceil(N / K) rounds, and the one more round leaves the policy
+    room to prefer useful clients. The clients due are passed to the policy (SelectionInput.must), so
+    that an agent can place them itself (agent-llm's answer must name them); any it leaves out are
+    added."""
 
-    def __init__(self, policy: Policy, every_f_rounds: int) -> None:
+    def __init__(self, policy: Policy, every_f_rounds: int = 0) -> None:
         if isinstance(policy, FairnessFloor):
             raise ValueError("the policy is already under a fairness floor: wrap it once")
-        if not _integer(every_f_rounds) or every_f_rounds < 1:
-            raise ValueError(f"every_f_rounds must be an integer >= 1, got {every_f_rounds!r}: an alive client "
-                             "left out that many rounds in a row is added; use e.g. 5")
+        if not _integer(every_f_rounds) or every_f_rounds < 0:
+            raise ValueError(f"every_f_rounds must be an integer >= 0, got {every_f_rounds!r}: an alive client "
+                             "left out that many rounds in a row is added (0: ceil(alive / places) + 1); use e.g. 5")
         self.policy, self.every_f_rounds = policy, int(every_f_rounds)
         self.name = f"{policy.name}+fairness_floor"
         self.description = f"{policy.description}; plus anyone left out for every_f_rounds"
@@ -368,29 +139,44 @@ class FairnessFloor(Policy):
     def config(self) -> dict[str, Any]:
         return {**self.policy.config(), "every_f_rounds": self.every_f_rounds}
 
-    def _choose(self, inp: SelectionInput) -> Choice:
-        inner = self.policy.select(inp)
-        chosen, reasons = set(inner.chosen), dict(inner.reasons)
-        added = []
-        f, t = self.every_f_rounds, inp.round
+    def rounds(self, alive: int) -> int:
+        """F for a round with `alive` clients alive."""
+        if self.every_f_rounds:
+            return self.every_f_rounds
+        inner = self.policy
+        count = getattr(inner, "count", None) or getattr(getattr(inner, "tools", None), "count", None)
+        places = count.of(alive) if count is not None else alive
+        return math.ceil(alive / max(1, places)) + 1
+
+    def due(self, inp: SelectionInput) -> dict[str, str]:
+        """The alive clients the floor requires this round, each with why."""
+        f, t = self.rounds(len(inp.alive())), inp.round
+        out = {}
         for c in inp.alive():
-            if c.client_id in chosen:
-                continue
             last = max((r for r in c.rounds_selected if r < t), default=None)
             if last is None and t >= f:
-                reasons[c.client_id] = f"fairness floor: never chosen in {t} rounds"
+                out[c.client_id] = f"fairness floor: never chosen in {t} rounds"
             elif last is not None and t - last > f:
-                reasons[c.client_id] = f"fairness floor: not chosen for {t - last - 1} rounds"
-            else:
-                continue
-            chosen.add(c.client_id)
-            added.append(c.client_id)
+                out[c.client_id] = f"fairness floor: not chosen for {t - last - 1} rounds"
+        return out
+
+    def _choose(self, inp: SelectionInput) -> Choice:
+        due = self.due(inp)
+        inner = self.policy.select(dataclasses.replace(inp, must=tuple(due)))
+        chosen, reasons = set(inner.chosen), dict(inner.reasons)
+        added = sorted(set(due) - chosen)
+        for cid in added:
+            reasons[cid] = due[cid]
+        chosen |= set(added)
+        f = self.rounds(len(inp.alive()))
         floor = (f"fairness floor ({f} rounds): added {', '.join(added)}",) if added else ()
-        return Choice(chosen, reasons, inner.reasoning + floor, inner.memory, inner.fallback_reason)
+        memory = {**inner.memory, "chosen": sorted(chosen)} if "chosen" in inner.memory else inner.memory
+        return Choice(chosen, reasons, inner.reasoning + floor, memory, inner.fallback_reason)
 
 
 def make_policy(name: str = DEFAULT_POLICY, every_f_rounds: int | None = None, **params: Any) -> Policy:
-    """The policy `name` with its parameters, under a `FairnessFloor` when every_f_rounds is given.
+    """The policy `name` with its parameters, under a `FairnessFloor` when every_f_rounds is given (0:
+    the floor's automatic F).
     Raises ValueError saying what to change for an unknown name, a parameter the policy does not take,
     or a value it cannot work with. `make_policy(**policy.config())` rebuilds the same policy."""
     if name not in BY_NAME:
@@ -407,7 +193,9 @@ def make_policy(name: str = DEFAULT_POLICY, every_f_rounds: int | None = None, *
 @dataclasses.dataclass(frozen=True)
 class SelectionSettings:
     """The aggregator's selection settings (--selector, --clients-per-round, --selection-fraction,
-    --fairness-rounds); `policy()` is the policy they name. Zero means "not set"."""
+    --fairness-rounds); `policy()` is the policy they name. Zero means "not set", but for
+    fairness_rounds, where 0 is the automatic floor (`FairnessFloor`), on by default for every selector
+    but `all`, and NO_FLOOR (-1) turns it off."""
 
     selector: str = DEFAULT_POLICY
     clients_per_round: int = 0
@@ -444,78 +232,40 @@ class SelectionSettings:
         if not params and name in COUNTED:
             raise ValueError(f"--selector {name} needs --clients-per-round N or --selection-fraction F (how many "
                              "clients a round takes)")
-        if self.fairness_rounds < 0:
-            raise ValueError(f"--fairness-rounds must be 0 (no floor) or more, got {self.fairness_rounds}")
-        if self.fairness_rounds and name == DEFAULT_POLICY:
+        if self.fairness_rounds < NO_FLOOR:
+            raise ValueError(f"--fairness-rounds must be -1 (no floor), 0 (the automatic floor: ceil(alive / "
+                             f"places) + 1 rounds) or more, got {self.fairness_rounds}")
+        if self.fairness_rounds > 0 and name == DEFAULT_POLICY:
             raise ValueError("--fairness-rounds with --selector all changes nothing: every alive client takes part "
                              "in every round; leave it out, or choose another selector")
-        return make_policy(name, self.fairness_rounds or None, **params)
+        floor = None if name == DEFAULT_POLICY or self.fairness_rounds == NO_FLOOR else self.fairness_rounds
+        return make_policy(name, floor, **params)
 
     def config(self) -> dict[str, Any]:
         """What the run's settings fingerprint keeps (a restart must not change who is chosen)."""
         return self.policy().config()
 
 
-# ---- internals ---------------------------------------------------------------------------------
-
-class _Count:
-    """How many clients a round takes: exactly one of clients_per_round (M) and fraction (of the alive)."""
-
-    def __init__(self, policy: str, clients_per_round: int | None, fraction: float | None) -> None:
-        if (clients_per_round is None) == (fraction is None):
-            raise ValueError(f"selection policy {policy!r} needs exactly one of clients_per_round (how many "
-                             "clients a round takes) and fraction (which share of the alive clients)")
-        if clients_per_round is not None and (not _integer(clients_per_round) or clients_per_round < 1):
-            raise ValueError(f"clients_per_round must be an integer >= 1, got {clients_per_round!r}")
-        if fraction is not None and (not _number(fraction) or not 0.0 < fraction <= 1.0):
-            raise ValueError(f"fraction must be in (0, 1] (the share of alive clients a round takes; "
-                             f"1 takes them all), got {fraction!r}")
-        self.clients_per_round = None if clients_per_round is None else int(clients_per_round)
-        self.fraction = None if fraction is None else float(fraction)
-
-    def config(self) -> dict[str, Any]:
-        if self.clients_per_round is not None:
-            return {"clients_per_round": self.clients_per_round}
-        return {"fraction": self.fraction}
-
-    def of(self, alive: int) -> int:
-        """Clients to take out of `alive` (all of them when fewer); at least one when any is alive."""
-        if self.clients_per_round is not None:
-            return min(self.clients_per_round, alive)
-        # The epsilon keeps e.g. 0.3 * 10 from rounding up to 4 on a float error.
-        return min(alive, max(1, math.ceil(self.fraction * alive - 1e-9)))
-
-
-def _draw(inp: SelectionInput, purpose: str, clients: list[ClientHistory]) -> list[ClientHistory]:
-    """`clients` in a random order fixed by (purpose, seed, run_id, round): each client's key is a SHA-256
-    of those and its id, so the order depends neither on the input's order nor on who else is in it,
-    and does not rely on `random`'s algorithms staying the same across Python versions."""
-    def key(c: ClientHistory) -> tuple[bytes, str]:
-        text = json.dumps(["fedse-selection", purpose, inp.seed, inp.run_id, inp.round, c.client_id])
-        return hashlib.sha256(text.encode()).digest(), c.client_id
-    return sorted(clients, key=key)
-
-
-def _age(c: ClientHistory) -> str:
-    return "never heard" if math.isinf(c.heartbeat_age_s) else f"{c.heartbeat_age_s:.0f} s"
-
-
-def _dead(c: ClientHistory) -> str:
-    return f"not alive (heard {_age(c)} ago)" if math.isfinite(c.heartbeat_age_s) else "not alive (never heard)"
-
-
-def _integer(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
-
-
-# The registry, last: the agents (selector_agents) build on the policies above.
-from .selector_agents import AGENTS  # noqa: E402
-
 BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (All, Sample, Available, Utility, *AGENTS)}
 POLICIES: dict[str, str] = {name: p.description for name, p in BY_NAME.items()}
 """The policy names `make_policy` accepts, each with a one-line description."""
 COUNTED = ("sample", "utility")  # the policies that must be told how many clients a round takes
+
+
+def top_up(sel: Selection, inp: SelectionInput, gone: set[str]) -> Selection:
+    """`sel` with each client of `gone` (chosen, not alive, no upload) replaced by an alive client not
+    chosen, drawn as `sample` draws, as long as there are any: a chosen cohort that dies must not hold
+    its round until the deadline (or for ever, short of min_clients) while others could take part. The
+    clients already chosen keep their places, so uploads already accepted count; a gone client with
+    no replacement keeps its place (it may come back). `sel` itself where nobody can be replaced."""
+    pool = _draw(inp, "top-up", [c for c in inp.alive() if c.client_id not in sel.chosen])
+    pairs = list(zip(sorted(gone), (c.client_id for c in pool)))
+    if not pairs:
+        return sel
+    reasons = dict(sel.reasons)
+    for dead, new in pairs:
+        reasons[dead] = f"chosen, then not alive before it uploaded: replaced by {new}"
+        reasons[new] = f"topped up: replaces {dead} (not alive)"
+    chosen = (set(sel.chosen) - {d for d, _ in pairs}) | {n for _, n in pairs}
+    step = "topped up: " + ", ".join(f"{new} for {dead}" for dead, new in pairs)
+    return dataclasses.replace(sel, chosen=tuple(chosen), reasons=reasons, reasoning=(step, *sel.reasoning))

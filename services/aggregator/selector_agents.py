@@ -18,8 +18,10 @@ then to the tried non-stragglers by utility, and stragglers last.
 
 agent-llm asks a language model (the run's base model, or --selector-model: any local Hugging Face
 model, or the embedded tiny one) with the history and the tools' findings as JSON, for an answer of
-the form {"clients": [...], "reason": "..."}. The answer is parsed and checked (`check_answer`): a
-known, alive, distinct client id each, at least one, at most the candidates. An answer that fails
+the form {"clients": [...], "reason": "..."}. The answer is parsed and checked (`check_answer`) against
+the policy, not only its form: a known, alive, distinct client id each, at least one, at most the
+candidates, exactly the places the tools' plan takes where a count is set (--clients-per-round or
+--selection-fraction), and every client the fairness floor requires. An answer that fails
 the check, or a model that cannot be loaded or run, falls back to agent-tools' plan; the Selection
 says why (fallback_reason), and the round keeper counts it.
 """
@@ -32,10 +34,12 @@ import math
 import statistics
 from typing import Any, Mapping
 
-from fedse.asking import AnswerError, Asker, json_object
+from fedse.asking import AnswerError, json_object
+from fedse.constrained import BoundedAsker
 from fedse.serving import log_fields
 
-from .selection import ClientHistory, Choice, Policy, SelectionInput, Utility, _Count, _draw, _number
+from .selection_base import ClientHistory, Choice, Policy, SelectionInput, _Count, _draw, _number
+from .selection_utility import Utility
 
 log = logging.getLogger("aggregator.selection")
 
@@ -120,7 +124,10 @@ class ToolAgent(Policy):
             k = max(1, len(on_time) - len(slow))
             steps.append(f"K: {k}, every candidate that is not a straggler")
         order, explored = self.ranked(inp, on_time, slow, k)
-        chosen = set(order[:k])
+        due = [cid for cid in order if cid in inp.must]
+        if due:
+            steps.append(f"fairness floor: {', '.join(due)} due, placed first")
+        chosen = set(order[:max(k, len(due))])
         if chosen:
             steps.append(f"chosen: {', '.join(sorted(chosen))}")
         utility = Utility(clients_per_round=1).utilities(inp)
@@ -130,7 +137,9 @@ class ToolAgent(Policy):
             if not c.alive:
                 reasons[cid] = f"not alive (heard {c.heartbeat_age_s:.0f} s ago)"
                 continue
-            if cid in explored:
+            if cid in inp.must:
+                what = "fairness floor: due"
+            elif cid in explored:
                 what = "never tried: exploring"
             elif cid in slow:
                 what = f"straggler ({slow[cid]})"
@@ -147,8 +156,12 @@ class ToolAgent(Policy):
 
     def ranked(self, inp: SelectionInput, candidates: list[ClientHistory], slow: Mapping[str, str],
                k: int) -> tuple[list[str], set[str]]:
-        """The candidates in the order places go (untried explorers, tried by utility, stragglers) and
-        the explorers."""
+        """The candidates in the order places go (the alive clients the fairness floor requires, even late
+        or slow ones; untried explorers; tried by utility; stragglers) and the explorers."""
+        alive = {c.client_id for c in inp.alive()}
+        due = [cid for cid in inp.must if cid in alive]
+        candidates = [c for c in candidates if c.client_id not in due]
+        slow = {cid: why for cid, why in slow.items() if cid not in due}
         utility = Utility(clients_per_round=1).utilities(inp)
         ties = {c.client_id: i for i, c in enumerate(_draw(inp, "agent-ties", candidates))}
         fresh = [c.client_id for c in _draw(inp, "agent-explore", [c for c in candidates if not c.tried])
@@ -160,7 +173,7 @@ class ToolAgent(Policy):
                        key=lambda cid: (utility.get(cid, (None, ""))[0] is None,
                                         -(utility.get(cid, (None, ""))[0] or 0.0), ties[cid]))
         stragglers = sorted(slow, key=lambda cid: ties.get(cid, 0))
-        return explore + tried + stragglers, set(explore)
+        return due + explore + tried + stragglers, set(explore)
 
 
 def _count_up(before: Mapping[str, Any], slow: Mapping[str, str], inp: SelectionInput) -> dict[str, int]:
@@ -173,10 +186,12 @@ def _count_up(before: Mapping[str, Any], slow: Mapping[str, str], inp: Selection
 
 
 
-def check_answer(text: str, inp: SelectionInput, most: int) -> tuple[set[str], str]:
+def check_answer(text: str, inp: SelectionInput, most: int, exactly: int | None = None) -> tuple[set[str], str]:
     """(clients, reason) from a model's answer: the first JSON object in `text`, of the form
     {"clients": [client ids], "reason": "..."}. Each id must be a client of this run, alive, and
-    named once; at least one and at most `most`. AnswerError says what failed."""
+    named once; at least one and at most `most`, or `exactly` that many where the round's count is
+    set; and every alive client the fairness floor requires (inp.must) must be named. The answer must
+    satisfy the policy, not just the form: AnswerError says what failed."""
     answer = json_object(text)
     clients = answer.get("clients")
     if not isinstance(clients, list) or not all(isinstance(c, str) for c in clients):
@@ -194,6 +209,11 @@ def check_answer(text: str, inp: SelectionInput, most: int) -> tuple[set[str], s
         raise AnswerError(f"names {', '.join(dead)}, not alive")
     if len(clients) > most:
         raise AnswerError(f"names {len(clients)} clients, more than the {most} this round may take")
+    if exactly is not None and len(clients) != exactly:
+        raise AnswerError(f"names {len(clients)} client(s); this round takes exactly {exactly}")
+    left_out = [c for c in inp.must if c in known and known[c].alive and c not in clients]
+    if left_out:
+        raise AnswerError(f"leaves out {', '.join(left_out)}, due under the fairness floor")
     reason = answer.get("reason", "")
     return set(clients), (reason if isinstance(reason, str) else json.dumps(reason))[:MAX_REASON_CHARS]
 
@@ -204,16 +224,42 @@ class LLMAgent(Policy):
                    "checked, and agent-tools decides where it fails")
 
     def __init__(self, clients_per_round: int | None = None, fraction: float | None = None, model: str = "",
-                 max_new_tokens: int = 96, max_seconds: float = 10.0) -> None:
+                 max_new_tokens: int = 96, max_seconds: float = 10.0, constrained: bool = True) -> None:
         self.tools = ToolAgent(clients_per_round, fraction)
-        # The round opens once the model answered: its answer is cut off after max_seconds.
-        self.asker = Asker(max_new_tokens, max_seconds)
+        # The round opens once the model answered: past max_seconds (its load, the prompt and the answer
+        # together) the tools' plan is taken. Constrained, the answer is held to the answer's JSON schema.
+        self.asker = BoundedAsker(str(model), max_new_tokens, max_seconds, bool(constrained))
         self.model = str(model)
+        self._askers: dict[str, BoundedAsker] = {}  # one per model name (the run's base model, if not given)
 
     def config(self) -> dict[str, Any]:
         count = self.tools.count.config() if self.tools.count is not None else {}
-        return {"name": self.name, **count, "model": self.model, "max_new_tokens": self.asker.max_new_tokens,
-                "max_seconds": self.asker.max_seconds}
+        out = {"name": self.name, **count, "model": self.model, "max_new_tokens": self.asker.max_new_tokens,
+               "max_seconds": self.asker.max_seconds}
+        return out if self.asker.constrained else {**out, "constrained": False}
+
+    def asker_for(self, name: str) -> BoundedAsker:
+        """The asker of model `name` (made once; it loads the model once)."""
+        if name == self.model:
+            return self.asker
+        return self._askers.setdefault(name, BoundedAsker(name, self.asker.max_new_tokens, self.asker.max_seconds,
+                                                          self.asker.constrained))
+
+    def load(self, name: str = "") -> None:
+        """Loads the model (--selector-model, else `name`, the run's base model) now: the aggregator calls
+        it at start, so a model that cannot load stops it there rather than failing each round."""
+        if self.model or name:
+            self.asker_for(self.model or name).load()
+
+    def schema(self, inp: SelectionInput, most: int, exactly: int | None) -> dict[str, Any]:
+        """The answer's JSON schema (constrained decoding holds the model to it): the alive clients' ids,
+        as many as the round takes, and a reason that fits max_new_tokens."""
+        ids = [c.client_id for c in inp.alive()]
+        count = {"minItems": exactly, "maxItems": exactly} if exactly is not None else {"minItems": 1, "maxItems": most}
+        reason = {"type": "string", "maxLength": max(8, min(MAX_REASON_CHARS, self.asker.max_new_tokens - 16))}
+        return {"type": "object", "properties": {"clients": {"type": "array", "items": {"type": "string", "enum": ids},
+                                                             **count}, "reason": reason},
+                "required": ["clients", "reason"], "additionalProperties": False}
 
     def prompt(self, inp: SelectionInput, plan: Choice) -> str:
         """The question: the run's history and the tools' findings, as JSON, and the answer's form."""
@@ -228,9 +274,13 @@ class LLMAgent(Policy):
                 'nothing else: {{"clients": [client ids], "reason": "one sentence"}}\nAnswer: ').format(
                     r=inp.round, h=json.dumps(history, separators=(",", ":")), f=json.dumps(list(plan.reasoning)))
 
-    def generate(self, name: str, prompt: str) -> str:
-        """The model's greedy answer to `prompt` (fedse.asking.Asker: loaded once, on the CPU)."""
-        return self.asker.answer(name, prompt)
+    def generate(self, name: str, prompt: str, schema: dict[str, Any] | None = None) -> str:
+        """The model's greedy answer to `prompt`, held to `schema` (fedse.constrained.BoundedAsker: loaded
+        once, on the CPU; AnswerError past max_seconds)."""
+        ids = schema["properties"]["clients"] if schema else {}
+        longest = sorted((len(i) for i in ids.get("enum", [])), reverse=True)[:ids.get("maxItems", 0)]
+        # Room for the ids (quotes, a comma and spaces each) and the JSON around them; a token is a character or more.
+        return self.asker_for(name).answer(prompt, schema, budget=sum(n + 6 for n in longest) + 48 if schema else 0)
 
     def _choose(self, inp: SelectionInput) -> Choice:
         plan = self.tools._choose(inp)
@@ -239,7 +289,9 @@ class LLMAgent(Policy):
         try:
             if not name:
                 raise AnswerError("no model: the run has no base model yet and --selector-model is not set")
-            answer = self.generate(name, self.prompt(inp, plan))
+            exactly = len(plan.chosen) if self.tools.count is not None else None
+            most = max(most, len(plan.chosen), 1)
+            answer = self.generate(name, self.prompt(inp, plan), self.schema(inp, most, exactly))
         except Exception as exc:  # noqa: BLE001 - a model that cannot run falls back to the tools' plan
             log.warning("the selector's model failed; agent-tools chooses",
                         extra=log_fields(round=inp.round, model=name, error=str(exc)[:300]))
@@ -247,7 +299,9 @@ class LLMAgent(Policy):
                           f"the model could not answer: {str(exc)[:200]}")
         shown = " ".join(answer.split())[:200]
         try:
-            chosen, why = check_answer(answer, inp, max(most, 1))
+            # With a count set, the answer takes exactly the places the tools' plan takes (the count, its
+            # dropout margin and the floor's clients; all alive when fewer).
+            chosen, why = check_answer(answer, inp, most, exactly)
         except AnswerError as exc:
             return Choice(plan.chosen, plan.reasons, (*plan.reasoning, f"model answered: {shown!r}"), plan.memory,
                           f"the model's answer was refused: {exc}")

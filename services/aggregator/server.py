@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import pathlib
 import sys
 import threading
@@ -17,6 +18,7 @@ from fedse.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import RoundKeeper
+from .selecting import model_agent
 from .selection import POLICIES, SelectionSettings
 from .servicer import FederationServicer
 from .state import RunSettings
@@ -45,7 +47,8 @@ class AggregatorConfig(Security):
     start_clients: int = field(0, "clients needed to open round 0 (0 = min-clients); set above min-clients, round 0 "
                                   "waits for every client while later rounds can close without one that died")
     round_deadline_s: float = field(3600.0, "seconds after which a round closes if at least min-clients uploaded "
-                                            "(extended while an upload is making progress)")
+                                            "(extended while an upload is making progress); --mode async: a "
+                                            "version's buffer folds, and a slot held without an upload is taken back")
     wait_after_min_s: float = field(900.0, "once min-clients have uploaded, close the round this many seconds "
                                            "later at the latest")
     heartbeat_timeout_s: float = field(30.0, "a client not heard from for this long counts as not alive; a round "
@@ -84,7 +87,7 @@ class AggregatorConfig(Security):
     selection_fraction: float = field(0.0, "the share of alive clients a round takes, for --selector sample or "
                                            "utility (0 = use --clients-per-round)")
     fairness_rounds: int = field(0, "with a selector other than all: every alive client takes part at least once "
-                                    "every this many rounds (0 = no such floor)")
+                                    "every this many rounds (0 = automatic, ceil(alive / places) + 1; -1 = no floor)")
     selector_model: str = field("", "--selector agent-llm: the model it asks, 'fedse-tiny' or a local Hugging Face "
                                     "model directory (empty = the run's base model)")
     mode: str = field("sync", "'sync' (rounds: every selected client from one global adapter) or 'async' (FedBuff: "
@@ -95,6 +98,9 @@ class AggregatorConfig(Security):
                                  "else every joined client)")
     async_max_staleness: int = field(8, "--mode async: the most versions behind an upload may be trained from; "
                                         "a staler one is refused and its client trains again from the newest")
+    async_server_lr: float = field(1.0, "--mode async: FedBuff's server learning rate eta_g; a fold adds eta_g times "
+                                        "the buffer's staleness-weighted mean update to the version (1 = the mean "
+                                        "update itself)")
     max_lora_rank: int = field(0, "mixed LoRA ranks: each client trains its own --lora-r (and --lora-alpha) up to this "
                                   "rank, the run's adapter is held at it, and --strategy must be hlora, flexlora or "
                                   "zero-pad (0 = every client trains the first one's rank)")
@@ -142,6 +148,9 @@ class AggregatorConfig(Security):
             raise ConfigError(f"--mode must be sync or async, got {self.mode!r}")
         if self.mode == "async":
             self._check_async()
+        elif self.async_server_lr != 1.0:
+            raise ConfigError(f"--async-server-lr {self.async_server_lr:g} is FedBuff's, for --mode async: leave it "
+                              "at 1 with --mode sync, or give --mode async")
         try:
             check_installed([Target.parse(spec) for spec in self.track])
         except ValueError as exc:
@@ -188,6 +197,14 @@ class AggregatorConfig(Security):
             raise ConfigError(f"--async-buffer {self.async_buffer} is more than --async-concurrency "
                               f"{self.async_concurrency}: a buffer that more clients must fill than may train at once "
                               "waits for stragglers; give a buffer of at most the concurrency")
+        size = self.async_buffer or self.async_concurrency
+        if size and size < self.min_clients:
+            raise ConfigError(f"--min-clients {self.min_clients} is more than a buffer holds ({size}, --async-buffer "
+                              "or else --async-concurrency): a fold needs min-clients updates; give a buffer of at "
+                              "least --min-clients, or lower it")
+        if not (math.isfinite(self.async_server_lr) and self.async_server_lr > 0):
+            raise ConfigError(f"--async-server-lr must be a positive number, got {self.async_server_lr} (1 = the "
+                              "buffer's mean update itself)")
 
     def _check_secure(self) -> None:
         """Secure aggregation's preconditions: what a masked sum can give, and enough clients to hide one."""
@@ -236,7 +253,8 @@ class AggregatorConfig(Security):
             secure_ca=self.tls_ca if self.secure_aggregation else "",
             secure_max_roster=self.secure_max_roster, dp_delta=self.dp_delta, selection=self.selection(),
             mode=self.mode, async_concurrency=self.async_concurrency, async_buffer=self.async_buffer,
-            async_max_staleness=self.async_max_staleness, max_lora_rank=self.max_lora_rank,
+            async_max_staleness=self.async_max_staleness, async_server_lr=self.async_server_lr,
+            max_lora_rank=self.max_lora_rank,
         )
 
     def selection(self) -> SelectionSettings:
@@ -246,6 +264,22 @@ class AggregatorConfig(Security):
     def strategy_params(self) -> StrategyParams:
         return StrategyParams(trim_fraction=self.trim_fraction, clip_norm=self.clip_norm,
                               noise_multiplier=self.noise_multiplier, seed=self.seed)
+
+
+def load_selector_model(federation: RoundKeeper) -> None:
+    """Loads agent-llm's model at start (--selector-model, else the base model of a run resumed), not at
+    the first selection: a model that cannot load stops the aggregator here, with one line saying so. A
+    new run without --selector-model learns its base model at the first join; it loads then, within the
+    first selection's deadline."""
+    agent = model_agent(federation.policy)
+    name = (agent.model or federation.run.base_model or "") if agent is not None else ""
+    if agent is None or not name:
+        return
+    try:
+        agent.load(name)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the operator's to fix
+        raise ConfigError(f"--selector agent-llm cannot load its model {name!r}: {' '.join(str(exc).split())[:300]}"
+                          ) from None
 
 
 class Aggregator:
@@ -263,6 +297,7 @@ class Aggregator:
                                store.metrics_reports()) if config.track else None
         try:
             self.federation = RoundKeeper(config.settings(), store, tracker=self.tracker)
+            load_selector_model(self.federation)
         except Exception:
             self._close_tracker()
             raise

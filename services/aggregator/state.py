@@ -63,11 +63,13 @@ class RunSettings:
     # Asynchronous buffered rounds (FedBuff): `round` counts global versions; at most
     # async_concurrency clients train at once (0: every joined client), every async_buffer uploads
     # (0: async_concurrency's) fold into the next version, and an upload trained from a version more
-    # than async_max_staleness behind is refused.
+    # than async_max_staleness behind is refused. A fold adds async_server_lr (eta_g) times the buffer's
+    # staleness-weighted mean update to the version (1: the mean update itself).
     mode: str = "sync"
     async_concurrency: int = 0
     async_buffer: int = 0
     async_max_staleness: int = 8
+    async_server_lr: float = 1.0
     # Mixed LoRA ranks: clients train any rank up to this, and the run's adapter is at it (0: every
     # client trains the first one's rank).
     max_lora_rank: int = 0
@@ -94,6 +96,8 @@ class RunSettings:
         if self.asynchronous:
             out["async"] = {"concurrency": self.async_concurrency, "buffer": self.async_buffer,
                             "max_staleness": self.async_max_staleness}
+            if self.async_server_lr != 1.0:  # runs saved before it existed resume with the default
+                out["async"]["server_lr"] = self.async_server_lr
         return out
 
     def dp_epsilons(self, releases: int) -> tuple[float, float] | None:
@@ -138,6 +142,7 @@ class Member:
     # version it was given a slot for (it trains from a version once).
     slot_since: float | None = None
     slot_version: int = -1
+    slot_lost: int = -1  # the version at which its slot was last taken back at its deadline (not persisted)
     # Its LoRA, as its Join said: rank and scaling (lora_alpha / r), which the mixed-rank strategies weigh.
     lora_rank: int = 0
     lora_scaling: float = 1.0

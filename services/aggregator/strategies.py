@@ -15,17 +15,22 @@ and descriptions, what `--strategy` accepts, in `STRATEGIES`):
 - hlora: for clients of mixed LoRA ranks, the exact weighted sum dW = sum_k p_k s_k B_k A_k (p_k = 1/K,
   s_k = alpha_k / r_k each client's scaling), factored to the run's maximum rank R as exact does (QR
   and a small SVD); each client then takes its best rank-r_k approximation (fedse.ranks.refactored).
-- flexlora: FlexLoRA's redistribution: the same sum weighted by the clients' examples (p_k ~ n_k),
-  formed as the dense out x in matrix and cut to rank R by a full SVD.
-- zero-pad: HetLoRA-style, the naive baseline for mixed ranks: each client's A and B zero-padded to
-  rank R (B scaled by s_k / s_R), then averaged as fedavg; each client takes the first r_k components.
-  It is linear in the uploads, so it is the mixed-rank strategy that secure aggregation can give.
+- flexlora: FlexLoRA's redistribution (Bai et al. 2024): the same sum weighted by the clients'
+  examples (p_k ~ n_k), cut to rank R. FlexLoRA forms the dense out x in matrix and runs a full SVD;
+  the same truncation comes from the stacked factors as hlora's does (QR and a small SVD), which for
+  a 7B block is well under a second against minutes and the dense matrix's memory.
+- zero-pad: the zero-padding baseline for mixed ranks, which HetLoRA (Cho et al. 2024) compares
+  against and builds on, without HetLoRA's sparsity-weighted aggregation or rank self-pruning: each
+  client's A and B zero-padded to rank R (B scaled by s_k / s_R), then averaged as fedavg; each client
+  takes the first r_k components. It is a plain mean of the padded uploads, so it is the mixed-rank
+  strategy that secure aggregation can give.
 - median: coordinate-wise median over clients; for even K the mean of the two middle values
   (torch.quantile(q=0.5) semantics, not torch.median, which returns the lower one).
 - trimmed_mean: coordinate-wise, drop the floor(trim_fraction * K) smallest and as many largest
   values, average the rest.
 
-Only `weighted` reads num_successes; the others weigh every client equally (num_examples is unused).
+Only `weighted` reads num_successes and only `flexlora` num_examples; the others weigh every client
+equally.
 Any strategy can clip first: with clip_norm > 0, client k's update becomes
 phi_t + min(1, clip_norm / ||phi_k - phi_t||) (phi_k - phi_t), the norm taken over all its tensors.
 With noise_multiplier > 0, Gaussian noise of std noise_multiplier * clip_norm / K is added to every
@@ -132,26 +137,27 @@ class HLoRA(Strategy):
     linear = False
 
     def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
-        return _mixed_pair(clients, a_name, b_name, [1.0] * len(clients), dense=False)
+        return _mixed_pair(clients, a_name, b_name, [1.0] * len(clients))
 
 
 class FlexLoRA(Strategy):
     name = "flexlora"
-    description = ("mixed ranks: FlexLoRA, the dense sum of s_k B_k A_k weighted by examples, cut to the run's rank "
-                   "by a full SVD")
+    description = ("mixed ranks: FlexLoRA, the sum of s_k B_k A_k weighted by examples, cut to the run's rank "
+                   "(its truncated SVD, from the factors by QR and a small SVD); each client takes its own rank's "
+                   "best part")
     paired = True
     mixed = True
     linear = False
 
     def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
         examples = [float(n) for n in clients.examples]
-        return _mixed_pair(clients, a_name, b_name, examples if sum(examples) > 0 else [1.0] * len(clients),
-                           dense=True)
+        return _mixed_pair(clients, a_name, b_name, examples if sum(examples) > 0 else [1.0] * len(clients))
 
 
 class ZeroPad(Strategy):
     name = "zero-pad"
-    description = "mixed ranks, the naive baseline (HetLoRA): A and B zero-padded to the run's rank, then averaged"
+    description = ("mixed ranks, the zero-padding baseline (HetLoRA's, without its sparsity weighting or rank "
+                   "self-pruning): A and B zero-padded to the run's rank, then averaged")
     mixed = True
     pads = True
     noise_calibrated = True  # fedavg over the padded adapters
@@ -254,18 +260,21 @@ def staleness_weight(tau: int) -> float:
 
 def fedbuff(current: Mapping[str, torch.Tensor], updates: Sequence[tuple[Mapping[str, torch.Tensor],
                                                                         Mapping[str, torch.Tensor], int]],
-            out: Mapping[str, torch.Tensor]) -> Adapter:
+            out: Mapping[str, torch.Tensor], lr: float = 1.0) -> Adapter:
     """A buffer of asynchronous updates folded into the next version (FedBuff, Nguyen et al. 2022):
-    phi_{v+1} = phi_v + (1/n) sum_i w(tau_i) (x_i - phi_{v_i}), each update x_i with the version phi_{v_i}
-    it was trained from and its staleness tau_i = v - v_i (`updates`: (x_i, phi_{v_i}, tau_i)), in float64,
-    tensor by tensor, written into `out` (phi_{v+1}'s views, e.g. `adapter_files.allocate`'s)."""
+    phi_{v+1} = phi_v + eta_g (1/n) sum_i w(tau_i) (x_i - phi_{v_i}), each update x_i with the version
+    phi_{v_i} it was trained from and its staleness tau_i = v - v_i (`updates`: (x_i, phi_{v_i}, tau_i)),
+    eta_g the server learning rate `lr` (1: the mean update itself), in float64, tensor by tensor,
+    written into `out` (phi_{v+1}'s views, e.g. `adapter_files.allocate`'s)."""
     if not updates:
         raise ValueError("nothing to fold: the buffer is empty")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"the server learning rate is {lr}: give a positive finite number (1 = FedBuff's mean)")
     n = len(updates)
     for name in current:
         acc = current[name].to(_F64, copy=True)
         for adapter, base, tau in updates:
-            acc.add_(adapter[name].to(_F64) - base[name].to(_F64), alpha=staleness_weight(tau) / n)
+            acc.add_(adapter[name].to(_F64) - base[name].to(_F64), alpha=lr * staleness_weight(tau) / n)
         out[name].copy_(acc)
     return {name: out[name] for name in current}
 
@@ -457,25 +466,21 @@ def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[
     return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}
 
 
-def _mixed_pair(clients: _Clients, a_name: str, b_name: str, weights: list[float], dense: bool
+def _mixed_pair(clients: _Clients, a_name: str, b_name: str, weights: list[float]
                 ) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
     """A', B' at phi_t's rank R with s_R B'A' the best rank-R approximation of
-    dW = sum_k p_k s_k B_k A_k (p_k = weights normalised; s_k each client's scaling, s_R out_scaling).
+    dW = sum_k p_k s_k B_k A_k (p_k = weights normalised; s_k each client's scaling, s_R out_scaling),
+    for hlora (p_k = 1/K) and flexlora (p_k ~ n_k) alike.
 
-    Without `dense` (hlora): the stacked factors (_stacked, B_k scaled by p_k s_k) give B_cat A_cat = dW,
-    factored by fedse.ranks.best_rank (QR and a small SVD; the out x in matrix is never formed). With
-    `dense` (flexlora): dW formed, then a full SVD. Either way, a component with no singular value left
-    keeps B' column 0 and phi_t's A row."""
+    The stacked factors (_stacked, B_k scaled by p_k s_k) give B_cat A_cat = dW, factored by
+    fedse.ranks.best_rank: a QR of each and an SVD of the (sum r_k x sum r_k) core, which has dW's
+    nonzero singular values, so the result is dW's truncated SVD without the out x in matrix ever being
+    formed. A component with no singular value left keeps B' column 0 and phi_t's A row."""
     total = float(sum(weights))
     coefficients = [p / total * s for p, s in zip(weights, clients.lora_scalings)]
     a_cat, b_cat, a_dtype, b_dtype, _ = _stacked(clients, a_name, b_name, coefficients)
     previous_a = clients.previous[a_name].to(_F64)
     rank = previous_a.shape[0]
-    if dense:
-        delta = b_cat @ a_cat
-        u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
-        b_new, a_new, live = ranks.svd_factors(u, sv, vh, rank, clients.out_scaling, max(delta.shape))
-    else:
-        b_new, a_new, live = ranks.best_rank(b_cat, a_cat, rank, clients.out_scaling)
+    b_new, a_new, live = ranks.best_rank(b_cat, a_cat, rank, clients.out_scaling)
     a_new[~live] = previous_a[~live]
     return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}

@@ -339,11 +339,14 @@ class ClientAgent:
 
     def run_rounds(self, round_: int, done: str, st: fpb.RoundStatus, tasks: list[EnvTasks]) -> None:
         """Synchronous rounds: plays each round from `round_` (after phase `done`) to the final evaluation,
-        sitting out a round the aggregator chose other clients for (RoundStatus.selected)."""
+        sitting out a round the aggregator chose other clients for (RoundStatus.selected) unless it is
+        chosen while that round is still open (topped up in place of a chosen client that died)."""
+        me, sat_out = self.cfg.client_id, False
         while True:
             ROUND.set(round_)
             final = st.state == fpb.ROUND_STATE_FINISHED or round_ >= self.run_config.num_rounds
-            taking = final or done or selected(st, self.cfg.client_id)
+            taking = final or done or selected(st, me)
+            sat_out = not taking
             if taking and not final and not self.take_release(round_):
                 pass  # declined: the organisation's privacy budget allows no more releases of its data
             elif taking:
@@ -358,9 +361,13 @@ class ClientAgent:
                 self.heartbeat.set(RoundPhase.WAITING, round_)
             with PHASE_SECONDS.labels("wait").time():
                 st = self.fed.wait_until(
-                    lambda s, r=round_: s.round > r and s.state in (fpb.ROUND_STATE_OPEN, fpb.ROUND_STATE_FINISHED),
+                    lambda s, r=round_, out=sat_out: (s.round > r and s.state in (fpb.ROUND_STATE_OPEN,
+                                                                                 fpb.ROUND_STATE_FINISHED))
+                    or (out and s.round == r and s.state == fpb.ROUND_STATE_OPEN and selected(s, me)),
                     timeout_s=self.cfg.round_timeout_s)
-            if st.round > round_ + 1 and st.state == fpb.ROUND_STATE_OPEN:
+            if st.round == round_:
+                log.info("chosen for this round in place of a client that dropped out", extra=log_fields(round=round_))
+            elif st.round > round_ + 1 and st.state == fpb.ROUND_STATE_OPEN:
                 log.warning("catching up", extra=log_fields(last_round=round_, open_round=st.round))
             round_, done = st.round, ""
 
@@ -639,8 +646,8 @@ class ClientAgent:
         contribution = Contribution(self.run_rank_adapter(ad.decode_transport(data)), previous,
                                     p.num_successes if cfg.strategy == "weighted" else 1,
                                     rank=ranks.rank_of(self.schema) if cfg.max_lora_rank else 0)  # as it joined
-        layout = secagg.Layout.of(ranks.run_schema(self.schema, cfg.max_lora_rank) if cfg.max_lora_rank else self.schema,
-                                  cfg.strategy)
+        schema = ranks.run_schema(self.schema, cfg.max_lora_rank) if cfg.max_lora_rank else self.schema
+        layout = secagg.Layout.of(schema, cfg.strategy)
         protection = client_protection(self.cfg, self.state.path)
         secure = SecureRound(self.fed, self.run_id, cfg, layout, self.cfg.round_timeout_s, protection)
         return secure.take_part(p.round, contribution, lambda step: log.info(

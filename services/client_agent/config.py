@@ -45,8 +45,9 @@ class ClientConfig(Security):
     max_history: int = field(-1, "earlier turns shown in each prompt (-1 = real models: the whole episode while it "
                                  "fits the prompt window; the tiny model: 1)")
     precision: str = field("auto", "'fp32', 'bf16' (bfloat16 autocast for model passes; LoRA weights, optimizer and "
-                                   "scores stay fp32) or 'auto' (bf16 for a real model on a CPU with native bfloat16 "
-                                   "(AMX / AVX512-BF16) and on CUDA, where real models load in bf16; else fp32)")
+                                   "scores stay fp32) or 'auto' (for a real model on a CPU with native bfloat16 (AMX / "
+                                   "AVX512-BF16) the faster of the two, measured at start; bf16 on CUDA, where real "
+                                   "models load in bf16; else fp32)")
     score_cache_mb: int = field(512, "memory for the KV caches of recent prompts that later prompts reuse (real models)")
     expert_demos: int = field(20, "expert demonstrations seeding the buffer (D_0), in each environment that has an "
                                   "expert (an environment without one is seeded from --demos files, or not at all)")

@@ -6,16 +6,22 @@ rank (--lora-r 0), the tokens of a training micro-batch (--train-batch-tokens 0)
 maximum, or 16, halving; micro-batches from the trainer's default, halving to 64 tokens; the
 precision 'auto' picks, then bf16 where that was fp32; the smallest setting is measured first, so
 that where even it does not fit the search ends at once), it adds a LoRA of that rank to the loaded
-base model and runs one real training step (forward and backward over a micro-batch of that many
-tokens at the client's prompt width) and measures what the step held:
+base model and runs the trainer's own step (accumulate_gradients) on the micro-batches it would run:
+sequences as long as the longest the trainer runs whole (a prompt of the client's width and the
+agent's text: longest_sequence; a micro-batch of fewer tokens does not make that sequence shorter, so
+a smaller micro-batch needs no less than it), and where more rows fit, the micro-batch full of shorter
+ones (step_shapes). It measures what the step held at its peak, plus AdamW's two moments:
   - on CUDA, the allocator's peak above what was allocated before the step;
-  - on a CPU, the bytes of the tensors autograd saved for the backward pass (counted once per
-    storage, the frozen weights left out: they are resident already), plus the LoRA's gradients and
-    AdamW's two moments. The step runs without activation checkpointing: an upper bound.
+  - on a CPU, the process's peak resident set (VmHWM, reset before the micro-batch, the freed heap
+    returned first) above what it held before: the real peak, which the bytes autograd saved plus
+    the LoRA's gradients (the floor kept) under-counted (SmolLM2-135M at 1,024 tokens: by 21 %).
+    Where the peak cannot be reset, that count times COUNT_TO_PEAK.
+  The step runs without activation checkpointing: an upper bound.
 The choice is kept in the state directory (guardian.json): a restarted client joins again with it,
 at the rank its uploads have, as long as the base model and the run's ranks are the same. The first
 candidate whose need fits is taken: need = resident + step + (a real model's --score-cache-mb)
-+ 10 %, resident being what the process holds with the model loaded (RSS, or CUDA's allocated bytes),
++ 10 %, resident being what the process holds with the model loaded and its weights paged in by a
+short forward pass (RSS, or CUDA's allocated bytes: resident_after_forward),
 against --memory-limit-mb (else the GPU's memory, or the cgroup's limit or the machine's available
 memory on a CPU). The rank comes first (a larger rank changes what is learnt; a smaller micro-batch
 only how many passes a step takes), then the micro-batch, then the precision.
@@ -54,7 +60,8 @@ import torch
 
 from fedse.asking import AnswerError, json_object
 from fedse.files import atomic_write
-from fedse.machine import available_memory_bytes, release_free_memory, resident_bytes
+from fedse.machine import (available_memory_bytes, peak_resident_bytes, release_free_memory, reset_peak_resident,
+                           resident_bytes)
 from fedse.serving import log_fields
 
 from .privacy import LedgerError, PrivacyBudget, UnaccountedRun, reset_ledger  # noqa: F401 - the guardian's
@@ -64,6 +71,10 @@ log = logging.getLogger("fedse.client.guardian")
 MIN_BATCH_TOKENS = 64
 DEFAULT_TOP_RANK = 16  # the largest rank tried where the run does not say one
 HEADROOM = 1.10  # need = 110 % of what was measured and resident
+# Where a CPU's peak cannot be isolated: what autograd saved and the gradients, scaled by this. Measured:
+# SmolLM2-135M's step at 1,024 tokens peaked 21 % above that count (the tiny model's, 2-3x: its
+# output layer's and attention's passing tensors weigh more against its small layers).
+COUNT_TO_PEAK = 1.25
 REFERENCE_RANK = 8  # with --lora-r 0, --lora-alpha is read as this rank's: a chosen rank keeps the ratio
 
 
@@ -149,52 +160,125 @@ def tokens_from(top: int) -> list[int]:
     return out or [top]
 
 
-def step_bytes(peft_model, batch_tokens: int, width: int, precision: str, device: torch.device) -> int:
-    """What one training step over a micro-batch of `batch_tokens` tokens (rows of `width`) holds beyond
-    what is resident (see the module doc), measured on the model."""
-    from .model import autocast
-    from .trainer import kept_by_autograd
+def longest_sequence(model, width: int, config) -> int:
+    """The longest training sequence the trainer may run whole (a sequence longer than the micro-batch
+    runs alone: trainer.micro_batches): a prompt of `width` tokens (truncated on the left to it) and the
+    agent's text after it (at most --max-new-tokens), within the model's positions."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    positions = getattr(getattr(inner, "config", None), "max_position_embeddings", None) or 0
+    longest = width + max(1, config.max_new_tokens)
+    return min(longest, positions) if positions > 1 else longest
 
-    width = max(2, min(width, batch_tokens))
-    rows = max(1, batch_tokens // width)
+
+def step_shapes(batch_tokens: int, longest: int) -> list[tuple[int, int]]:
+    """The micro-batches (rows, width) a step of `batch_tokens` tokens may run when sequences are up to
+    `longest` tokens: the longest sequences, as many as fit (at least one: it runs whole), and, where more
+    rows fit, one row more of shorter sequences, which fill the micro-batch's tokens."""
+    shapes = [(max(1, batch_tokens // longest), longest)]
+    if batch_tokens >= longest:
+        rows = batch_tokens // longest + 1
+        if batch_tokens // rows >= 2:
+            shapes.append((rows, batch_tokens // rows))
+    return shapes
+
+
+def _micro_batch_bytes(peft_model, rows: int, width: int, precision: str, device: torch.device) -> tuple[int, int]:
+    """(what the process's memory grew by at the peak, the bytes autograd saved) while the trainer's own
+    accumulate_gradients runs one micro-batch of `rows` random sequences of `width` tokens, their last
+    quarter the target (the output layer runs on targets only). The peak: CUDA's allocator's, or on a
+    CPU the resident set's (VmHWM reset before); -1 where it cannot be isolated."""
+    from .model import lora_input_as_is, pads_to_buckets
+    from .prompts import Encoded
+    from .trainer import accumulate_gradients
+
     vocab = peft_model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(3, max(4, vocab), (rows, width), generator=torch.Generator().manual_seed(0)).to(device)
-    params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
-    for p in params:
-        p.requires_grad_(True)
-    lora = sum(p.numel() * p.element_size() for p in params)
+    gen = torch.Generator().manual_seed(0)
+    target = max(1, width // 4)
+    batch = [Encoded(tuple(torch.randint(3, max(4, vocab), (width,), generator=gen).tolist()),
+                     ((width - target, width),)) for _ in range(rows)]
+    frozen = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}  # resident already
+    saved: dict[int, int] = {}
 
-    def step() -> torch.Tensor:
-        with autocast(precision, device):
-            return peft_model(input_ids=ids, labels=ids).loss
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in frozen:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
 
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+    else:
+        release_free_memory()  # what an earlier measurement freed is not counted as held
+    isolated = cuda or reset_peak_resident()
+    before = resident_bytes(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), lora_input_as_is(peft_model, precision):
+        accumulate_gradients(peft_model, batch, rows * width, 0, precision, pads_to_buckets(precision, device))
+    params = [p for p in peft_model.parameters() if p.grad is not None]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)  # and the optimizer's step, as the trainer takes it: its
+    torch.optim.AdamW(params, lr=0.0).step()  # moments and temporaries (lr 0: the LoRA is thrown away anyway)
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        peak = peak_resident_bytes() - before if isolated else -1
+    return max(0, peak) if isolated else -1, sum(saved.values())
+
+
+def step_bytes(peft_model, batch_tokens: int, longest: int, precision: str, device: torch.device) -> int:
+    """What one training step with micro-batches of `batch_tokens` tokens, sequences up to `longest`
+    (step_shapes), holds beyond what is resident, measured on the model by running the trainer's step:
+    the largest of its micro-batches' peaks, each with the LoRA's gradients and an AdamW step (its moments).
+    On a CPU it is never less than what autograd saved plus the gradients; where the peak cannot be
+    isolated (no VmHWM reset), that count times COUNT_TO_PEAK."""
+    params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    lora = sum(p.numel() * p.element_size() for p in params)
     peft_model.train()
+    worst = 0
     try:
-        kept = kept_by_autograd(peft_model, step)
-        if cuda:
-            torch.cuda.synchronize(device)
-            measured = torch.cuda.max_memory_allocated(device) - before + 2 * lora  # AdamW's moments
-        else:
-            measured = kept + 3 * lora  # gradients and AdamW's two moments
+        for rows, width in step_shapes(batch_tokens, longest):
+            peak, saved = _micro_batch_bytes(peft_model, rows, width, precision, device)
+            if device.type != "cuda":
+                counted = saved + 3 * lora  # the gradients and AdamW's two moments
+                peak = max(peak, counted) if peak >= 0 else int(counted * COUNT_TO_PEAK)
+            worst = max(worst, peak)
+            for p in params:
+                p.grad = None
     finally:
         peft_model.eval()
-    return int(measured)
+    return int(worst)
+
+
+def resident_after_forward(base, device: torch.device) -> int:
+    """What the process holds with the model's weights paged in: a weight file's memory map is read
+    as passes touch it (SmolLM2-135M: 435 MB resident after loading, 971 MB after one forward), so one
+    short forward pass runs first, and the heap it freed is returned before measuring."""
+    vocab = base.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(3, max(4, vocab), (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            base(input_ids=ids, use_cache=False)
+    finally:
+        base.train(was_training)
+    release_free_memory()  # what this pass and earlier phases freed is not held
+    return resident_bytes(device)
 
 
 def size(base, config, device: torch.device, width: int, top_rank: int, fixed_rank: int = 0,
          limit_bytes: int = 0, extra_bytes: int = 0, resident: int | None = None,
-         add_lora: Callable | None = None, on_try: Callable[[Candidate], None] = lambda c: None) -> Sizing:
+         add_lora: Callable | None = None, on_try: Callable[[Candidate], None] = lambda c: None,
+         measure_step: Callable[..., int] = step_bytes) -> Sizing:
     """The largest rank, micro-batch and precision that fit (see the module doc). `config`: the client's
     (its lora_r, train_batch_tokens and precision pin what is not 0 / 'auto'); `top_rank`: the largest
     rank to try; `fixed_rank`: the one rank the run takes (a run of one rank), 0 where it takes any up to
     top_rank; `extra_bytes`: what the client holds besides the step (its score cache). The base model
     comes back without a LoRA. `resident`: what the process holds (None: measured now). DoesNotFit where
-    nothing fits."""
+    nothing fits. `measure_step`: what measures a step (step_bytes; a test's may be exact where real peaks vary by
+    some percent from run to run)."""
     from .model import pick_precision
 
     pinned = []
@@ -214,14 +298,14 @@ def size(base, config, device: torch.device, width: int, top_rank: int, fixed_ra
     else:
         first = pick_precision("auto", base, device)
         precisions = [first] + (["bf16"] if first == "fp32" and device.type == "cpu" else [])
+    longest = longest_sequence(base, width, config)
     if resident is None:
-        release_free_memory()  # what an earlier phase freed is not held
-        resident = resident_bytes(device)
+        resident = resident_after_forward(base, device)
     limit = limit_bytes or available_memory_bytes(device)
     tried: list[Candidate] = []  # what the search measured, in order (the smallest, which fits, is not listed)
 
     def measure(r: int, t: int, precision: str, peft) -> Candidate:
-        c = Candidate.measured(r, t, precision, step_bytes(peft, t, width, precision, device), resident + extra_bytes)
+        c = Candidate.measured(r, t, precision, measure_step(peft, t, longest, precision, device), resident + extra_bytes)
         on_try(c)
         return c
 
@@ -260,7 +344,7 @@ def alternatives(base, config, s: Sizing, device: torch.device, width: int, extr
     options = [c]
     for r, t in wanted:
         with lora_on(base, config, r, add_lora) as peft:
-            step = step_bytes(peft, t, width, c.precision, device)
+            step = step_bytes(peft, t, longest_sequence(base, width, config), c.precision, device)
         option = Candidate.measured(r, t, c.precision, step, s.resident_bytes + extra_bytes)
         if option.need_bytes <= s.limit_bytes:
             options.append(option)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
+import time
 import warnings
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -21,8 +23,12 @@ from peft.tuners.lora import Linear as LoraLinear
 from fedse import adapter as ad
 from fedse.machine import cpu_has_native_bf16
 from fedse.pretrained import load_base, pick_device  # noqa: F401 - the client's model, loaded in fedse
+from fedse.serving import log_fields
 
 from .prompts import is_tiny
+
+
+log = logging.getLogger("fedse.client.model")
 
 
 class AdapterMismatch(ValueError):
@@ -84,18 +90,83 @@ def lora_input_as_is(peft_model, precision: str):
     return disable_input_dtype_casting(peft_model, active=precision == "bf16")
 
 
-def pick_precision(precision: str, model, device: torch.device) -> str:
-    """"fp32" or "bf16" (autocast) for "auto": fp32 for the tiny model (too small to gain); for a
-    real model bf16 on a CPU with native bfloat16, and on CUDA where its weights are bf16 (as
-    load_base loads them there), else fp32. The label also picks the matmul peak its MFU is
-    counted against."""
+def pick_precision(precision: str, model, device: torch.device,
+                   measure: Callable[[str], float] | None = None) -> str:
+    """"fp32" or "bf16" (autocast) for "auto": fp32 for the tiny model (too small to gain); on CUDA bf16
+    where its weights are bf16 (as load_base loads them there), else fp32; on a CPU whose bfloat16
+    is native (without, bf16 runs reference code: no need to measure) the faster of the two as
+    measured here for this model (faster_precision; `measure` for a test's figures), since a flag does
+    not make it faster (an Xeon with AVX512-BF16 and no AMX ran SmolLM2's forward at 0.72x fp32's
+    rate in bf16). The label also picks the matmul peak its MFU is counted against."""
     if precision != "auto":
         return precision
     if is_tiny(model):
         return "fp32"
     if device.type == "cuda":
         return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+    if device.type != "cpu" or not cpu_has_native_bf16():
+        return "fp32"
+    return faster_precision(model, device, measure=measure)
+
+
+def linear_shapes(model) -> dict[tuple[int, int], int]:
+    """How many of the model's frozen linear layers have each (in, out) shape: the matmuls that run in
+    bf16 under autocast (the output layer, which runs in fp32, and LoRA factors left out)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    shapes: dict[tuple[int, int], int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and "lora_" not in name:
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    return shapes
+
+
+def time_linears(shapes: dict[tuple[int, int], int], precision: str, device: torch.device, tokens: int = 256,
+                 seconds: float = 0.05, timer: Callable[[], float] = time.perf_counter) -> float:
+    """The FLOP/s of one pass of `tokens` rows through linear layers of these shapes (shape: count) with
+    weights stored in `precision`'s dtype (as run_in stores them for bf16): each shape timed over runs
+    of at least `seconds` after a warm-up, weighted by its count. Bounded: a shape's runs stop once
+    `seconds` have passed."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    flops = elapsed = 0.0
+    for (n_in, n_out), count in shapes.items():
+        x = torch.randn(tokens, n_in, device=device).to(dtype)
+        w = torch.randn(n_out, n_in, device=device).to(dtype)
+        torch.nn.functional.linear(x, w)  # warm-up: kernels chosen, memory touched
+        runs, t0 = 0, timer()
+        while True:
+            torch.nn.functional.linear(x, w)
+            runs += 1
+            took = timer() - t0
+            if took >= seconds:
+                break
+        flops += 2.0 * tokens * n_in * n_out * count
+        elapsed += took / runs * count
+    return flops / elapsed if elapsed > 0 else 0.0
+
+
+_FASTER: dict[tuple, tuple[str, dict[str, float]]] = {}
+
+
+def faster_precision(model, device: torch.device, tokens: int = 256,
+                     measure: Callable[[str], float] | None = None) -> str:
+    """The faster of fp32 and bf16 for this model on this machine: its linear layers' matmuls at
+    `tokens` rows timed in each (time_linears, well under a second each; `measure`: precision ->
+    FLOP/s instead, a test's), logged with the figures and kept for the process (per model shapes,
+    device and thread count)."""
+    shapes = linear_shapes(model)
+    key = (tuple(sorted(shapes.items())), str(device), torch.get_num_threads(), tokens)
+    if measure is None and key in _FASTER:
+        return _FASTER[key][0]
+    rate = measure or (lambda p: time_linears(shapes, p, device, tokens))
+    rates = {p: float(rate(p)) for p in ("fp32", "bf16")}
+    chosen = "bf16" if rates["bf16"] > rates["fp32"] else "fp32"
+    if measure is None:
+        _FASTER[key] = (chosen, rates)
+    log.info("precision measured", extra=log_fields(
+        fp32_gflops=round(rates["fp32"] / 1e9, 1), bf16_gflops=round(rates["bf16"] / 1e9, 1), precision=chosen,
+        tokens=tokens))
+    return chosen
 
 
 def run_in(precision: str, model, device: torch.device) -> str:
