@@ -22,7 +22,7 @@ from typing import Callable
 import grpc
 
 from fedse import reach
-from fedse.config import ConfigError, parse_or_exit
+from fedse.config import ConfigError, parse
 from fedse.security import Security, channel
 from services.client_agent.config import ClientConfig
 
@@ -38,14 +38,38 @@ class Failed(Exception):
     """A check that failed; the text says what to fix."""
 
 
+# The failures a check expects, whose message says what to fix: its own, a setting or file the client would
+# refuse at start (ConfigError: a missing base model, an unreadable TLS file), a file it cannot read, a server
+# that answers with an error.
+EXPECTED = (Failed, reach.Unreachable, ConfigError, OSError, ValueError, grpc.RpcError)
+
+
+def _fail(name: str, exc: BaseException) -> int:
+    """Prints a failed check's one line (never a traceback: doctor is what an organisation runs first) and
+    returns doctor's exit status for a failure, 1."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        reason = f"the server answered {exc.code().name}: {exc.details()}"
+    elif isinstance(exc, EXPECTED):
+        reason = str(exc) or type(exc).__name__
+    else:  # a check that broke: still one line, with what to report
+        reason = f"{type(exc).__name__}: {exc} (unexpected: please report it with this line)"
+    print(f"FAIL {name}: {reason}")
+    return 1
+
+
 def doctor(argv: list[str]) -> int:
-    cfg = parse_or_exit(ClientConfig, argv, prog="fedse doctor", shown=SHOWN,
-                        description="Checks that this client could join its federation, in the order a join needs "
-                                    "it, and stops at the first failure with one line saying what to fix: a dry run "
-                                    "(it joins, uploads and reports nothing). It takes the client's own flags and "
-                                    "FEDSE_* variables; those it reads are listed here.")
-    sec = Security.from_config(cfg)
-    problem = reach.diagnose(cfg.aggregator, sec, "--aggregator")  # one probe answers the first four checks
+    """Runs the checks in order; 0 when all pass, 1 at the first failure (including settings the client would
+    refuse at start, e.g. a --tls-cert or --secure-members file it cannot read), each as one line on stdout."""
+    try:
+        cfg = parse(ClientConfig, argv, prog="fedse doctor", shown=SHOWN,
+                    description="Checks that this client could join its federation, in the order a join needs "
+                                "it, and stops at the first failure with one line saying what to fix: a dry run "
+                                "(it joins, uploads and reports nothing). It takes the client's own flags and "
+                                "FEDSE_* variables; those it reads are listed here.")
+        sec = Security.from_config(cfg)
+        problem = reach.diagnose(cfg.aggregator, sec, "--aggregator")  # one probe answers the first four checks
+    except Exception as exc:  # noqa: BLE001 - every failure is one line
+        return _fail("this client's settings", exc)
     steps: list[tuple[str, Callable[[ClientConfig], str]]] = [
         ("the aggregator's address", lambda c: _connection(c, sec, problem, reach.ADDRESS)),
         ("TLS or plain, as the aggregator", lambda c: _connection(c, sec, problem, reach.TRANSPORT)),
@@ -58,9 +82,8 @@ def doctor(argv: list[str]) -> int:
     for name, check in steps:
         try:
             detail = check(cfg)
-        except (Failed, reach.Unreachable) as exc:
-            print(f"FAIL {name}: {exc}")
-            return 1
+        except Exception as exc:  # noqa: BLE001 - every failure is one line
+            return _fail(name, exc)
         print(f"ok   {name}: {detail}")
     print(f"{cfg.client_id} can join the run at {cfg.aggregator}")
     return 0

@@ -28,8 +28,9 @@ method runs once per seed and the table shows mean +- sample standard deviation 
 Output in --results: table.md (the paper's layout), results.csv (every run, environment and
 round), methods.png, ablations.png, selectors.png and ranks.png (success per round per environment), bytes.png (adapter
 bytes each client sends per round), and runs/<method>-seed<k>/ with each run's own results and
-logs. A run whose results.json exists with the same settings is not run again, so an interrupted
-experiment picks up where it stopped (--fresh runs everything again).
+logs. A run whose results.json exists with the same settings is not run again, and one it
+interrupted resumes, so an interrupted experiment picks up where it stopped (--fresh runs everything
+again; an earlier run's files are moved aside to runs/<method>-seed<k>.replaced-<time>, never deleted).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import time
 from typing import IO, Any, Iterable
 
 from fedse.config import ConfigError, field
+from apps.launcher import resumes, settings
 from apps.launcher import run as run_federation
 from apps.planning import RunConfig
 from apps.results import round_mean, shortfall
@@ -185,8 +187,8 @@ def _finished(path: pathlib.Path, cfg: RunConfig) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     # Launchers before "complete" wrote results.json only for finished runs.
-    # Compared as JSON holds them (a list setting is a tuple here, a list there).
-    done = results.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) and results.get("complete", True)
+    # Compared as JSON holds them (a list setting is a tuple here, a list there), less --replace.
+    done = settings(results.get("config") or {}) == settings(dataclasses.asdict(cfg)) and results.get("complete", True)
     return results if done else None
 
 
@@ -218,6 +220,8 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             say(f"[{i}/{len(jobs)}] {method.name}, seed {seed}: running{eta} (log: {path / 'progress.log'})")
             t0 = time.monotonic()
             path.mkdir(parents=True, exist_ok=True)
+            # An interrupted run with these settings goes on; any other earlier run is moved aside.
+            rc = dataclasses.replace(rc, replace=cfg.fresh or not resumes(rc))
             with open(path / "progress.log", "w") as log:
                 results = run_federation(rc, out=log)
             if not results["complete"]:  # a table of runs that lost clients would compare unlike things

@@ -22,6 +22,7 @@ GetRunStatus, as any operator's tool would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -52,6 +53,89 @@ def unopenable(fed: Federation, status: fpb.RunStatus | None, failed: set[str]) 
     missing = [cid for cid in dead if cid not in joined]
     return (f"{', '.join(missing)} failed before joining, and {fed.name} opens round 0 only once every "
             "client has joined") if missing else ""
+
+
+# What a run writes to its folder, and so what --replace moves aside (other files stay).
+RUN_FILES = ("run.json", "results.json", "success.png", "state", "logs")
+
+
+class RunFolderError(RuntimeError):
+    """--results names a folder whose run this one must not overwrite."""
+
+
+def settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings that shape a run (a RunConfig as a dict), as JSON holds them, less where it is
+    written and how its folder was claimed: a run resumes only one with equal settings."""
+    return {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ("results", "replace")}
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def earlier_run(folder: pathlib.Path) -> tuple[dict[str, Any] | None, bool] | None:
+    """What `folder` holds of an earlier run: (its settings, None if none were recorded; whether it
+    finished), None if nothing. run.json records the settings at start, so a run killed before
+    writing results.json is still known; a results.json without "complete" (older launchers wrote
+    one only for finished runs) counts as finished."""
+    if not any((folder / name).exists() for name in RUN_FILES):
+        return None
+    results = _read_json(folder / "results.json")
+    config = (_read_json(folder / "run.json") or {}).get("config") or (results or {}).get("config")
+    return (settings(config) if config else None), bool(results and results.get("complete", True))
+
+
+def resumes(cfg: RunConfig) -> bool:
+    """Whether cfg.results holds an interrupted run with cfg's settings, which run() resumes."""
+    earlier = earlier_run(pathlib.Path(cfg.results))
+    return earlier is not None and not earlier[1] and earlier[0] == settings(dataclasses.asdict(cfg))
+
+
+def move_aside(folder: pathlib.Path) -> pathlib.Path:
+    """Moves the run's files (RUN_FILES) out of `folder` into a new sibling FOLDER.replaced-<time>;
+    whatever else the folder holds stays."""
+    stem = f"{folder.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, n = folder.with_name(stem), 1
+    while aside.exists():
+        n += 1
+        aside = folder.with_name(f"{stem}-{n}")
+    aside.mkdir(parents=True)
+    for name in RUN_FILES:
+        if (folder / name).exists():
+            shutil.move(str(folder / name), str(aside / name))
+    return aside
+
+
+def claim(cfg: RunConfig, say: Any) -> None:
+    """Makes cfg.results this run's folder without overwriting another run: an empty folder is
+    taken; an interrupted run with the same settings is resumed (the services resume from their
+    state directories; its logs are kept aside in the folder); with --replace, an earlier run's
+    files are moved to RESULTS.replaced-<time>; else a finished run, or one with other or unknown
+    settings, is refused (RunFolderError). Then records the settings in run.json."""
+    folder = pathlib.Path(cfg.results)
+    earlier = earlier_run(folder)
+    mine = settings(dataclasses.asdict(cfg))
+    if earlier is not None and cfg.replace:
+        say(f"moved the earlier run in {folder} aside to {move_aside(folder)}")
+    elif earlier is not None and earlier[1]:
+        raise RunFolderError(f"{folder} holds a finished run: pass another --results, or --replace to move it "
+                             "aside and start again")
+    elif earlier is not None and earlier[0] != mine:
+        other = ("unknown settings" if earlier[0] is None else "other settings ("
+                 + ", ".join(f"--{k.replace('_', '-')}" for k in sorted(mine) if earlier[0].get(k) != mine[k]) + ")")
+        raise RunFolderError(f"{folder} holds an interrupted run with {other}: pass its settings to resume it, "
+                             "another --results, or --replace to move it aside")
+    elif earlier is not None:
+        kept = folder / "logs" / f"interrupted-{time.strftime('%Y%m%d-%H%M%S')}"
+        for log in sorted((folder / "logs").glob("*.log")):  # the restarted processes write new ones
+            kept.mkdir(exist_ok=True)
+            log.rename(kept / log.name)
+        say(f"resuming the interrupted run in {folder}")
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    (folder / "run.json").write_text(json.dumps({"config": {"results": cfg.results, **mine}}, indent=2))
 
 
 class Launch:
@@ -175,11 +259,10 @@ class Launch:
 def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     """Runs the federation until every client agent has exited, then writes and returns its results
     (collect()). A client that fails is reported and recorded, and the others go on; on Ctrl-C (or
-    any other exception) the results so far are written before the exception goes on up."""
+    any other exception) the results so far are written before the exception goes on up. It never
+    overwrites another run's folder (claim()): it resumes an interrupted one with its settings."""
     launch = Launch(cfg, out)
-    shutil.rmtree(launch.state, ignore_errors=True)
-    shutil.rmtree(launch.logs, ignore_errors=True)
-    launch.logs.mkdir(parents=True)
+    claim(cfg, launch.say)
     try:
         launch.start()
         launch.follow()

@@ -59,7 +59,11 @@ class RunConfig:
     demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
                            "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
     rounds: int = setting(AggregatorConfig, "rounds")
-    results: str = field("results", "folder for results.json, success.png, logs and state")
+    results: str = field("results", "folder for results.json, success.png, logs and state; a folder holding an "
+                                    "interrupted run with the same settings resumes it")
+    replace: bool = field(False, "if --results holds an earlier run, move its files aside to "
+                                 "RESULTS.replaced-<time> and start again (without it, a finished run or one "
+                                 "with other settings is refused)")
     base_model: str = setting(ClientConfig, "base_model")
     strategy: str = setting(AggregatorConfig, "strategy")
     secure_aggregation: bool = setting(AggregatorConfig, "secure_aggregation")

@@ -142,7 +142,7 @@ def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...
             wall_s: float, failed: Sequence[Failure] = (), stopped: str = "") -> dict[str, Any]:
     """The run's results (results.json), what `fedse run` and the experiment driver read:
 
-    {"config": the RunConfig as a dict, "topology", "base_model", "strategy", "rounds", "wall_s",
+    {"config": the RunConfig as a dict (less --replace), "topology", "base_model", "strategy", "rounds", "wall_s",
      "envs": {env: [{"round", "test_success" (that environment's held-out success), "test_tasks"
               (its test tasks evaluated), "upload_bytes" (bytes of the adapter its client uploaded
               that round; absent in the final, evaluation-only round), and its client's other
@@ -167,7 +167,8 @@ def collect(reports: list[dict[str, Any]], client_envs: dict[str, tuple[str, ...
         if m is None:
             break
         mean.append(m)
-    return {"config": dataclasses.asdict(cfg), "topology": cfg.topology, "base_model": cfg.base_model,
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "replace"}  # how, not what, it ran
+    return {"config": config, "topology": cfg.topology, "base_model": cfg.base_model,
             "strategy": cfg.strategy, "rounds": cfg.rounds, "wall_s": round(wall_s, 1), "envs": envs,
             "mean_test_success": mean, "final_test_success": round_mean(envs, cfg.env_list(), cfg.rounds),
             "complete": not failed and not stopped,

@@ -338,3 +338,24 @@ def test_the_old_flag_spellings_work_for_a_release_with_a_warning(tmp_path, caps
     with pytest.raises(SystemExit) as stopped:  # neither spelling: argparse's own line, exit 2
         fedse_certs(capsys, "init")
     assert stopped.value.code == 2 and "--out-dir" in capsys.readouterr().err
+
+
+# ---- keys stay out of git ----------------------------------------------------------------------------
+def test_gitignore_covers_what_the_guides_write_and_git_holds_no_key():
+    """The guides run `fedse certs`, services and experiments at the checkout's root: the CA's key, member keys,
+    requests, member lists, runs and logs must all be ignored, so that `git add -A` never commits one."""
+    import shutil
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = ["ca-key.pem", "ca.pem", "ca/ca-key.pem", "offline-ca/ca-key.pem", "org-a-key.pem", "org-a.pem",
+               "org-a.csr", "aggregator-key.pem", "mtls-certs/org-a-key.pem", "members.json", "members.txt",
+               "runs/tb/x", "runs/mlflow/x", "tracked/x", "state/aggregator/x", "results/x", "models/x", "run.log",
+               "mlruns/x", "logs/x"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=root, capture_output=True, text=True)
+    assert sorted(done.stdout.split()) == sorted(written), f"not ignored: {set(written) - set(done.stdout.split())}"
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    keys = [f for f in tracked if f.endswith((".pem", ".key", ".csr", ".p12")) or f.endswith("members.json")]
+    assert keys == [], keys

@@ -126,3 +126,58 @@ def test_doctor_help_lists_only_the_settings_it_reads_but_takes_every_client_fla
     from services.client_agent.config import ClientConfig
 
     assert parse(ClientConfig, ["--explore-tasks", "3", "--client-id", "org-a"], shown=SHOWN).explore_tasks == 3
+
+
+def test_a_missing_base_model_is_one_fail_line_not_a_traceback(tmp_path, pki):  # noqa: F811
+    """The check an organisation most often fails: the real command, in its own process, ends with one line."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with federation(tmp_path, pki) as (agg, env):
+        done = subprocess.run([sys.executable, "-m", "apps.cli", "doctor", "--client-id", "org-a", "--env", "maze",
+                               "--aggregator", agg, "--env-server", env, "--env-server-plain", *mtls(pki),
+                               "--base-model", str(tmp_path / "no-such-model")],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+    lines = done.stdout.strip().splitlines()
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert lines[-1].startswith("FAIL the base model and its LoRA: ") and "does not exist" in lines[-1], lines
+    assert all(line.startswith("ok   ") for line in lines[:-1]), lines
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("missing TLS file", "--tls-cert"),
+    ("bad members file", "--secure-members"),
+])
+def test_settings_the_client_would_refuse_are_one_fail_line(tmp_path, pki, capsys, case, reason):  # noqa: F811
+    """Settings the client agent refuses at start (before any check could run) fail as doctor's first line,
+    on stdout with exit status 1, as every other check does."""
+    members = tmp_path / "members.txt"
+    members.write_text("org-a\nnot a valid id!\n")
+    flags = {"missing TLS file": ["--tls-ca", pki.ca_pem, "--tls-cert", str(tmp_path / "gone.pem"),
+                                  "--tls-key", pki.org_a[1]],
+             "bad members file": [*mtls(pki), "--secure-members", str(members)]}[case]
+    code, lines = run(capsys, "127.0.0.1:1", "127.0.0.1:2", *flags)
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert lines == [lines[-1]] and lines[-1].startswith("FAIL this client's settings: ") and reason in lines[-1], lines
+
+
+def test_an_unreachable_env_server_is_one_fail_line(tmp_path, pki, capsys):  # noqa: F811
+    with federation(tmp_path, pki) as (agg, _env):
+        code, lines = run(capsys, agg, "127.0.0.1:1", *mtls(pki))
+    assert code == 1 and lines[-1].startswith("FAIL the env server: "), lines
+
+
+def test_a_check_that_breaks_unexpectedly_is_still_one_line(tmp_path, pki, capsys, monkeypatch):  # noqa: F811
+    import apps.doctor as doctor_module
+
+    def broken(cfg):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(doctor_module, "base_model", broken)
+    with federation(tmp_path, pki) as (agg, env):
+        code, lines = run(capsys, agg, env, *mtls(pki))
+    assert code == 1 and lines[-1].startswith("FAIL the base model and its LoRA: KeyError"), lines

@@ -233,6 +233,9 @@ class SecureRound:
                             or s.secure_stage == fpb.SECURE_STAGE_ADVERTISING)
             if st.round == round_:
                 raise AttemptOver("the aggregator abandoned the attempt after our upload")
+            # The round closed with our upload in its sum, revealed by the others' shares where ours were not
+            # needed: released as much as if we had revealed, so no other sum of this round may hold it.
+            self.protection.book.mark(self.run_id, round_)
             return True
         finally:
             me.wipe()
