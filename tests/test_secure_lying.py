@@ -244,6 +244,9 @@ def test_two_uploader_lists_are_caught_by_the_consistency_stage(tmp_path, pki):
                    for r in results), results
         assert liar.unmasked_by == []
         assert all(p.steps[-1] == "signed" for p in parties)
+        # The attempt reached unmasking: each booked the round, revealing or not (the others' shares could
+        # unmask its upload), and takes part in no later attempt of it.
+        assert all(p.protection.book.has("t", 0) for p in parties)
 
 
 def split_ring(agg, k: int):

@@ -19,8 +19,9 @@ protection (`Protection`) is its own setting, never the aggregator's word:
   threshold of them hold every LoRA component it sent (it zeroes, before masking, those fewer would
   hold: fedse.ranks.held_rank) and, with signed keys, at least the threshold of its neighbours signed
   the very uploader list it was shown;
-- it reveals shares in at most one attempt of a round, under every run id it was ever told, remembered
-  across restarts (`ReleaseBook`).
+- once an attempt it uploaded in reaches unmasking, or the round closes with its upload, it takes part
+  in no other attempt of that round, under every run id it was ever told, remembered across restarts
+  (`ReleaseBook`).
 """
 
 from __future__ import annotations
@@ -299,10 +300,13 @@ class SecureRound:
                        held: dict[str, tuple[bytes, bytes]], on_step: Callable[[str], None]) -> fpb.SecureRound | None:
         """The attempt's view at UNMASKING once the uploader list is checked (and, with signed keys,
         signed by this client and by at least the threshold of its neighbours); None when the round
-        closed meanwhile (the others' shares sufficed)."""
+        closed meanwhile (the others' shares sufficed). Once the attempt reaches UNMASKING the round is
+        booked as released (ReleaseBook), whether or not this client then reveals: the others' shares
+        may unmask its upload, so it takes part in no later attempt of the round."""
         if not self.protection.signed:
             sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UNMASKING, closed_ok=True)
             if sr is not None:
+                self.protection.book.mark(self.run_id, round_)
                 self._check_uploaders(me.client_id, sr, view, shared, held)
             return sr
         sr = self._reached(round_, nonce, fpb.SECURE_STAGE_CONSISTENCY, closed_ok=True)
@@ -320,6 +324,7 @@ class SecureRound:
         sr = self._reached(round_, nonce, fpb.SECURE_STAGE_UNMASKING, closed_ok=True)
         if sr is None:
             return None
+        self.protection.book.mark(self.run_id, round_)
         if sorted(sr.uploaded) != uploaded:
             raise SecureError("the aggregator shows another uploader list at unmasking than the one this client "
                               "signed: this client reveals nothing")
