@@ -99,16 +99,21 @@ def slow_fold(fed) -> tuple[threading.Event, threading.Event]:
     return started, release
 
 
+def accept_from_a(fed) -> None:
+    """Client a's update of version 0 accepted, without waiting for the fold it starts (slow_fold holds it)."""
+    data = adapter_bytes(1.0)
+    h = UploadHeader("a", 0, fed.status().round_nonce, ad.sha256_hex(data), len(data))
+    _, _, gen = fed.begin_upload(h)
+    fed.receive(h, gen, 0, data)
+    fed.finish_upload(h, gen)
+
+
 def test_an_upload_during_the_last_fold_is_refused_not_lost(tmp_path):
     clock = Clock()
     fed = asynchronous(tmp_path, clock, num_rounds=1, start_clients=2, async_concurrency=2, async_buffer=1)
     join(fed, "a", "b")
     started, release = slow_fold(fed)
-    data = adapter_bytes(1.0)
-    h = UploadHeader("a", 0, fed.status().round_nonce, ad.sha256_hex(data), len(data))
-    _, _, gen = fed.begin_upload(h)
-    fed.receive(h, gen, 0, data)
-    fed.finish_upload(h, gen)  # the last version's fold starts beside the acknowledgement
+    accept_from_a(fed)  # the last version's fold starts beside the acknowledgement
     assert started.wait(30) and fed.status().state is State.AGGREGATING
     try:
         with pytest.raises(RunFinished, match="ends with version 1, which is being folded now: .* download the final"):
@@ -124,11 +129,7 @@ def test_an_upload_during_an_earlier_fold_goes_into_the_next_buffer(tmp_path):
     fed = asynchronous(tmp_path, clock, num_rounds=3, start_clients=2, async_concurrency=2, async_buffer=1)
     join(fed, "a", "b")
     started, release = slow_fold(fed)
-    data = adapter_bytes(1.0)
-    h = UploadHeader("a", 0, fed.status().round_nonce, ad.sha256_hex(data), len(data))
-    _, _, gen = fed.begin_upload(h)
-    fed.receive(h, gen, 0, data)
-    fed.finish_upload(h, gen)
+    accept_from_a(fed)
     assert started.wait(30)
     data_b = adapter_bytes(3.0)
     hb = UploadHeader("b", 0, fed.status().round_nonce, ad.sha256_hex(data_b), len(data_b))
