@@ -157,8 +157,12 @@ def test_client_killed_mid_round_the_round_closes_at_quorum_and_it_rejoins(tmp_p
         wait_for("round 2 to open without org-b", lambda: (fed.run_dir / "global" / "round_0002").exists(),
                  procs=[fed.clients["org-a"]])
         assert fed.accepted(1) == {"org-a"}
-        reasons = [e["reason"] for e in log_entries(fed.agg) if e.get("msg") == "round closed"]
-        assert reasons[1] == "all alive clients uploaded"
+
+        def close_reasons() -> list[str]:
+            return [e["reason"] for e in log_entries(fed.agg) if e.get("msg") == "round closed"]
+        # The round's folder may appear before its log line is written: wait for the line itself.
+        wait_for("round 1's close to be logged", lambda: len(close_reasons()) >= 2, procs=[fed.clients["org-a"]])
+        assert close_reasons()[1] == "all alive clients uploaded"
 
         # The operator sees org-b as not alive.
         out = subprocess.run([sys.executable, "-m", "apps.cli", "status", "--aggregator",
