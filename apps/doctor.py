@@ -161,13 +161,24 @@ def admitted(cfg: ClientConfig) -> str:
         except grpc.RpcError as exc:
             raise Failed(_refusal(exc, cfg)) from None
     try:
-        # The reason the client agent ends with.
+        # The reason the client agent ends with, and what either side can do about it.
         refuse_insecure(cfg.require_secure_aggregation, run.config, cfg.signs_keys)
     except InsecureRun as exc:
-        raise Failed(str(exc)) from None
-    secure = ", secure aggregation" if run.config.secure_aggregation else ""
+        raise Failed(f"{str(exc).removesuffix('; nothing was uploaded')}: {_secure_fix(run.config)}") from None
+    secure = ", secure aggregation" if run.config.secure_aggregation else ", no secure aggregation"
     secure += " with signed keys" if run.config.secure_signed else ""
     return f"run {run.config.run_id}, round {run.round.round} of {run.config.num_rounds}{secure}"
+
+
+def _secure_fix(run) -> str:
+    """What to do about a run this client refuses as not secure enough: the operator's flag, or this
+    client's own setting."""
+    if not run.secure_aggregation:
+        return ("ask the federation's operator to start the aggregator with --secure-aggregation, or, to join a run "
+                "whose aggregator sees your adapter, drop --require-secure-aggregation "
+                '(FEDSE_REQUIRE_SECURE_AGGREGATION "false")')
+    return ("ask the federation's operator to serve the aggregator over mTLS (--tls-ca, --tls-cert, --tls-key), "
+            "which signs the keys, or drop this client's --tls-cert and --tls-key (keeping --tls-ca)")
 
 
 def _refusal(exc: grpc.RpcError, cfg: ClientConfig) -> str:

@@ -45,7 +45,8 @@ import sys
 import time
 from typing import IO, Any, Iterable
 
-from fedse.config import ConfigError, field
+from fedse.config import ALL, ConfigError, Count, field, refuse_zero
+from apps.estimate import Forecast, words
 from apps.launcher import resumes, settings
 from apps.launcher import run as run_federation
 from apps.planning import RunConfig
@@ -91,15 +92,15 @@ PRETRAINED = "Pre-trained"
 
 # Budgets: what a run of each method costs. "quick" is sized to finish every method for every seed
 # in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "cpu-real" runs the
-# paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about 30 minutes; "full" is for a
+# paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about 2 hours; "full" is for a
 # GPU machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
 BUDGETS: dict[str, dict[str, Any]] = {
     "quick": {"envs": "maze,wordle?vocab_size=30", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
-              "explore_tasks": 16, "eval_tasks": 0, "epochs": 2, "lr": 3e-3},
+              "explore_tasks": 16, "eval_tasks": ALL, "epochs": 2, "lr": 3e-3},
     "cpu-real": {"envs": "maze,babyai", "methods": "local,centralized,fedit,fedse", "seeds": 1, "rounds": 1,
                  "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 10, "epochs": 2, "lr": 2e-3},
     "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "methods": "all", "seeds": 3, "rounds": 5,
-             "expert_demos": 20, "explore_tasks": 32, "eval_tasks": 0, "epochs": 2, "lr": 3e-3},
+             "expert_demos": 20, "explore_tasks": 32, "eval_tasks": ALL, "epochs": 2, "lr": 3e-3},
 }
 BUDGET_FIELDS = ("envs", "seeds", "rounds", "expert_demos", "explore_tasks", "eval_tasks", "epochs")
 
@@ -110,8 +111,8 @@ class ExperimentConfig:
     writes the paper-style table, a CSV and plots. Numbers left at -1 (or empty) take the budget's."""
 
     budget: str = field("quick", "'quick' (under 15 min on a 2-core CPU with the tiny model), 'cpu-real' "
-                                 "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about half an "
-                                 "hour) or 'full' (GPU machine, real model: all five environments, all test tasks)")
+                                 "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about two "
+                                 "hours) or 'full' (GPU machine, real model: all five environments, all test tasks)")
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                              + " ('all' = the paper's methods and ablations; 'selectors' = fedse and the client "
                                "selectors, each taking half the clients a round; 'ranks' = fedse at rank 8 beside "
@@ -126,7 +127,7 @@ class ExperimentConfig:
     rounds: int = field(-1, "federated rounds T (-1 = the budget's)")
     expert_demos: int = field(-1, "expert demonstrations per environment (-1 = the budget's)")
     explore_tasks: int = field(-1, "Fed-SE's exploration tasks per client and round (-1 = the budget's)")
-    eval_tasks: int = field(-1, "held-out test tasks per environment, 0 = all (-1 = the budget's)")
+    eval_tasks: Count = field(-1, "held-out test tasks per environment, or 'all' (-1 = the budget's)")
     epochs: int = field(-1, "training epochs per round (-1 = the budget's)")
     fresh: bool = field(False, "run every method again even where a finished run with the same settings exists")
 
@@ -145,6 +146,7 @@ class ExperimentConfig:
             value = getattr(self, name)
             if name != "envs" and value < -1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be -1 (the budget's) or at least 0, got {value}")
+        refuse_zero(self.eval_tasks, "--eval-tasks", "test task evaluated")
         if self.setting("seeds") < 1 or self.setting("rounds") < 1:
             raise ConfigError("--seeds and --rounds must be at least 1")
         check_base_model(self.base_model)
@@ -171,7 +173,7 @@ class ExperimentConfig:
     def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
         common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}
         return RunConfig(results=str(results), base_model=self.base_model, lr=self.setting("lr"), seed=seed,
-                         **{**common, **method.settings})
+                         run_name=method.key, **{**common, **method.settings})
 
 
 # ---- running ---------------------------------------------------------------------------------------
@@ -201,22 +203,20 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     jobs = [(m, s) for s in seeds for m in methods]  # seed by seed: an early stop leaves whole seeds
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     started = time.monotonic()
-    spent: list[float] = []
-
-    def say(msg: str) -> None:
-        print(msg, file=out, flush=True)
-
+    configs = {(m.key, s): cfg.run_config(m, s, root / "runs" / run_name(m, s)) for m, s in jobs}
+    kept = {job: r for job, rc in configs.items() if not cfg.fresh and (r := _finished(pathlib.Path(rc.results), rc))}
+    say = lambda msg: print(msg, file=out, flush=True)  # noqa: E731
     say(f"experiment: {len(methods)} methods x {len(seeds)} seeds on {', '.join(cfg.env_list())}, "
         f"{cfg.setting('rounds')} rounds, budget {cfg.budget}; runs in {root / 'runs'}/")
+    forecast = Forecast(rc for job, rc in configs.items() if job not in kept)
+    say(forecast.line(f"{len(jobs) - len(kept)} of its {len(jobs)} runs to run"))
     for i, (method, seed) in enumerate(jobs, 1):
-        path = root / "runs" / run_name(method, seed)
-        rc = cfg.run_config(method, seed, path)
-        results = None if cfg.fresh else _finished(path, rc)
+        rc = configs[method.key, seed]
+        path, results = pathlib.Path(rc.results), kept.get((method.key, seed))
         if results is not None:
             say(f"[{i}/{len(jobs)}] {method.name}, seed {seed}: kept from an earlier run")
         else:
-            left = len(jobs) - i + 1
-            eta = f", about {statistics.mean(spent) * left / 60:.0f} min left" if spent else ""
+            eta = f", {words(forecast.left_s())} left in all"
             say(f"[{i}/{len(jobs)}] {method.name}, seed {seed}: running{eta} (log: {path / 'progress.log'})")
             t0 = time.monotonic()
             path.mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,7 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             if not results["complete"]:  # a table of runs that lost clients would compare unlike things
                 raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "
                                    f"{path / 'progress.log'} (the next fedse experiment runs it again)")
-            spent.append(time.monotonic() - t0)
+            forecast.done(time.monotonic() - t0)
         runs[(method.key, seed)] = results
         final = micro_average(results, rc.rounds)
         say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "

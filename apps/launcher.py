@@ -2,8 +2,10 @@
 
 Starts one env_server per client agent (hosting that client's environments), the aggregator(s),
 and the client agents (each its own process, as each is its own pod in k8s/), shows a table of
-held-out success per environment and round as the clients report it, stops everything on Ctrl-C,
-and writes results.json and success.png to the results folder.
+held-out success per environment and round as the clients report it, with what each client is
+doing (apps.display: on a terminal, redrawn in place), stops everything on Ctrl-C, and writes
+results.json and success.png to the results folder. Before it starts anything it says how long the
+run should take on this machine (apps.estimate).
 
 A client agent that dies (killed by the out-of-memory killer, a crash) does not sink the run: the
 launcher says which client failed and why (exit status or signal, the last lines and the last error
@@ -32,14 +34,15 @@ from typing import IO, Any
 
 from fedse.config import to_argv
 from fedse.machine import available_cores
-from fedse.progress import EVERY_S as PROGRESS_EVERY_S
 from fedse.v1 import federation_pb2 as fpb
-from apps.logs import progress_lines
-from apps.planning import (Client, Federation, RunConfig, aggregator_config, client_config, env_server_config,
-                           plan)
+from apps.display import Display
+from apps.estimate import estimate_line, machine_speed, run_seconds
+from apps.logs import progress_texts
+from apps.planning import (Client, Federation, RunConfig, aggregator_config, client_config, client_settings,
+                           env_server_config, plan)
 from apps.processes import Proc, stop_all
 from apps.results import (POLL_S, Failure, RunWatch, closing_words, collect, describe_failure, env_rows,
-                          failure_text, plot, reported, success_table)
+                          failure_text, plot, reported)
 
 
 def unopenable(fed: Federation, status: fpb.RunStatus | None, failed: set[str]) -> str:
@@ -65,8 +68,9 @@ class RunFolderError(RuntimeError):
 
 def settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings that shape a run (a RunConfig as a dict), as JSON holds them, less where it is
-    written and how its folder was claimed: a run resumes only one with equal settings."""
-    return {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ("results", "replace")}
+    written, what the trackers call it and how its folder was claimed: a run resumes only one with
+    equal settings."""
+    return {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ("results", "replace", "run_name")}
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any] | None:
@@ -114,7 +118,8 @@ def claim(cfg: RunConfig, say: Any) -> None:
     taken; an interrupted run with the same settings is resumed (the services resume from their
     state directories; its logs are kept aside in the folder); with --replace, an earlier run's
     files are moved to RESULTS.replaced-<time>; else a finished run, or one with other or unknown
-    settings, is refused (RunFolderError). Then records the settings in run.json."""
+    settings, is refused (RunFolderError). Then records the settings in run.json, and each client's
+    (planning.client_settings), which the aggregators record where the run is tracked."""
     folder = pathlib.Path(cfg.results)
     earlier = earlier_run(folder)
     mine = settings(dataclasses.asdict(cfg))
@@ -135,7 +140,8 @@ def claim(cfg: RunConfig, say: Any) -> None:
             log.rename(kept / log.name)
         say(f"resuming the interrupted run in {folder}")
     (folder / "logs").mkdir(parents=True, exist_ok=True)
-    (folder / "run.json").write_text(json.dumps({"config": {"results": cfg.results, **mine}}, indent=2))
+    (folder / "run.json").write_text(json.dumps({"config": {"results": cfg.results, **mine},
+                                                 "clients": client_settings(cfg)}, indent=2))
 
 
 class Launch:
@@ -155,12 +161,10 @@ class Launch:
         self.halted: set[str] = set()  # clients the launcher stopped (their federation could not go on)
         self.stops: list[str] = []  # why the launcher ended (part of) the run early
         self.started = time.monotonic()
+        self.display = Display(out, cfg.env_list(), cfg.rounds, self.started)
 
     def say(self, msg: str) -> None:
-        print(msg, file=self.out, flush=True)
-
-    def elapsed(self) -> str:
-        return f"[{time.monotonic() - self.started:6.1f}s]"
+        self.display.say(msg)
 
     def process(self, name: str, service: str, config: Any) -> Proc:
         """`fedse SERVICE` started with the flags of its config, logging to logs/NAME.log."""
@@ -168,7 +172,9 @@ class Launch:
         return self.procs[-1]
 
     def start(self) -> None:
-        """Starts the env servers and aggregators, then, once they serve, the client agents."""
+        """Starts the env servers and aggregators, then, once they serve, the client agents; says
+        first how long the run should take (apps.estimate)."""
+        self.say(estimate_line(run_seconds(self.cfg, machine_speed())))
         members = [(f, c) for f in self.feds for c in f.clients]
         env_servers = {c: self.process(f"env_server-{c.label}", "env-server", env_server_config(self.cfg, c))
                        for _, c in members}
@@ -217,25 +223,27 @@ class Launch:
 
     def follow(self) -> None:
         """Until every client agent has exited: failures as they happen, the table of held-out
-        success whenever a report comes in, and else what the clients are doing, now and then."""
-        shown, said_at, progress_seen = -1, time.monotonic(), {}
+        success whenever a report comes in (on a terminal, redrawn in place), and what the clients
+        are doing (apps.display)."""
+        shown, read_at = -1, 0.0
         while True:
             new = self.note_failures()
             self.stop_unopenable()
             seen = self.reports()
             if len(seen) != shown or new:
-                shown, said_at = len(seen), time.monotonic()
-                self.say(f"\n{self.elapsed()} held-out success per environment and round\n"
-                         + success_table(env_rows(seen, self.client_envs), self.cfg.env_list(), self.cfg.rounds)
-                         + "".join(f"\n{f.client_id} failed ({f.reason}); it {reported(f)}" for f in self.failed))
-            elif time.monotonic() - said_at >= PROGRESS_EVERY_S:
-                said_at = time.monotonic()
-                lines = progress_lines(self.clients, progress_seen)
-                if lines:
-                    self.say(f"{self.elapsed()} " + "\n          ".join(lines))
+                shown = len(seen)
+                self.show_table()
+            if time.monotonic() - read_at >= self.display.progress_every_s:
+                read_at = time.monotonic()
+                self.display.progress(progress_texts(self.clients))
             if all(p.popen.poll() is not None for p in self.clients.values()):
                 return
             time.sleep(POLL_S)
+
+    def show_table(self) -> None:
+        self.display.table(env_rows(self.reports(), self.client_envs),
+                           lost=[e for f in self.failed for e in f.envs],
+                           notes=[f"{f.client_id} failed ({f.reason}); it {reported(f)}" for f in self.failed])
 
     def finish(self) -> dict[str, Any]:
         """Stops every process, then writes results.json and success.png and says how the run went.
@@ -246,6 +254,8 @@ class Launch:
             self.watch.refresh()
             self.watch.close()
         stop_all([p for p in reversed(self.procs) if p not in clients])
+        self.show_table()
+        self.display.close()
         results = collect(self.reports(), self.client_envs, self.cfg, time.monotonic() - self.started, self.failed,
                           "; ".join(self.stops))
         (self.dir / "results.json").write_text(json.dumps(results, indent=2))

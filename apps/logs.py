@@ -72,14 +72,22 @@ def log_summary(path: pathlib.Path, lines: int = 3, width: int = 160) -> tuple[t
     return tuple(cut(t) for t, _ in items[-lines:]), cut(error)
 
 
-def progress_lines(clients: dict[Client, Proc], seen: dict[str, str]) -> list[str]:
-    """What each running client agent is doing, from the last progress line of its log, for those
-    whose line changed since `seen` (updated)."""
-    lines = []
+def progress_texts(clients: dict[Client, Proc]) -> dict[str, str]:
+    """What each running client agent is doing, by client id, from the last progress line of its log
+    (clients without one, or no longer running, are left out)."""
+    texts = {}
     for c, p in clients.items():
         entry = last_progress(p.log_path) if p.popen.poll() is None else None
-        text = describe(entry) if entry else ""
-        if text and seen.get(c.client_id) != text:
-            seen[c.client_id] = text
-            lines.append(f"{c.client_id}: {text}")
+        if entry:
+            texts[c.client_id] = describe(entry)
+    return texts
+
+
+def progress_lines(clients: dict[Client, Proc], seen: dict[str, str]) -> list[str]:
+    """progress_texts' "client: text" lines, for those whose text changed since `seen` (updated)."""
+    lines = []
+    for cid, text in progress_texts(clients).items():
+        if seen.get(cid) != text:
+            seen[cid] = text
+            lines.append(f"{cid}: {text}")
     return lines

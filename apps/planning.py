@@ -11,11 +11,13 @@ Centralized).
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Any, Sequence, TypeVar
 
-from fedse.config import SCORINGS, ConfigError, field, flags, parse
+from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse
 from fedse.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
+from fedse.security import Security
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.config import ClientConfig
 from services.env_server.server import EnvServerConfig
@@ -68,6 +70,9 @@ class RunConfig:
     strategy: str = setting(AggregatorConfig, "strategy")
     secure_aggregation: bool = setting(AggregatorConfig, "secure_aggregation")
     track: tuple[str, ...] = setting(AggregatorConfig, "track")
+    run_name: str = field("", "with --track: what the trackers call the run, followed by -seed<k> (empty = its "
+                              "method, from --topology, --explore-tasks, --strategy, --keep, --history and the LoRA "
+                              "rank, e.g. fedse-r8)")
     clip_norm: float = setting(AggregatorConfig, "clip_norm")
     noise_multiplier: float = setting(AggregatorConfig, "noise_multiplier")
     selector: str = setting(AggregatorConfig, "selector")
@@ -97,7 +102,7 @@ class RunConfig:
                                 "or zero-pad")
     max_lora_rank: int = field(0, "with --strategy hlora, flexlora or zero-pad: the rank the run's adapter is held at "
                                   "(0 = the largest rank a client trains)")
-    eval_tasks: int = setting(ClientConfig, "eval_tasks")
+    eval_tasks: Count = setting(ClientConfig, "eval_tasks")
     lr: float = setting(ClientConfig, "lr")
     policy: str = setting(ClientConfig, "policy")
     precision: str = setting(ClientConfig, "precision")
@@ -151,6 +156,19 @@ class RunConfig:
         for env, paths in demos.items():  # every record checked before any process starts
             load_demos(paths, [env])
         check_base_model(self.base_model)  # here, not in each client process after the others have started
+
+    def method(self) -> str:
+        """What the run is, for its name in the trackers: fedse (federated, exploring), fedit (federated,
+        expert data alone), local or centralized (-explore where they explore), then what differs from
+        Fed-SE's defaults, and the LoRA rank: fedse-r8, fedse-keep-all-r8, local-r4, fedse-hlora-ranks4,16,8."""
+        base = ("fedse" if self.explore_tasks else "fedit") if self.topology == "federated" else \
+            self.topology + ("-explore" if self.explore_tasks else "")
+        changed = {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default}
+        parts = [base] + [changed[k] for k in ("strategy", "selector", "mode") if k in changed]
+        parts += [f"{k}-{changed[k]}" for k in ("keep", "history") if k in changed]
+        parts += ["secagg"] * self.secure_aggregation + ["dp"] * bool(self.noise_multiplier)
+        return "-".join(parts + [f"ranks{self.lora_ranks.replace(' ', '')}" if self.lora_ranks else f"r{self.lora_r}"])
 
     def passed_on(self, service: type) -> dict[str, Any]:
         """This run's settings that every process of `service` takes, by their names there."""
@@ -304,6 +322,19 @@ def env_server_config(cfg: RunConfig, client: Client) -> EnvServerConfig:
                           metrics_port=-1, seed=cfg.seed)
 
 
+def tracked(cfg: RunConfig, fed: Federation) -> dict[str, str]:
+    """With --track, what names `fed`'s run there and what it records: --run-name (else the run's
+    method) and the seed, and the clients' environments where each has its own federation
+    (fedse-r8-seed0, local-r8-seed0-maze); run.json (the run's settings and its clients', which
+    launcher.claim writes at start)."""
+    if not cfg.track:
+        return {}
+    name = f"{cfg.run_name or cfg.method()}-seed{cfg.seed}"
+    if cfg.topology == "local":
+        name += "-" + "+".join(c.label for c in fed.clients)
+    return {"run_name": name, "run_settings": str(pathlib.Path(cfg.results) / "run.json")}
+
+
 def aggregator_config(cfg: RunConfig, fed: Federation, state: pathlib.Path) -> AggregatorConfig:
     """The aggregator of `fed`, keeping its run under state/<fed.name>. Round 0 waits for every client
     to join; a round closes once every client still heard from has uploaded, so without one that
@@ -313,7 +344,7 @@ def aggregator_config(cfg: RunConfig, fed: Federation, state: pathlib.Path) -> A
                           start_clients=len(fed.clients),
                           min_clients=1, heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
                           heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, wait_after_min_s=cfg.round_deadline_s,
-                          seed=cfg.seed)
+                          seed=cfg.seed, **tracked(cfg, fed))
 
 
 def client_config(cfg: RunConfig, client: Client, env_server: str, aggregator: str, state: pathlib.Path,
@@ -330,3 +361,20 @@ def client_config(cfg: RunConfig, client: Client, env_server: str, aggregator: s
                           **settings, scoring=scoring_for(cfg.scoring, client.envs, cfg.base_model),
                           seed=cfg.seed, torch_threads=threads,
                           demos=tuple(path for e in client.envs for path in demos.get(e, [])))
+
+
+# A client's settings that say where it runs, not what it does: left out of the settings recorded.
+PLACE_SETTINGS = ("client_id", "env_server", "aggregator", "address", "metrics_port", "state_dir", "torch_threads",
+                  *(f.name for f in dataclasses.fields(Security)))
+
+
+def client_settings(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Each client's settings as fedse run starts it ({client id: settings}, as JSON holds them), less
+    where it runs (PLACE_SETTINGS): what run.json records beside the run's, and the trackers with it."""
+    out = {}
+    for fed in plan(cfg):
+        for c in fed.clients:
+            config = client_config(cfg, c, LOOPBACK, LOOPBACK, pathlib.Path(cfg.results) / "state", threads=1)
+            out[c.client_id] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                                if f.name not in PLACE_SETTINGS}
+    return json.loads(json.dumps(out))

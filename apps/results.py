@@ -97,17 +97,24 @@ def round_mean(rows: dict[str, list[dict[str, Any]]], envs: list[str], rnd: int)
 
 
 def success_table(rows: dict[str, list[dict[str, Any]]], envs: list[str], rounds: int) -> str:
+    head, lines = table_lines(rows, envs, rounds)
+    return "\n".join(head + lines)
+
+
+def table_lines(rows: dict[str, list[dict[str, Any]]], envs: list[str], rounds: int) -> tuple[list[str], list[str]]:
+    """The success table as (its head: column names and rule; one row per round from 0, an
+    environment's cell "-" until it reported the round, the mean's until all of them did)."""
     envs = sorted(envs)
     by = {(env, row["round"]): row["test_success"] for env in envs for row in rows.get(env, [])}
     width = max(8, *(len(e) for e in envs))
     head = "round | " + " | ".join(f"{e:>{width}}" for e in envs) + " | " + f"{'mean':>{width}}"
-    lines = [head, "-" * len(head)]
+    lines = []
     for rnd in range(rounds + 1):
         cells = [f"{100 * by[e, rnd]:>{width - 1}.1f}%" if (e, rnd) in by else f"{'-':>{width}}" for e in envs]
         mean = round_mean(rows, envs, rnd)
         cells.append(f"{100 * mean:>{width - 1}.1f}%" if mean is not None else f"{'-':>{width}}")
         lines.append(f"{rnd:>5} | " + " | ".join(cells))
-    return "\n".join(lines)
+    return [head, "-" * len(head)], lines
 
 
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:

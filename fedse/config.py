@@ -31,6 +31,34 @@ class ConfigError(ValueError):
     """A missing or malformed setting; the message says which and what is expected."""
 
 
+class Count(int):
+    """A setting that counts things or takes all of them: a number, or `all` (ALL in code; it equals
+    0 as a number, so `items[:n] if n else items` takes all). A field so typed refuses a bare 0,
+    which readers take for "none": its __post_init__ calls refuse_zero()."""
+
+    def __new__(cls, raw: Any = 0) -> "Count":
+        if raw is ALL or isinstance(raw, str) and raw.strip().lower() == "all":
+            return ALL
+        return super().__new__(cls, raw)
+
+    def __repr__(self) -> str:
+        return "'all'" if self is ALL else int.__repr__(self)
+
+    def __str__(self) -> str:
+        return "all" if self is ALL else int.__repr__(self)
+
+
+
+ALL = int.__new__(Count, 0)
+
+
+def refuse_zero(value: int, flag: str, what: str) -> None:
+    """A Count setting given as 0 (which reads as "none" but used to mean all) is refused, saying what
+    to write instead."""
+    if value == 0 and value is not ALL:
+        raise ConfigError(f"{flag} 0 would mean no {what}: give how many, or 'all' for every one")
+
+
 def field(default: Any, help: str, old: str = "", sep: str = "") -> Any:  # noqa: A002 - mirrors argparse's name
     """A setting: its flag is --NAME (the field's name, dashed) and its variable FEDSE_NAME. `old`: a
     field name the setting had before, still read (--old-name, FEDSE_OLD_NAME) for a release, with a
@@ -74,7 +102,8 @@ def _convert(kind: type, raw: str, name: str) -> Any:
     try:
         return kind(raw)
     except ValueError:
-        raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+        expected = "a number or 'all'" if kind is Count else kind.__name__
+        raise ConfigError(f"{name}: expected {expected}, got {raw!r}") from None
 
 
 def parse(cls: type[T], argv: Sequence[str] | None = None, description: str | None = None,

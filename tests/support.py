@@ -400,11 +400,12 @@ def tensorboard_scalars(run_dir: pathlib.Path) -> tuple[dict[str, dict[int, floa
 
 
 def mlflow_run(store: pathlib.Path, run_name: str = ""):
-    """(client, run) of the named run (or the only one) in MLflow's file store at `store`, read by MLflow."""
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    """(client, run) of the named run (or the only one) that --track mlflow:STORE wrote: in the SQLite
+    database STORE/mlflow.db, read by MLflow."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    assert (store / "mlflow.db").is_file(), f"{store}/mlflow.db: no MLflow database"
+    client = MlflowClient(tracking_uri=f"sqlite:///{store.resolve() / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("fedse")
     runs = [r for r in client.search_runs([experiment.experiment_id]) if r.info.run_name == run_name or not run_name]
     assert len(runs) == 1, runs

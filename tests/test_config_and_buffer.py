@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fedse.config import ConfigError, parse, to_argv
+from fedse.config import ALL, ConfigError, parse, to_argv
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.buffer import Buffer, Trajectory
 from services.client_agent.config import ClientConfig
@@ -35,6 +35,20 @@ def test_client_config_validation():
 def traj(i: int, success: bool = True) -> Trajectory:
     return Trajectory(env="maze", task_id=i, instruction="go", turns=(("at 1, 1", "move up"), ("at 0, 1", "move left")),
                       success=success, reward=1.0 if success else 0.0, source="explore", round=0)
+
+
+def test_eval_tasks_takes_a_number_or_all_and_refuses_a_zero_that_reads_as_none():
+    base = ["--client-id", "c", "--env", "maze", "--env-server", "e:1", "--aggregator", "a:1"]
+    every = parse(ClientConfig, [*base, "--eval-tasks", "all"], environ={})
+    assert every.eval_tasks is ALL and every.eval_tasks == 0  # all test tasks: tasks[:n] if n else tasks
+    assert parse(ClientConfig, base, environ={}).eval_tasks is ALL  # the default
+    assert parse(ClientConfig, [*base, "--eval-tasks", "7"], environ={}).eval_tasks == 7
+    # A process started with another's flags gets the same setting: ALL travels as "all".
+    assert parse(ClientConfig, to_argv(every), environ={}).eval_tasks is ALL
+    with pytest.raises(ConfigError, match="--eval-tasks 0 would mean no test task evaluated: give how many, or 'all'"):
+        parse(ClientConfig, [*base, "--eval-tasks", "0"], environ={})
+    with pytest.raises(ConfigError, match="FEDSE_EVAL_TASKS: expected a number or 'all', got 'most'"):
+        parse(ClientConfig, base, environ={"FEDSE_EVAL_TASKS": "most"})
 
 
 def test_buffer_persists_and_survives_a_torn_last_line(tmp_path):

@@ -224,15 +224,17 @@ SHOWN = {
     # secure aggregation
     "join-a-federation.md": ["identity (first SAN, else CN): org-wordle\n", "purpose: client\n",
                              "signed by ca.pem: yes\n", "value: wordle\n",
-                             "value: fedse.partner.example.net:50060\n", 'value: "true"\n'],
+                             "value: aggregator.federation.example.org:50060\n", 'value: "true"\n'],
     # every workload of the federation from the registry in the overlay of your own
     "deploy.md": ["11\n"],
     "environments.md": ["webshop "],
     # the services started by hand answer: the aggregator's run waits for its first client
     "running-locally.md": ["round 0 of 3, waiting_for_clients", "the adapted model writes:"],
     # the secure aggregator started by hand answers, and the component sets the aggregator's variable
-    # the run tracked: a TensorBoard run directory named after the run id, and MLflow's experiment
-    "tracking.md": ["runs/tb:\nlocal-", "runs/mlflow:\n"],
+    # the run tracked: a TensorBoard run directory named after the run's method and seed, MLflow's
+    # database, and both read back with the run's settings and each round's mean success
+    "tracking.md": ["runs/tb:\nfedse-r8-seed0-", "runs/mlflow:\nmlflow.db\n", "fedse-r8-seed0 {'run/envs': 'maze'",
+                    "round 1: mean held-out success", "mean held-out success by round: {0: "],
     "secure-aggregation.md": ["round 0 of 3, waiting_for_clients", '"secureAggregation": true',
                               'value: "true"\n'],
     # a sampled round: one of three clients trained, the others sat out
@@ -304,6 +306,42 @@ def test_the_guides_mark_what_a_test_can_run():
     for doc in DOCS:  # a marker that is not before a block would silently test nothing
         marks = [line for line in doc.read_text().splitlines() if line.strip() in (MARK, SERVES)]
         assert len(marks) == len(marked_blocks(doc)), doc.name
+
+
+def shell_blocks(text: str) -> list[list[str]]:
+    """The lines of every ```sh or ```bash block, here-documents' bodies left out (they are a
+    program's text, not the shell's)."""
+    blocks, block, heredoc = [], None, None
+    for line in text.splitlines():
+        if block is None:
+            if line.strip() in ("```sh", "```bash"):
+                block = []
+        elif heredoc is not None:
+            heredoc = None if line.strip() == heredoc else heredoc
+        elif line.strip() == "```":
+            blocks.append(block)
+            block = None
+        else:
+            block.append(line)
+            m = re.search(r"<<-?\s*['\"]?(\w+)", line)
+            heredoc = m.group(1) if m else None
+    return blocks
+
+
+def unquoted_globs(line: str) -> list[str]:
+    """The words of a shell line that hold a glob character outside quotes: zsh, the default shell on
+    macOS, stops at one that matches no file ("no matches found") where bash passes it on."""
+    bare = re.sub(r"'[^']*'|\"[^\"]*\"", "''", line)
+    bare = re.sub(r"(^|\s)#.*$", "", bare).replace("$?", "")
+    return [w for w in bare.split() if "?" in w or ("[" in w and "]" in w and not w.startswith("["))]
+
+
+def test_the_guides_quote_what_zsh_would_glob():
+    assert unquoted_globs("fedse run --envs maze,wordle?vocab_size=30") == ["maze,wordle?vocab_size=30"]
+    assert unquoted_globs("fedse run --envs 'wordle?vocab_size=30' # why?") == []
+    found = [f"{doc.name}: {word}" for doc in DOCS for block in shell_blocks(doc.read_text())
+             for line in block for word in unquoted_globs(line)]
+    assert not found, f"quote these words (zsh globs them): {found}"
 
 
 def test_kubectl_in_tested_blocks_only_builds(tmp_path):
@@ -451,8 +489,12 @@ def test_configuration_defaults_are_the_codes():
                 name = flag.replace("-", "_")
                 assert name in fields, f"{cls.__name__} has no --{flag}"
                 got = fields[name].default
-                same = float(want) == float(got) if isinstance(got, (int, float)) and not isinstance(got, bool) \
-                    else want == (",".join(got) if isinstance(got, tuple) else str(got))
+                if isinstance(got, tuple):
+                    same = want == ",".join(got)
+                elif isinstance(got, (int, float)) and not isinstance(got, bool) and want != str(got):
+                    same = float(want) == float(got)  # 3e-3 is 0.003
+                else:
+                    same = want == str(got)
                 assert same, f"docs/configuration.md: {service} --{flag} defaults to {want!r}; {cls.__name__}: {got!r}"
 
 

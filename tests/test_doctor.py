@@ -62,7 +62,9 @@ def test_a_client_that_can_join_passes_every_check(tmp_path, pki, capsys):  # no
     ("not allowed", "the aggregator admits this client", "the aggregator refuses org-a"),
     ("not secure", "the aggregator admits this client",
      "the aggregator's run t is not secure (no secure aggregation) and this client requires it "
-     "(--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION)"),
+     "(--require-secure-aggregation / FEDSE_REQUIRE_SECURE_AGGREGATION): ask the federation's operator to start "
+     "the aggregator with --secure-aggregation, or, to join a run whose aggregator sees your adapter, drop "
+     "--require-secure-aggregation"),
     ("nothing there", "the aggregator's address", "nothing listens there"),
 ])
 def test_each_failure_stops_the_checks_with_its_reason(tmp_path, pki, capsys, case, step, reason):  # noqa: F811

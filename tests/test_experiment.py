@@ -79,8 +79,8 @@ def test_the_selectors_have_their_own_table_beside_fedse():
 
 
 def test_settings_come_from_the_budget_unless_given():
-    cfg = ex.ExperimentConfig(budget="quick", rounds=7, eval_tasks=0)
-    assert cfg.setting("rounds") == 7 and cfg.setting("eval_tasks") == 0
+    cfg = ex.ExperimentConfig(budget="quick", rounds=7, eval_tasks=5)
+    assert cfg.setting("rounds") == 7 and cfg.setting("eval_tasks") == 5
     assert cfg.setting("envs") == ex.BUDGETS["quick"]["envs"]
     rc = cfg.run_config(ex.BY_KEY["rank2"], seed=3, results=pathlib.Path("x"))
     assert (rc.lora_r, rc.lora_alpha, rc.seed, rc.rounds, rc.topology) == (2, 4, 3, 7, "federated")

@@ -89,7 +89,7 @@ def test_track_settings_name_a_known_destination():
     cfg = parse(AggregatorConfig, [], environ={"FEDSE_TRACK": "tensorboard:/runs mlflow:http://mlflow:5000"})
     assert cfg.track == ("tensorboard:/runs", "mlflow:http://mlflow:5000")
     assert public_settings({"token_file": "t", "tls_key": "k", "lr": 0.1, "track": ("a", "b")}) == \
-        {"lr": "0.1", "track": "a,b"}
+        {"lr": 0.1, "track": "a,b"}
 
 
 def test_a_missing_library_is_a_configuration_error_saying_what_to_install(monkeypatch):

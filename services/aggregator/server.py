@@ -23,7 +23,7 @@ from .selection import POLICIES, SelectionSettings
 from .servicer import FederationServicer
 from .state import RunSettings
 from .store import Store
-from .tracking import Target, Tracker, check_installed
+from .tracking import Target, Tracker, check_installed, read_run_settings
 from .strategies import BY_NAME, STRATEGIES, StrategyParams, validate_params
 
 
@@ -106,7 +106,13 @@ class AggregatorConfig(Security):
                                   "zero-pad (0 = every client trains the first one's rank)")
     track: tuple[str, ...] = field((), "send each round's metrics (every client's and their mean) and the run's "
                                        "settings to TensorBoard, MLflow or W&B: tensorboard:DIR, mlflow:URI (a "
-                                       "server, or a local directory) or wandb:PROJECT; repeatable", sep=" ")
+                                       "server, sqlite:///FILE, or a local path: an SQLite database, PATH if it "
+                                       "ends in .db, else PATH/mlflow.db) or wandb:PROJECT; repeatable", sep=" ")
+    run_name: str = field("", "with --track: the run's name there (the MLflow and W&B run's, the start of the "
+                              "TensorBoard folder's); empty = the run id")
+    run_settings: str = field("", "with --track: a JSON file of the settings that shaped the run, recorded beside "
+                                  "the aggregator's own: its \"config\" object as run/NAME, its \"clients\" object "
+                                  "({client id: settings}) as client/ID/NAME (fedse run passes its run.json)")
     max_adapter_mb: float = field(512.0, "largest adapter accepted, in MB")
     seed: int = field(0, "seed of the round-0 LoRA initialisation and of the privacy noise")
     torch_threads: int = field(1, "torch CPU threads for aggregation (0 = torch's default)")
@@ -153,6 +159,8 @@ class AggregatorConfig(Security):
                               "at 1 with --mode sync, or give --mode async")
         try:
             check_installed([Target.parse(spec) for spec in self.track])
+            if self.run_settings:
+                read_run_settings(self.run_settings)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.secure_aggregation and self.clients_per_round == 1:
@@ -358,9 +366,18 @@ def serve(config: AggregatorConfig) -> int:
                     "adapter; set --tls-ca, --tls-cert, --tls-key and --allowed-clients")
     agg.service.stop_on_signals()
     agg.start()
+    # How it is reached and who it admits: tls off, TLS or mTLS; admits anyone, any certificate of --tls-ca,
+    # the --allowed-clients list, or holders of the --token-file token.
+    sec = Security.from_config(config)
+    tls = {"mtls": "mTLS", "tls": "TLS"}.get(sec.mode.split("+")[0], "off")
+    admits = (f"allowed-clients ({len(sec.allowed() or ())} ids)" if config.allowed_clients
+              else "any certificate of --tls-ca" if tls == "mTLS" else "anyone")
+    if config.token_file:
+        admits = "token holders" if admits == "anyone" else f"{admits} holding the token"
     log.info("serving", extra=log_fields(port=port, metrics_port=metrics_port, run_id=config.run_id,
                                          num_rounds=config.rounds, min_clients=config.min_clients,
-                                         strategy=config.strategy))
+                                         strategy=config.strategy, tls=tls, admits=admits, selector=config.selector,
+                                         mode=config.mode, secure_aggregation=config.secure_aggregation))
     agg.wait()
     return 0
 

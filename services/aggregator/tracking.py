@@ -2,14 +2,19 @@
 
 `--track KIND:WHERE` (repeatable) names each destination:
 
-  tensorboard:DIR   event files under DIR/<run-id>-<start time> (torch.utils.tensorboard's writer)
+  tensorboard:DIR   event files under DIR/<run name>-<start time> (torch.utils.tensorboard's writer)
   mlflow:URI        a run in the MLflow experiment "fedse" at URI: a tracking server (http://...,
-                    databricks, sqlite:///...) or a local directory, MLflow's file store, which works offline
+                    databricks) or a database (sqlite:///...); a local path is an SQLite database that
+                    works offline: PATH itself where it ends in .db, else PATH/mlflow.db (mlflow_uri)
   wandb:PROJECT     a W&B run in PROJECT (wandb's own login or WANDB_API_KEY; WANDB_MODE=offline works)
+
+Each is named by --run-name (the run id where it is empty): the MLflow and W&B run's name, the
+TensorBoard folder's.
 
 Only the aggregator tracks, so only it holds tracking credentials; clients send nothing more than
 the metrics they already report. What goes out:
-  - the run's settings, once (secrets and key paths left out);
+  - the run's settings, once: the aggregator's and those --run-settings names, typed, secrets and
+    key paths left out (tracked_settings.py);
   - every client's report of round r as `<metric>/<client id>` at step r, as it arrives;
   - when round r closes, the mean over the clients that reported it as `<metric>/mean`, with
     `round/uploads`, `round/seconds` and `round/aggregate_seconds`; the final round (the clients'
@@ -25,34 +30,40 @@ tracking.json beside the run's state).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib.util
 import json
 import logging
-import math
 import os
 import pathlib
 import queue
 import re
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import prometheus_client
 
 from fedse.files import atomic_write
 from fedse.serving import log_fields
 
+from .tracked_settings import Value, path_name, public_settings, read_run_settings, recorded_settings
+
+__all__ = ["ERRORS", "KINDS", "STATE_NAME", "Target", "Tracker", "check_installed", "mlflow_uri", "public_settings",
+           "read_run_settings"]
+
 log = logging.getLogger("aggregator.tracking")
 
 KINDS = {
     "tensorboard": "tensorboard:DIR, event files under DIR (needs the tensorboard package)",
-    "mlflow": "mlflow:URI, a tracking server or a local directory (needs mlflow or mlflow-skinny)",
+    "mlflow": "mlflow:URI, a tracking server, a database or a local path (needs mlflow or mlflow-skinny)",
     "wandb": "wandb:PROJECT, a Weights & Biases project (needs wandb)",
 }
-EXPERIMENT = "fedse"  # the MLflow experiment every run goes to; runs are named by run id
+EXPERIMENT = "fedse"  # the MLflow experiment every run goes to; runs are named by --run-name
+MLFLOW_DB = "mlflow.db"  # the SQLite database that mlflow:DIR keeps in DIR
 STATE_NAME = "tracking.json"
-SECRET_WORDS = ("token", "key", "secret", "password")  # settings never sent, whatever they hold
 CLOSE_TIMEOUT_S = 30.0
 
 ERRORS = prometheus_client.Counter("fedse_aggregator_tracking_errors", "Events a tracking destination failed to "
@@ -74,17 +85,10 @@ class Target:
         return cls(kind, where.strip())
 
 
-def public_settings(settings: dict[str, Any]) -> dict[str, str]:
-    """The settings as text, less any whose name says it holds or points to a secret."""
-    return {name: ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-            for name, value in sorted(settings.items())
-            if not any(word in name.lower() for word in SECRET_WORDS)}
-
-
 class Destination(Protocol):
     kind: str
 
-    def settings(self, values: dict[str, str]) -> None: ...
+    def settings(self, values: dict[str, Value]) -> None: ...
 
     def scalars(self, step: int, values: dict[str, float]) -> None: ...
 
@@ -99,13 +103,15 @@ class TensorBoard:
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
-    def settings(self, values: dict[str, str]) -> None:
-        from torch.utils.tensorboard.summary import hparams
+    def settings(self, values: dict[str, Value]) -> None:
+        from tensorboard.plugins.hparams import summary_v2 as hp  # typed, unlike torch's hparams()
 
         table = "| setting | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in values.items())
         self.writer.add_text("settings", table, 0)
-        for summary in hparams(values, {"test_success/mean": math.nan}):  # the HParams dashboard's view of the run
-            self.writer.file_writer.add_summary(summary)
+        # The HParams dashboard's view of the run: its settings, against the mean held-out success.
+        self.writer.file_writer.add_summary(hp.hparams_config_pb(
+            hparams=[hp.HParam(k) for k in values], metrics=[hp.Metric("test_success/mean")]))
+        self.writer.file_writer.add_summary(hp.hparams_pb(values))
         self.writer.flush()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -120,20 +126,45 @@ class TensorBoard:
 MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")  # what MLflow allows in a metric or parameter name
 
 
+def mlflow_uri(where: str) -> str:
+    """The tracking URI of --track mlflow:WHERE: a URI (http(s)://, sqlite://, databricks, file:) as
+    it is; a local path as an SQLite database, the store MLflow maintains: PATH where it ends in .db,
+    else PATH/mlflow.db."""
+    if "://" in where or where.startswith(("file:", "databricks")):
+        return where
+    path = pathlib.Path(where).expanduser().resolve()
+    return f"sqlite:///{path if path.suffix == '.db' else path / MLFLOW_DB}"
+
+
+@contextlib.contextmanager
+def one_at_a_time(uri: str) -> Iterator[None]:
+    """Holds an SQLite store's lock file (DB.lock) while a process opens the store: aggregators that
+    start together (fedse run --topology local) would each make the database's tables at once,
+    which fails. Makes the database's folder; other stores need no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = pathlib.Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+        yield
+
+
 class MLflow:
     kind = "mlflow"
 
-    def __init__(self, uri: str, run_name: str, run_id: str | None):
-        if "://" not in uri and not uri.startswith(("file:", "databricks")):
-            # A directory: MLflow's file store, which works offline; MLflow 3 asks to opt in to it.
+    def __init__(self, where: str, run_name: str, run_id: str | None):
+        uri = mlflow_uri(where)
+        if uri.startswith("file:"):  # MLflow's file store, which MLflow 3 asks to opt in to
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            uri = pathlib.Path(uri).resolve().as_uri()
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=uri)
-        if run_id is None:
-            experiment = self._experiment()
-            run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
+        with one_at_a_time(uri):
+            self.client = MlflowClient(tracking_uri=uri)
+            if run_id is None:
+                experiment = self._experiment()
+                run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
         self.run_id = run_id
 
     def _experiment(self) -> str:
@@ -150,10 +181,10 @@ class MLflow:
                 raise
             return found.experiment_id
 
-    def settings(self, values: dict[str, str]) -> None:
-        from mlflow.entities import Param
+    def settings(self, values: dict[str, Value]) -> None:
+        from mlflow.entities import Param  # a parameter's value is text, whatever its type
 
-        params = [Param(MLFLOW_KEY.sub("_", k), v[:6000]) for k, v in values.items()]
+        params = [Param(MLFLOW_KEY.sub("_", k), str(v)[:6000]) for k, v in values.items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
             self.client.log_batch(self.run_id, params=params[i:i + 100])
 
@@ -179,7 +210,7 @@ class WandB:
                               reinit="create_new")
         self.run_id = self.run.id
 
-    def settings(self, values: dict[str, str]) -> None:
+    def settings(self, values: dict[str, Value]) -> None:
         self.run.config.update(values, allow_val_change=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -192,20 +223,33 @@ class WandB:
 def check_installed(targets: list[Target]) -> None:
     """Raises ValueError, saying what to install, for a destination whose library is missing."""
     for t in targets:
-        if importlib.util.find_spec(t.kind) is None:  # each kind is its library's module name
-            package = "wandb" if t.kind == "wandb" else "fedse[track] (tensorboard and mlflow-skinny)"
-            raise ValueError(f"--track {t.kind}:{t.where} needs the {t.kind} package, which is not "
+        # Each kind is its library's module name; MLflow's SQLite store needs SQLAlchemy and Alembic besides.
+        sqlite = t.kind == "mlflow" and mlflow_uri(t.where).startswith("sqlite:")
+        missing = [m for m in (t.kind, *(("sqlalchemy", "alembic") if sqlite else ()))
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            package = "wandb" if t.kind == "wandb" else \
+                "fedse[track] (tensorboard, mlflow-skinny, and sqlalchemy and alembic for its database)"
+            raise ValueError(f"--track {t.kind}:{t.where} needs the {missing[0]} package, which is not "
                              f"installed: pip install {package}")
 
 
 class Tracker:
     """The run's destinations and the thread that writes to them. report(), round_closed() and
     close() are quick: they queue events (called under the round keeper's lock). The destinations
-    are opened by that thread too, so an unreachable tracking server never delays the start."""
+    are opened by that thread too, so an unreachable tracking server never delays the start.
+    `settings` are the aggregator's (its config's fields): its run_name names the run (else
+    `run_id`), and its run_settings file adds the run's and its clients' (tracked_settings.py)."""
 
     def __init__(self, targets: list[Target], root: pathlib.Path, run_id: str, num_rounds: int,
                  settings: dict[str, Any], reports: list[tuple[str, int, dict[str, float]]] = ()):
         check_installed(targets)
+        try:
+            recorded = recorded_settings(settings)
+        except ValueError as exc:  # checked at start; a file changed since is no reason to stop the run
+            log.error("the run's settings file could not be read; the aggregator's settings alone are recorded",
+                      extra=log_fields(error=str(exc)[:300]))
+            recorded = public_settings({k: v for k, v in settings.items() if k != "run_settings"})
         self.num_rounds = num_rounds
         self._rounds: dict[int, dict[str, dict[str, float]]] = {}  # round -> client -> its report
         for cid, r, values in reports:  # a restarted aggregator's means count what came before
@@ -213,14 +257,14 @@ class Tracker:
         self._final_logged = False
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self.destinations: list[Destination] = []
-        self._thread = threading.Thread(target=self._write, args=(targets, root, run_id), name="tracking",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(targets, root, settings.get("run_name") or run_id),
+                                        name="tracking", daemon=True)
         self._thread.start()
-        self._queue.put(("settings", public_settings(settings)))
+        self._queue.put(("settings", recorded))
 
-    def _open(self, targets: list[Target], root: pathlib.Path, run_id: str) -> None:
-        """Each destination, resuming the one a previous start of this run opened; one that fails to
-        open is logged, counted and left out."""
+    def _open(self, targets: list[Target], root: pathlib.Path, name: str) -> None:
+        """Each destination, resuming the one a previous start of this run opened, else a new one
+        called `name`; one that fails to open is logged, counted and left out."""
         path = root / STATE_NAME
         kept: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
         started = time.strftime("%Y%m%d-%H%M%S")
@@ -228,14 +272,14 @@ class Tracker:
             key = f"{t.kind}:{t.where}"
             try:
                 if t.kind == "tensorboard":
-                    name = kept.get(key, f"{run_id}-{started}")
-                    d: Any = TensorBoard(pathlib.Path(t.where) / name)
-                    kept[key] = name
+                    folder = kept.get(key, f"{path_name(name)}-{started}")
+                    d: Any = TensorBoard(pathlib.Path(t.where) / folder)
+                    kept[key] = folder
                 elif t.kind == "mlflow":
-                    d = MLflow(t.where, run_id, kept.get(key))
+                    d = MLflow(t.where, name, kept.get(key))
                     kept[key] = d.run_id
                 else:
-                    d = WandB(t.where, run_id, kept.get(key), root)
+                    d = WandB(t.where, name, kept.get(key), root)
                     kept[key] = d.run_id
             except Exception as exc:  # noqa: BLE001 - the run goes on without it
                 ERRORS.labels(t.kind).inc()
@@ -272,8 +316,8 @@ class Tracker:
         self._queue.put(None)
         self._thread.join(CLOSE_TIMEOUT_S)
 
-    def _write(self, targets: list[Target], root: pathlib.Path, run_id: str) -> None:
-        self._open(targets, root, run_id)
+    def _write(self, targets: list[Target], root: pathlib.Path, name: str) -> None:
+        self._open(targets, root, name)
         while (event := self._queue.get()) is not None:
             kind, payload = event
             for d in self.destinations:

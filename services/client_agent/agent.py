@@ -113,10 +113,11 @@ class ClientAgent:
         self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype,
                                     security=config)
         self.heartbeat = Heartbeat(self.fed, config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S)
-        base, self.tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
-        self.sizing: guardian.Sizing | None = None
-        if config.guardian:  # before Join: the rank it joins with is the guardian's choice
-            config = self.cfg = self.sized(base, config)
+        with PhaseProgress(log, "loading the model", None, "", base_model=config.base_model):
+            base, self.tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
+            self.sizing: guardian.Sizing | None = None
+            if config.guardian:  # before Join: the rank it joins with is the guardian's choice
+                config = self.cfg = self.sized(base, config)
         LORA_RANK.set(config.lora_r)
         TRAIN_BATCH_TOKENS.set(config.train_batch_tokens)
         self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
@@ -531,20 +532,15 @@ class ClientAgent:
         turns = sum(e.turns for e in examples)
         devices = [] if self.device.type != "cuda" else \
             [self.device.index if self.device.index is not None else torch.cuda.current_device()]
-        progress: list[PhaseProgress] = []  # made at the first step, which knows how many there are
-
-        def on_step(step: dict) -> None:
-            if not progress:
-                progress.append(PhaseProgress(log, RoundPhase.TRAINING.value, step["steps"], "steps", round=round_,
-                                              tokens=self.work.totals))
-            progress[0].advance()
         before = self.work.snapshot()
-        with torch.random.fork_rng(devices=devices), self.work.phase("train"):
+        with torch.random.fork_rng(devices=devices), self.work.phase("train"), PhaseProgress(  # steps: at the first
+                log, RoundPhase.TRAINING.value, None, "steps", round=round_, tokens=self.work.totals) as progress:
             torch.manual_seed(seed)
             result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
                                 checkpointing=self.checkpointing(), precision=self.precision,
-                                release_memory=not is_tiny(self.model), progress=on_step, work=self.work)
+                                release_memory=not is_tiny(self.model), work=self.work,
+                                progress=lambda step: progress.advance(total=step["steps"]))
         self.loaded_round = None
         release_free_memory()
         t2 = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fedse.config import SCORINGS, ConfigError, field
+from fedse.config import ALL, SCORINGS, ConfigError, Count, field, refuse_zero
 from fedse.security import Security
 from fedse.pretrained import TINY_MODEL_NAME
 
@@ -64,7 +64,7 @@ class ClientConfig(Security):
     history: str = field("cumulative", "what round t trains on: 'cumulative' (D_t = D_{t-1} plus round t's kept "
                                        "trajectories, the paper) or 'round' (ablation 'no history': the expert "
                                        "demonstrations D_0 plus round t's kept trajectories only)")
-    eval_tasks: int = field(0, "held-out test tasks evaluated per round (0 = all)")
+    eval_tasks: Count = field(ALL, "held-out test tasks evaluated per round: a number, or 'all'")
     concurrency: int = field(0, "episodes run at once, whose turns' prompts share the model's passes (0 = 16 for the "
                                 "tiny model and on GPUs; 4 for a real model on CPU, where each episode keeps its "
                                 "previous turn's KV cache, so that those caches stay in --score-cache-mb)")
@@ -155,6 +155,7 @@ class ClientConfig(Security):
                      "concurrency", "score_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        refuse_zero(self.eval_tasks, "--eval-tasks", "test task evaluated")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.temperature <= 0:

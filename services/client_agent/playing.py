@@ -103,8 +103,9 @@ class Player:
             progress = PhaseProgress(log, PHASE_WORDS.get(phase, phase), len(task_ids), "episodes", env=env.env,
                                      round=round_, tokens=self.scorer.work.totals)
             try:
-                return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase, on_episode=count,
-                                    on_turns=progress.steps)
+                with progress:  # its ticker stops with the episodes, however they end
+                    return run_episodes(env, task_ids, make_policy(), self.concurrency, round_, phase,
+                                        on_episode=count, on_turns=progress.steps)
             except SessionLost as exc:
                 restarts += 1
                 if restarts > MAX_EPISODE_RESTARTS:

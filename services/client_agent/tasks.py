@@ -30,7 +30,7 @@ class EnvTasks:
 
 
 def env_tasks(env: EnvClient, eval_tasks: int, info: EnvInfo | None = None) -> EnvTasks:
-    """The environment's training tasks, the test tasks evaluated (the first `eval_tasks`, all for 0)
+    """The environment's training tasks, the test tasks evaluated (the first `eval_tasks`, all for ALL)
     and its capabilities (`info`, from ListEnvironments; an expert and listed actions if not given)."""
     info = info or EnvInfo(env.env)
     train_ids, _ = env.tasks("train")
