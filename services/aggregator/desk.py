@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 from fedse import adapter as ad
 from fedse.serving import log_fields
 
-from .buffer_rules import check_upload
 from .errors import DuplicateUpload, ResumeMismatch, RunFinished, StaleRound, Superseded
-from .secure import SecureDesk
 from .state import Member, RunSettings, RunState, State
 from .store import Store
 from .upload_check import MaskedCheck, UploadCheck
@@ -26,18 +24,28 @@ from .uploads import Accepted, Stream, UploadHeader
 log = logging.getLogger("aggregator.rounds")
 
 
+class UploadRules(Protocol):
+    """What the run's schedule (schedules.Schedule) says about uploads."""
+
+    def check_upload(self, client_id: str, round_: int, nonce: str) -> None: ...
+
+    def collecting(self) -> int: ...
+
+    def holds(self, round_: int) -> bool: ...
+
+
 class UploadDesk:
     """Works on the round keeper's RunState under the keeper's lock (`lock`, re-entrant) and calls
     `changed()`, with that lock held, when what a round status shows has changed. A stream's
     chunks are written under its own lock, never while holding the keeper's."""
 
     def __init__(self, settings: RunSettings, store: Store, run: RunState, lock: threading.Condition,
-                 clock: Callable[[], float], changed: Callable[[], None], secure: SecureDesk | None = None,
+                 clock: Callable[[], float], changed: Callable[[], None], rules: UploadRules,
                  masked_bytes: Callable[[], int] | None = None):
-        """`secure`, `masked_bytes`: with secure aggregation, the stages' desk (who may upload now) and
-        the size of the run's masked vectors."""
+        """`rules`: the run's schedule (which uploads may land, where they are collected); `masked_bytes`:
+        with secure aggregation, the size of the run's masked vectors."""
         self.settings = settings
-        self.secure = secure
+        self.rules = rules
         self.masked_bytes = masked_bytes
         self.store = store
         self.run = run
@@ -146,7 +154,7 @@ class UploadDesk:
             earlier = self._accepted_earlier(client_id, round_, sha256)
             if earlier is not None:
                 return earlier.size, True
-            if round_ == self.run.round or self.settings.asynchronous:
+            if self.rules.holds(round_):
                 if m.accepted is not None and m.accepted.sha256 == sha256:
                     return m.accepted.size, True
                 _, meta = self.store.partial(round_, client_id)
@@ -177,7 +185,7 @@ class UploadDesk:
             self._check_round(h.client_id, h.round, h.round_nonce)
             m = self.run.members[h.client_id]
             if m.accepted is None:
-                record = Accepted.of(h, self.clock(), self._collecting() if self.settings.asynchronous else -1)
+                record = Accepted.of(h, self.clock(), self.rules.collecting())
                 self.store.accept_upload(h.round, h.client_id, record.to_dict())
                 m.accepted = record
                 log.info("upload accepted", extra=log_fields(client=h.client_id, round=h.round, bytes=h.size,
@@ -213,33 +221,6 @@ class UploadDesk:
         record = self.store.accepted_uploads(round_).get(client_id)
         return Accepted.from_dict(record) if record is not None and record["sha256"] == sha256 else None
 
-    def _collecting(self) -> int:
-        """Asynchronous rounds: the version whose buffer an upload accepted now goes into (the next one
-        while the current buffer is being folded)."""
-        return self.run.round + (1 if self.run.state is State.AGGREGATING else 0)
-
-    def _check_version(self, client_id: str, base: int, nonce: str) -> None:
-        """Asynchronous rounds: raises unless an upload trained from version `base` may land now."""
-        run, stale = self.run, self.settings.async_max_staleness
-        if nonce != run.nonce:
-            raise StaleRound("the upload's round nonce is not this run's: take it from the current RoundStatus")
-        if base < 0:
-            raise ValueError(f"an upload's round is the version it trained from, 0 to {run.round} here; {base} is "
-                             "none: take it from the RoundStatus you downloaded")
-        if base > run.round:
-            raise StaleRound(f"an upload trained from version {base}, which is not published (version {run.round} "
-                             "is the newest): download the newest and train from it")
-        behind = self._collecting() - base
-        if behind > stale:
-            raise StaleRound(f"an upload trained from version {base} is {behind} versions behind the buffer it would "
-                             f"join (version {self._collecting()}); this run takes updates at most {stale} behind "
-                             f"(--async-max-staleness): download version {run.round} and train again")
-        pending = run.members[client_id].accepted
-        if pending is not None and pending.base != base:
-            raise DuplicateUpload(f"client {client_id}'s upload trained from version {pending.base} is still in the "
-                                  "buffer: one upload of a client is folded at a time; wait for the next version")
-        check_upload(run, self.settings, self.store, client_id, base)  # a slot, once a version, a fold to come
-
     def _check_round(self, client_id: str, round_: int, nonce: str) -> None:
         """Raises unless an upload of `client_id` for `round_` with `nonce` may land now."""
         self.run.member(client_id)
@@ -248,16 +229,4 @@ class UploadDesk:
             raise RunFinished(f"run {self.settings.run_id} finished after {self.settings.num_rounds} rounds")
         if run.state is State.WAITING_FOR_CLIENTS:
             raise StaleRound("round 0 has not opened yet: wait for the round status to show OPEN")
-        if self.settings.asynchronous:
-            return self._check_version(client_id, round_, nonce)
-        if round_ != run.round or run.state is State.AGGREGATING:
-            nxt = run.round + 1 if run.state is State.AGGREGATING else run.round
-            raise StaleRound(f"upload for round {round_}, but round {run.round} is "
-                             f"{'being aggregated' if run.state is State.AGGREGATING else 'open'}: "
-                             f"download the global adapter of round {nxt} and train from it")
-        if nonce != run.nonce:
-            raise StaleRound(f"the upload's round nonce does not match round {round_}'s: an upload is bound "
-                             "to the run and round it was made for; take the nonce from the current RoundStatus")
-        run.check_selected(client_id)
-        if self.secure is not None:
-            self.secure.check_upload(client_id)
+        self.rules.check_upload(client_id, round_, nonce)

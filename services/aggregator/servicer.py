@@ -168,7 +168,7 @@ class FederationServicer(fpb_grpc.FederationServiceServicer):
                              clients_per_round=s.selection.clients_per_round,
                              selection_fraction=s.selection.fraction, fairness_rounds=s.selection.fairness_rounds,
                              mode=s.mode, async_concurrency=s.async_concurrency, async_buffer=s.async_buffer,
-                             async_max_staleness=s.async_max_staleness if s.asynchronous else 0,
+                             async_max_staleness=self.fed.schedule.max_staleness,
                              max_lora_rank=s.max_lora_rank)
 
     @ERRORS.wrap

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fedse import accounting
 from fedse import adapter as ad
@@ -241,9 +241,11 @@ class RunState:
         }
 
 
-def restore(settings: RunSettings, store: Store, now: float) -> RunState:
-    """The run the store holds (with the accepted uploads of its open round), or a new one. A run
-    saved with other settings that decide its result is refused (ValueError saying what to do)."""
+def restore(settings: RunSettings, store: Store, now: float,
+            open_uploads: Callable[[RunSettings, Store, int], dict[str, Accepted]]) -> RunState:
+    """The run the store holds (with the accepted uploads of its open round, as `open_uploads`, the run's
+    schedule's, reads them), or a new one. A run saved with other settings that decide its result is
+    refused (ValueError saying what to do)."""
     saved = store.load_state()
     if saved is None:
         return RunState()
@@ -270,24 +272,10 @@ def restore(settings: RunSettings, store: Store, now: float) -> RunState:
         selection=Selection.from_dict(saved["selection"]) if saved.get("selection") else None,
         selector_memory=dict(saved.get("selector_memory") or {}),
         selector_fallbacks=int(saved.get("selector_fallbacks", 0)))
-    if run.state is State.OPEN and settings.asynchronous:
-        for cid, accepted in buffered(settings, store, run.round).items():
+    if run.state is State.OPEN:
+        for cid, accepted in open_uploads(settings, store, run.round).items():
             run.members[cid].accepted = accepted
-    elif run.state is State.OPEN:
-        for cid, record in store.accepted_uploads(run.round).items():
-            run.members[cid].accepted = Accepted.from_dict(record)
     log.info("run resumed", extra=log_fields(run_id=settings.run_id, round=run.round, state=run.state.value,
                                              clients=len(run.members), uploads=len(run.uploaded())))
     return run
 
-
-def buffered(settings: RunSettings, store: Store, version: int) -> dict[str, Accepted]:
-    """Asynchronous rounds: the uploads collected for `version`'s buffer (trained from any version it
-    still takes), by client id, as their records on disk say."""
-    out = {}
-    for base in range(max(0, version - settings.async_max_staleness), version + 1):
-        for cid, record in store.accepted_uploads(base).items():
-            accepted = Accepted.from_dict(record)
-            if accepted.collected == version:
-                out[cid] = accepted
-    return out
