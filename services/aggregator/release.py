@@ -20,6 +20,7 @@ import secrets
 import threading
 from typing import Callable
 
+from fedse import adapter as ad
 from fedse import ranks, secagg
 from fedse.serving import log_fields
 
@@ -85,6 +86,14 @@ class Release(abc.ABC):
     @abc.abstractmethod
     def ready_locked(self, uploaded: list[str]) -> Maker | None:
         """The round is due: what makes phi_{t+1} now, or None where it goes on (a stage closed)."""
+
+    @property
+    def minimum(self) -> int:
+        """The fewest uploads that close a round early (a selector chooses at least as many if it can)."""
+        return self.settings.min_clients
+
+    def check_schema(self, schema: ad.Schema) -> None:
+        """Raises unless a joining client's adapter schema can be released (secure runs: masked)."""
 
     def check_upload(self, client_id: str) -> None:
         """Raises unless the client may upload in the open round's stage now (secure runs)."""
@@ -158,6 +167,13 @@ class SecureRelease(Release):
         if self._layout is None:
             self._layout = secagg.Layout.of(self.run.schema, self.settings.strategy)
         return self._layout
+
+    @property
+    def minimum(self) -> int:
+        return max(2, self.settings.min_clients)  # the mean of one upload is that client's adapter
+
+    def check_schema(self, schema: ad.Schema) -> None:
+        secagg.Layout.of(schema, self.settings.strategy)  # a schema a masked vector can carry
 
     def due(self, rule: Rule, r: OpenRound, now: float) -> str | None:
         busy = r.receiving and now - r.progress_at <= rule.heartbeat_timeout_s

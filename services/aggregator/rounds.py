@@ -23,7 +23,7 @@ import time
 from typing import Callable, Iterable, TypeVar
 
 from fedse import adapter as ad
-from fedse import ranks, secagg
+from fedse import ranks
 from fedse.inputs import CLIENT_ID, CLIENT_ID_RULE, shown
 from fedse.serving import log_fields
 
@@ -86,8 +86,7 @@ class RoundKeeper:
         self.schedule.uploads = self.uploads
         # At least two uploads close a secure round; min_clients close a plain one early.
         self.selector = RoundSelector(policy, settings, store, self.run, self._rule, clock, self._cond,
-                                      max(2, settings.min_clients) if settings.secure else settings.min_clients,
-                                      self._began_locked)
+                                      self.release.minimum, self._began_locked)
         with self._cond:  # a secure round's keys and shares were only in memory: its stages start again
             self.release.resume_locked()
         # Every (client, round) reported: a round's metrics are recorded once, so a client that
@@ -206,8 +205,7 @@ class RoundKeeper:
         if not CLIENT_ID.match(client_id):
             raise ValueError(f"client_id {shown(client_id)} is not valid: {CLIENT_ID_RULE}")
         schema.check(self.settings.max_adapter_bytes)
-        if self.settings.secure:
-            secagg.Layout.of(schema, self.settings.strategy)  # a schema a masked vector can carry
+        self.release.check_schema(schema)
         lora_rank, lora_scaling = self._lora(client_id, schema)
         with self._cond:
             run = self.run
