@@ -16,7 +16,6 @@ import abc
 import contextlib
 import dataclasses
 import logging
-import secrets
 import threading
 from typing import Callable
 
@@ -67,17 +66,18 @@ def fold_image(settings: RunSettings, store: Store, run: RunState, version: int,
 
 class Release(abc.ABC):
     """How a closed round's uploads become phi_{t+1}. Works on the round keeper's run under its lock;
-    `close(round, reason, uploads, took)` is the keeper's (phi_{t+1} saved: the next round opens)."""
+    `close(round, reason, uploads, took)` is the keeper's (phi_{t+1} saved: the next round opens), and
+    `nonce()` mints a round nonce as the keeper does."""
 
     secure: SecureDesk | None = None  # the stages' desk (secure runs only)
     masked_bytes: Callable[[], int] | None = None  # the size of a masked upload (secure runs only)
 
     def __init__(self, settings: RunSettings, store: Store, run: RunState, globals_: GlobalAdapters,
                  lock: threading.Condition, rule: Rule, clock: Callable[[], float], changed: Callable[[], None],
-                 persist: Callable[[], None], close: Callable[[int, str, int, float], None]):
+                 persist: Callable[[], None], close: Callable[[int, str, int, float], None], nonce: Callable[[], str]):
         self.settings, self.store, self.run, self.globals = settings, store, run, globals_
         self._lock, self._rule, self.clock = lock, rule, clock
-        self._changed, self._persist, self._close = changed, persist, close
+        self._changed, self._persist, self._close, self._nonce = changed, persist, close, nonce
 
     @abc.abstractmethod
     def due(self, rule: Rule, r: OpenRound, now: float) -> str | None:
@@ -238,7 +238,7 @@ class SecureRelease(Release):
         for m in run.members.values():
             m.new_round()
         self.store.drop_uploads(run.round)
-        run.state, run.nonce = State.OPEN, secrets.token_hex(16)
+        run.state, run.nonce = State.OPEN, self._nonce()
         self._persist()
         self.secure.begin(run.round, run.nonce, self.clock())
 

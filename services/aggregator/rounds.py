@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from typing import Callable, Iterable, TypeVar
@@ -50,10 +51,13 @@ from .views import ClientView, Status
 log = logging.getLogger("aggregator.rounds")
 
 T = TypeVar("T")
-
-
 # Re-exported: what callers of the round keeper name.
 __all__ = ["DECLINED", "MAX_METRICS", "MAX_METRIC_NAME_BYTES", "ClientView", "RoundKeeper", "Status"]
+
+
+def new_nonce() -> str:
+    """A new round nonce (a round, or a secure round's attempt, binds its uploads to it)."""
+    return secrets.token_hex(16)
 
 
 class RoundKeeper:
@@ -77,7 +81,8 @@ class RoundKeeper:
         self.globals = GlobalAdapters(store)
         # How the closed round's uploads are released (secure aggregation's attempts, or as they are).
         self.release = release_for(settings)(settings, store, self.run, self.globals, self._cond, self._rule, clock,
-                                             self._changed_locked, self._persist_locked, self._close_locked)
+                                             self._changed_locked, self._persist_locked, self._close_locked,
+                                             new_nonce)
         self.secure: SecureDesk | None = self.release.secure
         self.schedule = kind(settings, store, self.run, self._rule, clock, self._changed_locked, self._persist_locked,
                              self.release)
@@ -89,8 +94,6 @@ class RoundKeeper:
                                       self.release.minimum, self._began_locked)
         with self._cond:  # a secure round's keys and shares were only in memory: its stages start again
             self.release.resume_locked()
-        # Every (client, round) reported: a round's metrics are recorded once, so a client that
-        # repeats a report after a crash does not count twice.
         self.reports = MetricsReports(store, self.run, tracker)
         self.reports.load()
         if self.run.state is State.OPEN and is_placeholder(self.run.selection):
@@ -422,7 +425,7 @@ class RoundKeeper:
             log.info("run finished", extra=log_fields(rounds=round_))
         else:
             run.state, run.deadline = State.OPEN, run.opened_at + self.settings.round_deadline_s
-            run.nonce = self.schedule.nonce_locked()
+            run.nonce = run.nonce if self.schedule.keeps_nonce and run.nonce else new_nonce()
             log.info("round opened", extra=log_fields(round=round_, clients=len(run.members)))
         self.schedule.opened_locked()
         self.selector.opened_locked(round_)

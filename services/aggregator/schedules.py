@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import secrets
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from fedse.serving import log_fields
@@ -43,6 +42,7 @@ class Schedule(abc.ABC):
     the upload desk (`uploads`, which asks it about uploads) once that desk exists."""
 
     name: ClassVar[str]
+    keeps_nonce: ClassVar[bool] = False  # whether a round that opens keeps the run's round nonce
     uploads: UploadDesk
 
     def __init__(self, settings: RunSettings, store: Store, run: RunState, rule: Rule, clock: Callable[[], float],
@@ -125,9 +125,6 @@ class Schedule(abc.ABC):
     def reset_members_locked(self) -> None:
         """A round opens (or the run finishes): what the members keep of the last one."""
 
-    @abc.abstractmethod
-    def nonce_locked(self) -> str:
-        """The round nonce of the round that opens."""
 
     def opened_locked(self) -> None:
         """The round opened (or the run finished), before its selection."""
@@ -195,8 +192,6 @@ class SyncRounds(Schedule):
         for m in self.run.members.values():
             m.new_round()
 
-    def nonce_locked(self) -> str:
-        return secrets.token_hex(16)
 
 
 class FedBuff(Schedule):
@@ -204,6 +199,7 @@ class FedBuff(Schedule):
     with each update's staleness (buffer_rules says when)."""
 
     name = "async"
+    keeps_nonce = True  # an upload may come from an earlier version
 
     @property
     def max_staleness(self) -> int:
@@ -309,9 +305,6 @@ class FedBuff(Schedule):
         for m in self.run.members.values():
             m.accepted = None  # folded; a stream under way goes on into the next buffer
 
-    def nonce_locked(self) -> str:
-        # Asynchronous rounds keep the run's nonce: an upload may come from an earlier version.
-        return self.run.nonce or secrets.token_hex(16)
 
     def opened_locked(self) -> None:
         run = self.run
