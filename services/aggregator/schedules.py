@@ -125,7 +125,6 @@ class Schedule(abc.ABC):
     def reset_members_locked(self) -> None:
         """A round opens (or the run finishes): what the members keep of the last one."""
 
-
     def opened_locked(self) -> None:
         """The round opened (or the run finished), before its selection."""
 
@@ -304,7 +303,6 @@ class FedBuff(Schedule):
     def reset_members_locked(self) -> None:
         for m in self.run.members.values():
             m.accepted = None  # folded; a stream under way goes on into the next buffer
-
 
     def opened_locked(self) -> None:
         run = self.run
