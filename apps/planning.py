@@ -16,8 +16,8 @@ import pathlib
 from typing import Any, Sequence, TypeVar
 
 from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse
-from fedse.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
-from fedse.security import Security
+from fedse.model.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
+from fedse.security.admission import Security
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.config import ClientConfig
 from services.env_server.server import EnvServerConfig
@@ -151,7 +151,7 @@ class RunConfig:
         if set(demos) - set(specs):
             raise ConfigError(f"--demos names {', '.join(sorted(set(demos) - set(specs)))}: this run's environments "
                               f"are {', '.join(specs)}")
-        from services.client_agent.demos import load_demos
+        from services.client_agent.training.demos import load_demos
 
         for env, paths in demos.items():  # every record checked before any process starts
             load_demos(paths, [env])
@@ -209,7 +209,7 @@ class RunConfig:
         r = max((given[e] for e in envs if e in given), default=self.lora_r)
         if not r:  # --lora-r 0: the guardian chooses (guardian.alpha_for)
             return r, self.lora_alpha
-        from services.client_agent.guardian import REFERENCE_RANK
+        from services.client_agent.training.guardian import REFERENCE_RANK
 
         return r, max(1, round(r * self.lora_alpha / (self.lora_r or REFERENCE_RANK)))
 
@@ -218,7 +218,7 @@ class RunConfig:
         rank a client trains."""
         if not self.mixed_ranks():
             return 0
-        from services.client_agent.guardian import DEFAULT_TOP_RANK
+        from services.client_agent.training.guardian import DEFAULT_TOP_RANK
 
         return self.max_lora_rank or max([self.lora_r, *self.rank_pairs().values()]) or DEFAULT_TOP_RANK
 

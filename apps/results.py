@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import grpc
 
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from apps.logs import log_summary

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from apps.cli import main  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.client_agent.agent import ClientAgent  # noqa: E402
-from services.client_agent.federation import FederationClient  # noqa: E402
+from services.client_agent.federation.link import FederationClient  # noqa: E402
 
 LIES = {"test_success": 1.0, "train_loss": 1e30, "buffer": 1e12}
 

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fedse.adapter import decode, encode  # noqa: E402
+from fedse.model.adapter import decode, encode  # noqa: E402
 from services.aggregator.adapter_files import AdapterFile  # noqa: E402
 from services.aggregator.strategies import STRATEGIES, Update, aggregate  # noqa: E402
 

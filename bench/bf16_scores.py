@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from services.client_agent.model import add_lora, load_base
-from services.client_agent.policy import ActionScorer
-from services.client_agent.prompts import make_format
+from services.client_agent.model.loading import add_lora, load_base
+from services.client_agent.playing.policy import ActionScorer
+from services.client_agent.playing.prompts import make_format
 from services.env_server.envs import KNOWN_ENVS, make_environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 from services.env_server.envs import KNOWN_ENVS, make_environment

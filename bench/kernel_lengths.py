@@ -39,7 +39,7 @@ def heap_in_use_mb() -> float:
 def measure(way: str, first: int, count: int) -> None:
     import torch
 
-    from services.client_agent.model import bucket_length
+    from services.client_agent.model.loading import bucket_length
 
     torch.set_num_threads(1)
     layer = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)

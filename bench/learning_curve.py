@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from lockstep import Played, play_side_by_side  # noqa: E402  (tests/lockstep.py)
-from services.client_agent.model import add_lora, load_base  # noqa: E402
-from services.client_agent.policy import ActionScorer  # noqa: E402
-from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, format_prompt  # noqa: E402
-from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
+from services.client_agent.model.loading import add_lora, load_base  # noqa: E402
+from services.client_agent.playing.policy import ActionScorer  # noqa: E402
+from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS, format_prompt  # noqa: E402
+from services.client_agent.training.trainer import TINY_LR, train_lora  # noqa: E402
 
 
 def make_env(name: str):
@@ -70,7 +70,7 @@ def run(args) -> list[dict]:
     env = make_env(args.env)
     overrides = json.loads(args.model_overrides) if args.model_overrides else {}
     if args.model == "fedse-tiny" and overrides:
-        from fedse.tinymodel import build_tiny_model
+        from fedse.model.tinymodel import build_tiny_model
         base, tok = build_tiny_model(args.model_seed, **overrides)
         for p in base.parameters():
             p.requires_grad_(False)

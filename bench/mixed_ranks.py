@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fedse.adapter import encode  # noqa: E402
+from fedse.model.adapter import encode  # noqa: E402
 from fedse.machine import describe_cpu  # noqa: E402
-from fedse import ranks as rank_ops  # noqa: E402
+from fedse.model import ranks as rank_ops  # noqa: E402
 from services.aggregator.adapter_files import AdapterFile  # noqa: E402
 from services.aggregator.strategies import Update, aggregate  # noqa: E402
 

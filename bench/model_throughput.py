@@ -14,7 +14,7 @@ models/smollm2-135m-instruct"`):
    padding share and the prompt tokens a prefix cache served.
 
 Each row prints tokens/s and the fraction of the peak at the precision the model runs in (model
-FLOPs as services/client_agent/work.py counts them). `--json PATH` writes the figures, `--plot PATH`
+FLOPs as services/client_agent/model/work.py counts them). `--json PATH` writes the figures, `--plot PATH`
 draws the fractions. On a GPU, with the `gpu` extra installed, it also records the card's clocks,
 power, utilisation and memory in use right after measuring the peak.
 
@@ -40,11 +40,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from fedse.machine import cpu_has_native_bf16, describe_cpu, gpu_state, matmul_peak  # noqa: E402
-from fedse.pretrained import TINY_MODEL_NAME, load_base, pick_device  # noqa: E402
-from services.client_agent import model as mdl  # noqa: E402
-from services.client_agent.prompts import default_max_prompt_tokens, is_tiny  # noqa: E402
-from services.client_agent.trainer import DEFAULT_TRAIN_BATCH_TOKENS, checkpointing_on  # noqa: E402
-from services.client_agent.work import ModelShape, causal_context  # noqa: E402
+from fedse.model.pretrained import TINY_MODEL_NAME, load_base, pick_device  # noqa: E402
+from services.client_agent.model import loading as mdl  # noqa: E402
+from services.client_agent.playing.prompts import default_max_prompt_tokens, is_tiny  # noqa: E402
+from services.client_agent.training.trainer import DEFAULT_TRAIN_BATCH_TOKENS, checkpointing_on  # noqa: E402
+from services.client_agent.model.work import ModelShape, causal_context  # noqa: E402
 from real_round import one_round  # noqa: E402
 
 PHASES = ("eval", "explore", "train")

@@ -7,7 +7,7 @@ Each case starts a real aggregator process (`python -m services.aggregator`, --r
 makes its adapter, joins, waits for the round to open, says ready; when all are ready they are told
 to go at once, and each:
   plain   uploads its adapter (FederationClient.upload), then waits until the round closed;
-  secure  takes part in the secure stages (services.client_agent.secure.SecureRound: fresh keys,
+  secure  takes part in the secure stages (services.client_agent.federation.secure.SecureRound: fresh keys,
           sealed shares, the masked vector of 8 bytes per value, the unmasking), then waits until
           the round closed.
 The round's time is from the first client going to the last one seeing the round closed, so it holds
@@ -20,7 +20,7 @@ is the unmasking: the masked uploads summed, the masks rebuilt and removed, phi_
 
 The same two rounds are timed again over mTLS, where secure aggregation signs its keys
 (RunConfig.secure_signed: the aggregator has --tls-ca): a CA, the aggregator's certificate and one per
-client are made at the start in a temporary directory (fedse.certs, as `fedse certs` makes them), and
+client are made at the start in a temporary directory (fedse.security.certs, as `fedse certs` makes them), and
   plain (mTLS)   uploads as plain, over mTLS;
   signed (mTLS)  takes part as secure, with its mTLS files as its protection (Protection.of): it
                  signs its keys, checks every roster member's certificate and signature, and, in the
@@ -54,14 +54,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from apps.processes import Proc  # noqa: E402
-from fedse import adapter as ad  # noqa: E402
-from fedse import certs  # noqa: E402
-from fedse import secagg, signatures  # noqa: E402
+from fedse.model import adapter as ad  # noqa: E402
+from fedse.security import certs  # noqa: E402
+from fedse.privacy import secagg  # noqa: E402
+from fedse.security import signatures  # noqa: E402
 from fedse.machine import describe_cpu  # noqa: E402
-from fedse.security import Security  # noqa: E402
+from fedse.security.admission import Security  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
-from services.client_agent.federation import FederationClient  # noqa: E402
-from services.client_agent.secure import Contribution, Protection, SecureRound  # noqa: E402
+from services.client_agent.federation.link import FederationClient  # noqa: E402
+from services.client_agent.federation.secure import Contribution, Protection, SecureRound  # noqa: E402
 
 from llama_lora import RANK, schema as llama_schema  # noqa: E402  (bench/, beside this file)
 

@@ -26,11 +26,11 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fedse.pretrained import TINY_MODEL_NAME, load_base  # noqa: E402
-from services.client_agent import model as mdl  # noqa: E402
-from services.client_agent.policy import ActionScorer  # noqa: E402
-from services.client_agent.prompts import format_prompt  # noqa: E402
-from services.client_agent.trainer import train_lora  # noqa: E402
+from fedse.model.pretrained import TINY_MODEL_NAME, load_base  # noqa: E402
+from services.client_agent.model import loading as mdl  # noqa: E402
+from services.client_agent.playing.policy import ActionScorer  # noqa: E402
+from services.client_agent.playing.prompts import format_prompt  # noqa: E402
+from services.client_agent.training.trainer import train_lora  # noqa: E402
 from services.env_server.envs.maze import MazeEnv  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import learning_curve  # noqa: E402
 from tiny_envs import per_byte, tiny_client  # noqa: E402
 from fedse.config import SCORINGS  # noqa: E402
-from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS  # noqa: E402
-from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
+from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS  # noqa: E402
+from services.client_agent.training.trainer import TINY_LR, train_lora  # noqa: E402
 from services.env_server.envs import KNOWN_ENVS  # noqa: E402
 
 

@@ -34,11 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import learning_curve  # noqa: E402
 from fedse.config import SCORINGS  # noqa: E402
-from fedse.tinymodel import build_tiny_model  # noqa: E402
-from services.client_agent.model import add_lora  # noqa: E402
-from services.client_agent.policy import ActionScorer  # noqa: E402
-from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat  # noqa: E402
-from services.client_agent.trainer import TINY_LR, train_lora  # noqa: E402
+from fedse.model.tinymodel import build_tiny_model  # noqa: E402
+from services.client_agent.model.loading import add_lora  # noqa: E402
+from services.client_agent.playing.policy import ActionScorer  # noqa: E402
+from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat  # noqa: E402
+from services.client_agent.training.trainer import TINY_LR, train_lora  # noqa: E402
 from services.env_server.envs import KNOWN_ENVS, make_environment  # noqa: E402
 
 

@@ -7,7 +7,7 @@ make about --mb MB in fp32) and moves its safetensors bytes over loopback, --rep
                  receiver's one-byte acknowledgement (upload) or the last byte (download).
   gRPC floor     a bare grpcio server in a subprocess (generic handlers, raw bytes messages, no
                  protobuf): stream-unary upload and unary-stream download in chunks of
-                 fedse.adapter.CHUNK_BYTES (4 MiB - 64 KiB), with fedse.serving.GRPC_OPTIONS on
+                 fedse.model.adapter.CHUNK_BYTES (4 MiB - 64 KiB), with fedse.transport.serving.GRPC_OPTIONS on
                  both sides (8 MB message limit).
   fedse          FederationClient.upload / .download against a real aggregator process
                  (`python -m services.aggregator`), in fp32 and with transport_dtype bfloat16
@@ -64,13 +64,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fedse import adapter as ad  # noqa: E402
+from fedse.model import adapter as ad  # noqa: E402
 from apps.processes import Proc  # noqa: E402
-from fedse.serving import GRPC_OPTIONS  # noqa: E402
+from fedse.transport.serving import GRPC_OPTIONS  # noqa: E402
 from fedse.v1 import federation_pb2 as fpb  # noqa: E402
 from services.aggregator.store import Store  # noqa: E402
 from services.aggregator.upload_check import UploadCheck  # noqa: E402
-from services.client_agent.federation import FederationClient  # noqa: E402
+from services.client_agent.federation.link import FederationClient  # noqa: E402
 
 from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)
 

@@ -37,7 +37,7 @@ import dataclasses
 import random
 from typing import Generic, Iterator, Sequence, TypeVar
 
-from fedse.inputs import shown
+from fedse.transport.inputs import shown
 
 SPLITS = ("train", "test")
 

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 PROGRESS_MSG = "progress"
 EVERY_S = 30.0

@@ -51,7 +51,7 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     pytest-xdist run share one conversion (under a lock: the first converts, the others wait)."""
     from filelock import FileLock
 
-    from fedse import pretrained
+    from fedse.model import pretrained
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

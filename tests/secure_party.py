@@ -1,5 +1,5 @@
 """A secure-aggregation participant for tests: a real FederationClient with heartbeats that takes part
-in a secure round with a given adapter (services.client_agent.secure.SecureRound), in a thread or,
+in a secure round with a given adapter (services.client_agent.federation.secure.SecureRound), in a thread or,
 run as a script, in a process of its own that a test can kill at a chosen step.
 
     python tests/secure_party.py TARGET CLIENT_ID SEED [--hold-at STEP]
@@ -18,13 +18,14 @@ import time
 
 import torch
 
-from fedse import adapter as ad
-from fedse import ranks, secagg
-from services.client_agent.federation import FederationClient
-from services.client_agent.heartbeat import Heartbeat
-from fedse.security import Security
-from fedse.tinymodel import TINY_MODEL_NAME
-from services.client_agent.secure import Contribution, Protection, SecureRound
+from fedse.model import adapter as ad
+from fedse.model import ranks
+from fedse.privacy import secagg
+from services.client_agent.federation.link import FederationClient
+from services.client_agent.federation.heartbeat import Heartbeat
+from fedse.security.admission import Security
+from fedse.model.tinymodel import TINY_MODEL_NAME
+from services.client_agent.federation.secure import Contribution, Protection, SecureRound
 
 CONFIG_JSON = '{"peft_type": "LORA", "r": 4}'
 
@@ -148,8 +149,8 @@ def main() -> int:
     a = p.parse_args()
     protection = None
     if a.state_dir:
-        from services.client_agent.secure import ReleaseBook
-        from services.client_agent.secure_checks import SeenAttempts
+        from services.client_agent.federation.secure import ReleaseBook
+        from services.client_agent.federation.secure_checks import SeenAttempts
 
         state = pathlib.Path(a.state_dir)
         state.mkdir(parents=True, exist_ok=True)
@@ -186,7 +187,7 @@ def close_to(x: torch.Tensor, t: torch.Tensor) -> bool:
 def leaks(files: list, adapters: dict[str, ad.Adapter], base: ad.Adapter) -> list[str]:
     """Where `files` (paths) hold a client's tensor: its float32 bytes, a safetensors tensor within the bound
     of it, or a uint64 fixed-point vector within the bound of it."""
-    from fedse import fixedpoint as fx
+    from fedse.privacy import fixedpoint as fx
 
     private = private_tensors(adapters, base)
     found = []

@@ -19,11 +19,11 @@ import grpc
 import trustme
 import yaml
 
-from fedse import adapter as ad
-from fedse import serde
+from fedse.model import adapter as ad
+from fedse.transport import serde
 from apps.cli import SERVICES
 from apps.processes import Proc
-from fedse.serving import GRPC_OPTIONS
+from fedse.transport.serving import GRPC_OPTIONS
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from services.aggregator.adapter_files import fresh
@@ -193,7 +193,7 @@ def offline_certs(k8s: pathlib.Path, ca_dir: pathlib.Path, server_ips: tuple[str
     each server whose files the component's secretGenerator reads (its Service's names in the
     namespace, and `server_ips`); a client certificate, request then sign, for each client (org-*);
     and ca.pem alone of the CA's files."""
-    from fedse import certs
+    from fedse.security import certs
 
     component = k8s / "components" / "mtls"
     out = component / "certs"
@@ -371,8 +371,8 @@ def serve_fake(agg: FakeAggregator):
 
 def join_with_phi0(client, env: str, base_model: str, timeout: float = 30.0):
     """Joins `client` (a FederationClient) to a run another client joined first, with that run's adapter
-    schema as phi_0 shows it; returns phi_0 (services.client_agent.federation.GlobalAdapter)."""
-    from fedse import adapter as ad
+    schema as phi_0 shows it; returns phi_0 (services.client_agent.federation.link.GlobalAdapter)."""
+    from fedse.model import adapter as ad
 
     deadline = time.monotonic() + timeout
     while True:

@@ -12,12 +12,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.cli import format_status
-from fedse import adapter as ad
-from fedse.accounting import epsilon, epsilons, zcdp_rho
+from fedse.model import adapter as ad
+from fedse.privacy.accounting import epsilon, epsilons, zcdp_rho
 from fedse.config import ConfigError
 from fedse.v1 import federation_pb2 as fpb
 from services.aggregator.server import AggregatorConfig
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 from support import aggregator_in_process
 
 LN_1E5 = 11.512925464970229  # ln(1e5)

@@ -6,8 +6,8 @@ import struct
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import serde
+from fedse.model import adapter as ad
+from fedse.transport import serde
 from services.aggregator.adapter_files import AdapterFile, fresh
 from services.aggregator.store import write_peft_dir
 from services.aggregator.upload_check import UploadCheck

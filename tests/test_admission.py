@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from apps.processes import Proc
-from fedse.security import Security, channel
+from fedse.security.admission import Security, channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import Pki, wait_for

@@ -23,9 +23,9 @@ from agentgym_servers import (
     WebShopServer,
 )
 from fedse.env import EnvironmentUnavailable, EpisodeLost
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2, env_pb2_grpc
-from services.client_agent.envclient import EnvClient, SessionLost
+from services.client_agent.playing.envclient import EnvClient, SessionLost
 from services.env_server.envs.agentgym import PROFILES, bridge, parse_tasks
 from services.env_server.registry import RegistryError
 from services.env_server.server import EnvServerConfig, create_server

@@ -9,14 +9,14 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
-from fedse import adapter as ad
-from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
-from fedse import serde
-from fedse.inputs import MAX_STATUS_CHARS
+from fedse.model import adapter as ad
+from fedse.model.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from fedse.transport import serde
+from fedse.transport.inputs import MAX_STATUS_CHARS
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from fedse.v1 import federation_pb2 as fpb
 from services.aggregator.errors import StaleRound
 from services.aggregator.rounds import RoundKeeper
@@ -138,7 +138,7 @@ def test_a_client_agent_whose_update_went_stale_trains_again_from_the_newest_ver
     import threading
 
     from services.client_agent.agent import ClientAgent
-    from services.client_agent.federation import FederationClient
+    from services.client_agent.federation.link import FederationClient
     from support import aggregator_in_process, env_server_in_process, join_with_phi0
     from test_client_progress import agent_config
 
@@ -177,7 +177,7 @@ def test_a_client_agent_whose_update_went_stale_trains_again_from_the_newest_ver
 
 def test_over_grpc_the_run_says_who_trains_and_fedse_status_shows_it(tmp_path):
     from apps.cli import format_status
-    from services.client_agent.federation import FederationClient
+    from services.client_agent.federation.link import FederationClient
     from support import aggregator_in_process
 
     state = {A: torch.zeros(2, 3), B: torch.zeros(3, 2)}
@@ -219,13 +219,13 @@ def test_async_uploads_take_from_the_privacy_budget_and_a_declined_client_stops_
     import contextlib
     import threading
 
-    from fedse import accounting
-    from services.client_agent import guardian
+    from fedse.privacy import accounting
+    from services.client_agent.training import guardian
     from services.client_agent.agent import ClientAgent
     from services.client_agent.config import ClientConfig
-    from services.client_agent.federation import FederationClient
-    from services.client_agent.federation import StaleRound as StaleClientRound
-    from services.client_agent.heartbeat import Heartbeat
+    from services.client_agent.federation.link import FederationClient
+    from services.client_agent.federation.link import StaleRound as StaleClientRound
+    from services.client_agent.federation.heartbeat import Heartbeat
     from services.client_agent.metrics import ROUNDS_DECLINED
     from support import aggregator_in_process, join_with_phi0
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from services.aggregator.errors import DuplicateUpload, NotSelected, RunFinished
 from services.aggregator.state import State
 from services.aggregator.store import Store
@@ -184,7 +184,7 @@ def test_over_grpc_an_upload_without_a_slot_and_a_second_from_one_version_are_re
     import grpc
 
     from fedse.v1 import federation_pb2 as fpb
-    from services.client_agent.federation import FederationClient, upload_chunks
+    from services.client_agent.federation.link import FederationClient, upload_chunks
     from support import aggregator_in_process
 
     state = {A: torch.zeros(2, 3), B: torch.zeros(3, 2)}

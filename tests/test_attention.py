@@ -1,4 +1,4 @@
-"""fedse.attention: a generation step of a grouped-query model runs each key head's query heads as
+"""fedse.model.attention: a generation step of a grouped-query model runs each key head's query heads as
 rows of one query, with the results of transformers' SDPA attention."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fedse import attention
+from fedse.model import attention
 
 
 def gqa_model() -> LlamaForCausalLM:

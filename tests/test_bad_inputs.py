@@ -20,15 +20,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedse import adapter as ad
-from fedse import serde
-from fedse.inputs import MAX_STATUS_CHARS
+from fedse.model import adapter as ad
+from fedse.transport import serde
+from fedse.transport.inputs import MAX_STATUS_CHARS
 from apps.processes import Proc
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 
 pytestmark = pytest.mark.slow
 

@@ -14,15 +14,15 @@ import pytest
 import trustme
 from cryptography import x509
 
-from fedse import security
-from fedse.security import Security
-from fedse.serving import Service
+from fedse.security import admission as security
+from fedse.security.admission import Security
+from fedse.transport.serving import Service
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
-from services.client_agent.envclient import EnvClient
-from services.client_agent.federation import FederationClient
+from services.client_agent.playing.envclient import EnvClient
+from services.client_agent.federation.link import FederationClient
 from support import FakeAggregator, aggregator_in_process, wait_for
 
 SERVER_NAMES = ("localhost", "127.0.0.1")
@@ -98,8 +98,8 @@ def served(port: int, client: Client) -> x509.Certificate:
 
 
 def warnings_about(caplog, text: str = "") -> list[logging.LogRecord]:
-    """fedse.security's warnings whose fields hold `text`."""
-    return [r for r in caplog.records if r.name == "fedse.security" and r.levelno == logging.WARNING
+    """fedse.security.admission's warnings whose fields hold `text`."""
+    return [r for r in caplog.records if r.name == "fedse.security.admission" and r.levelno == logging.WARNING
             and text in str(getattr(r, "fields", ""))]
 
 
@@ -122,7 +122,7 @@ def test_the_aggregator_serves_a_renewed_certificate_to_new_connections_without_
         assert served(port, org_a).serial_number == serial(first)
 
         renewed, key = issue(ca, *SERVER_NAMES, common_name="aggregator renewed")
-        with caplog.at_level(logging.INFO, logger="fedse.security"):
+        with caplog.at_level(logging.INFO, logger="fedse.security.admission"):
             secret.write({"ca.crt": ca.cert_pem.bytes(), "tls.crt": renewed, "tls.key": key})
             seen = served(port, org_a)
         assert seen.serial_number == serial(renewed) != serial(first)
@@ -171,7 +171,7 @@ def test_a_half_written_renewal_keeps_the_last_good_certificate_and_warns_once(t
     sec = Security(tls_ca=str(files / "ca.pem"), tls_cert=str(files / "cert.pem"), tls_key=str(files / "key.pem"))
     with aggregator_in_process(tmp_path / "state", **vars(sec)) as (_, port, _):
         renewed, new_key = issue(ca, *SERVER_NAMES)
-        with caplog.at_level(logging.INFO, logger="fedse.security"):
+        with caplog.at_level(logging.INFO, logger="fedse.security.admission"):
             replace(files / "key.pem", new_key)  # the key renewed, the certificate not yet
             for _ in range(3):
                 assert served(port, org_a).serial_number == serial(first)
@@ -254,7 +254,7 @@ def test_a_client_presents_its_renewed_certificate_at_its_next_call(fake, ca, ca
     agg, _, org_a, client = fake
     client.status()
     renewed, key = issue(ca, "org-a")
-    with caplog.at_level(logging.WARNING, logger="fedse.security"):
+    with caplog.at_level(logging.WARNING, logger="fedse.security.admission"):
         replace(org_a.key, key)  # half-way: the old certificate with the new key
         client.status()
         client.status()

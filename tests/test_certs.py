@@ -18,12 +18,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from apps import certs as command
 from apps import cli
-from fedse import adapter as ad
-from fedse import certs
-from fedse.security import Security, channel
+from fedse.model import adapter as ad
+from fedse.security import certs
+from fedse.security.admission import Security, channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 from support import aggregator_in_process
 
 DAY = datetime.timedelta(days=1)

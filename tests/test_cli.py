@@ -9,7 +9,7 @@ import pytest
 
 from apps import cli
 from apps.processes import Proc
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2, env_pb2_grpc
 
 

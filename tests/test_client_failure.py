@@ -17,7 +17,7 @@ import pytest
 
 from apps.logs import log_summary
 from apps.processes import exit_reason
-from fedse.serving import JsonFormatter, log_fields
+from fedse.transport.serving import JsonFormatter, log_fields
 from support import child_running, wait_for
 
 SMALL = ["--expert-demos", "2", "--explore-tasks", "2", "--eval-tasks", "2"]

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 import torch
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from fedse.config import ConfigError
 from fedse.v1 import federation_pb2 as fpb
 from services.client_agent.resume import (
@@ -22,15 +22,15 @@ from services.client_agent.resume import (
     read_progress,
     write_progress,
 )
-from services.client_agent.buffer import Buffer, Trajectory
+from services.client_agent.training.buffer import Buffer, Trajectory
 from services.client_agent.config import ClientConfig
-from services.client_agent.federation import (
+from services.client_agent.federation.link import (
     FederationClient,
     StaleRound,
     TransferError,
     upload_chunks,
 )
-from services.client_agent.heartbeat import Heartbeat
+from services.client_agent.federation.heartbeat import Heartbeat
 from support import FakeAggregator, env_server_in_process, serve_fake
 
 

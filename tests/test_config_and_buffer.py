@@ -6,7 +6,7 @@ import pytest
 
 from fedse.config import ALL, ConfigError, parse, to_argv
 from services.aggregator.server import AggregatorConfig
-from services.client_agent.buffer import Buffer, Trajectory
+from services.client_agent.training.buffer import Buffer, Trajectory
 from services.client_agent.config import ClientConfig
 
 

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from fedse.tinymodel import build_tiny_tokenizer
-from services.client_agent.buffer import Trajectory
-from services.client_agent.demos import DemoError, conversation_to_trajectory, load_demos, load_file
-from services.client_agent.prompts import REACT_FORMAT, ChatFormat, PlainFormat, TokenCache
+from fedse.model.tinymodel import build_tiny_tokenizer
+from services.client_agent.training.buffer import Trajectory
+from services.client_agent.training.demos import DemoError, conversation_to_trajectory, load_demos, load_file
+from services.client_agent.playing.prompts import REACT_FORMAT, ChatFormat, PlainFormat, TokenCache
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ACK = "OK. I'll follow your instructions and try my best to solve the task."
@@ -158,7 +158,7 @@ def test_the_client_stops_before_joining_with_exit_status_2_and_one_line(tmp_pat
 
 # ---- training on what was written --------------------------------------------------------------------------
 def test_training_covers_the_whole_gpt_text_where_the_agent_writes_and_the_action_where_it_picks():
-    from services.client_agent.trainer import training_examples
+    from services.client_agent.training.trainer import training_examples
 
     tok = build_tiny_tokenizer()
     tok.chat_template = CHATML

@@ -99,10 +99,10 @@ def test_an_env_server_without_the_environment(tmp_path, pki, capsys):  # noqa: 
 
 
 def test_a_lora_that_does_not_fit_the_run(tmp_path, pki, capsys):  # noqa: F811
-    from fedse import adapter as ad
-    from services.client_agent.federation import FederationClient
-    from services.client_agent import model as mdl
-    from fedse.security import Security
+    from fedse.model import adapter as ad
+    from services.client_agent.federation.link import FederationClient
+    from services.client_agent.model import loading as mdl
+    from fedse.security.admission import Security
 
     with federation(tmp_path, pki) as (agg, env):
         base, _ = mdl.load_base("fedse-tiny", None, seed=0)

@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
-from fedse.serving import Service
+from fedse.transport.serving import Service
 from fedse.v1 import env_pb2_grpc
-from services.client_agent.envclient import EnvClient, Session, SessionLost
-from services.client_agent.rollout import run_episodes
+from services.client_agent.playing.envclient import EnvClient, Session, SessionLost
+from services.client_agent.playing.rollout import run_episodes
 from services.env_server.envs.maze import MazeEnv
 from services.env_server.envs import make_environment
 from services.env_server.servicer import SERVICE_NAME, EnvServicer

@@ -15,7 +15,7 @@ import threading
 import grpc
 import pytest
 
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 from services.env_server import registry

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedse import __version__
 from fedse.config import ConfigError, parse
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2, env_pb2_grpc
 from services.env_server.envs import KNOWN_ENVS
 from services.env_server.envs.maze import MazeEnv

@@ -150,7 +150,7 @@ def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tm
 @pytest.mark.slow
 def test_a_model_from_a_local_path_runs_the_experiment(tmp_path):
     """The full budget's path: a Hugging Face model directory (here the tiny model exported as one)."""
-    from fedse.tinymodel import export_tiny_model
+    from fedse.model.tinymodel import export_tiny_model
 
     model_dir = export_tiny_model(str(tmp_path / "model"))
     cfg = ex.ExperimentConfig(budget="full", methods="fedse", base_model=model_dir, envs="maze",

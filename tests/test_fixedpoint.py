@@ -1,4 +1,4 @@
-"""Fixed-point sums in Z_2^64 (fedse/fixedpoint.py): the wrapped sum of encodings decodes to the sum
+"""Fixed-point sums in Z_2^64 (fedse/privacy/fixedpoint.py): the wrapped sum of encodings decodes to the sum
 of the values within the stated bound, for 1 to MAX_CLIENTS terms, with masks that cancel only in
 the sum; values it cannot hold are refused."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedse import fixedpoint as fp
+from fedse.privacy import fixedpoint as fp
 
 
 def masked_mean(values: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:

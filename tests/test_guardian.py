@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from fedse import accounting
-from fedse.tinymodel import build_tiny_model
+from fedse.privacy import accounting
+from fedse.model.tinymodel import build_tiny_model
 from fedse.v1 import federation_pb2 as fpb
-from services.client_agent import guardian
+from services.client_agent.training import guardian
 from services.client_agent.config import ClientConfig
 
 import torch
@@ -69,9 +69,9 @@ def test_the_need_covers_the_peak_of_the_step_the_trainer_runs_and_resident_foll
     sequence the trainer runs whole (a 64-token micro-batch runs a 288-token sequence), with the model's
     weights paged in by a forward pass before resident memory is read."""
     from fedse import machine
-    from fedse.tinymodel import build_tiny_model
-    from services.client_agent.prompts import Encoded
-    from services.client_agent.trainer import train_lora
+    from fedse.model.tinymodel import build_tiny_model
+    from services.client_agent.playing.prompts import Encoded
+    from services.client_agent.training.trainer import train_lora
 
     forwards, seen = [], []
     hook = base.register_forward_hook(lambda *a: forwards.append(1))
@@ -212,9 +212,9 @@ def test_a_round_does_not_wait_for_a_client_that_declines_it(tmp_path):
 
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    from fedse import adapter as ad
-    from fedse.tinymodel import TINY_MODEL_NAME
-    from services.client_agent.federation import FederationClient
+    from fedse.model import adapter as ad
+    from fedse.model.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.federation.link import FederationClient
     from support import aggregator_in_process
 
     pm = get_peft_model(build_tiny_model(seed=0)[0], LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
@@ -270,7 +270,7 @@ def test_a_model_may_choose_among_the_options_measured_to_fit_and_its_answer_is_
 
 
 def test_the_embedded_tiny_model_is_asked_for_real_and_its_nonsense_leaves_the_tools_choice(base):
-    from fedse.asking import Asker
+    from fedse.agents.asking import Asker
 
     at_256 = dataclasses.replace(AUTO, train_batch_tokens=256, lora_r=4)
     s = sized(base, at_256, limit_bytes=10**12)

@@ -393,7 +393,7 @@ def test_image_runs_a_federation_round_as_the_manifests_do(image, tmp_path):
 
         # Round 0's aggregate (the global adapter of round 1), downloadable from the aggregator in the
         # image, and on its state volume.
-        from services.client_agent.federation import FederationClient
+        from services.client_agent.federation.link import FederationClient
 
         fed = FederationClient(f"{aggregator.ip}:{aggregator.port('grpc')}", "image-test", retries=2, timeout_s=60)
         try:

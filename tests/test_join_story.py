@@ -100,7 +100,7 @@ def run_doctor(root: pathlib.Path, env: dict[str, str], ports: LocalPorts,
 def test_the_operator_and_the_organisation_tell_one_story(tmp_path):
     from cryptography import x509
 
-    from fedse import certs
+    from fedse.security import certs
 
     env, shell, ports = sandbox(tmp_path), Shell(tmp_path), LocalPorts()
     blocks = marked_blocks(DOC)

@@ -41,8 +41,10 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from fedse import __version__, certs
-from fedse.certificates import public_bytes
+from fedse import __version__
+
+from fedse.security import certs
+from fedse.security.tls_files import public_bytes
 from support import K8S, KUBECTL, REPO, kustomize, service_module, write_scenario
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
 COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos", "secure-aggregation")
@@ -691,7 +693,7 @@ def test_monitoring_component(scenario_tmp):
 
 
 def test_secure_aggregation_component_switches_on_the_aggregator_alone(scenario_tmp, tmp_path):
-    from fedse.secagg import STRATEGIES
+    from fedse.privacy.secagg import STRATEGIES
 
     def aggregator(name):
         (agg,) = [(w, c) for w, c in containers(list(_render(name, scenario_tmp)))

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from apps.launcher import unopenable
 from apps.planning import Client, Federation
 from apps.results import RunWatch
-from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from fedse.model.tinymodel import TINY_MODEL_NAME, build_tiny_model
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process

@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from fedse.tinymodel import build_tiny_model, weights_digest
+from fedse.model.tinymodel import build_tiny_model, weights_digest
 from lockstep import play_side_by_side
-from services.client_agent.model import add_lora, get_adapter_state
-from services.client_agent.policy import ActionScorer
-from services.client_agent.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat, format_prompt
-from services.client_agent.trainer import train_lora
+from services.client_agent.model.loading import add_lora, get_adapter_state
+from services.client_agent.playing.policy import ActionScorer
+from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat, format_prompt
+from services.client_agent.training.trainer import train_lora
 from services.env_server.envs import make_environment
 from services.env_server.envs.maze import MazeEnv
 
@@ -107,7 +107,7 @@ def test_calibrated_scoring_lets_the_untrained_tiny_model_act_on_babyais_goal():
 
 
 def test_micro_batches_stay_within_the_token_budget():
-    from services.client_agent.model import micro_batches
+    from services.client_agent.model.loading import micro_batches
 
     lengths = [50, 120, 30, 400, 90, 90, 10, 700]
     runs = micro_batches(lengths, 256)
@@ -135,7 +135,7 @@ def _lora_with_gradients():
 def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient():
     """A token budget changes how a step's gradient is computed, not the gradient: one sequence per
     micro-batch accumulates what one pass over the whole batch gives."""
-    from services.client_agent.trainer import accumulate_gradients, encode_pairs
+    from services.client_agent.training.trainer import accumulate_gradients, encode_pairs
 
     peft_model, tok, params = _lora_with_gradients()
     batch = encode_pairs(tok, _examples(3), 160)
@@ -157,8 +157,8 @@ def test_gradient_accumulation_over_micro_batches_gives_the_whole_batch_gradient
 def test_bucketed_micro_batches_give_the_same_gradient_from_passes_of_bucket_lengths_only():
     """Padding micro-batches to bucket lengths (bf16 on a CPU, where oneDNN keeps a kernel per length)
     changes the passes' widths, not the gradient."""
-    from services.client_agent.model import bucket_length
-    from services.client_agent.trainer import accumulate_gradients, encode_pairs
+    from services.client_agent.model.loading import bucket_length
+    from services.client_agent.training.trainer import accumulate_gradients, encode_pairs
 
     assert [bucket_length(n) for n in (1, 16, 17, 250, 256, 257, 320, 2871)] == [16, 16, 32, 256, 256, 320, 320, 2880]
     peft_model, tok, params = _lora_with_gradients()
@@ -186,7 +186,7 @@ def test_bucketed_micro_batches_give_the_same_gradient_from_passes_of_bucket_len
 
 
 def test_optimizer_steps_hold_batch_size_turns_however_they_are_packed():
-    from services.client_agent.trainer import turn_batches
+    from services.client_agent.training.trainer import turn_batches
 
     assert turn_batches([1] * 10, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # one turn a sequence
     steps = turn_batches([3, 5, 1, 12, 2, 2, 4], 8)

@@ -58,7 +58,7 @@ def _small_llama():
 def test_auto_precision_follows_the_measured_speed_not_the_cpu_flag(monkeypatch, caplog):
     import torch
 
-    from services.client_agent import model as mdl
+    from services.client_agent.model import loading as mdl
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(mdl, "cpu_has_native_bf16", lambda: True)  # the flag is there either way
@@ -79,8 +79,8 @@ def test_the_timer_decides_and_a_real_short_measurement_of_the_tiny_model_picks_
 
     import torch
 
-    from fedse.tinymodel import build_tiny_model
-    from services.client_agent import model as mdl
+    from fedse.model.tinymodel import build_tiny_model
+    from services.client_agent.model import loading as mdl
 
     shapes = mdl.linear_shapes(_small_llama())
     assert shapes and all(count >= 1 for count in shapes.values())

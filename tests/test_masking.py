@@ -1,4 +1,4 @@
-"""The cryptography of secure aggregation (fedse/masking.py): keys from seeds, agreement, share
+"""The cryptography of secure aggregation (fedse/privacy/masking.py): keys from seeds, agreement, share
 encryption, masks and Shamir shares, with the libraries underneath; and that pairwise masks from
 agreed keys cancel in a fixed-point sum."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from cryptography.exceptions import InvalidTag
 
-from fedse import fixedpoint as fp
-from fedse import masking as m
+from fedse.privacy import fixedpoint as fp
+from fedse.privacy import masking as m
 
 
 def expand(key: bytes, count: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The federation's member list (fedse/members.py, `fedse certs members`): the operator signs it with
+"""The federation's member list (fedse/security/members.py, `fedse certs members`): the operator signs it with
 the CA key; a client reads it back only if that CA signed exactly these bytes. A list edited after
 signing, signed by another CA, or signed by a member's key instead of the CA's is refused with a
 reason, and so is one that is malformed or names something that is not a client id. A plain list
@@ -16,8 +16,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from apps import certs as command
-from fedse import masking, members
-from fedse.members import MemberListError
+from fedse.privacy import masking
+from fedse.security import members
+from fedse.security.members import MemberListError
 from support import Pki
 
 IDS = ["org-maze", "org-wordle", "org-babyai"]

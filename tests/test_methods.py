@@ -12,14 +12,14 @@ import random
 
 import pytest
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from fedse.config import ConfigError, parse, to_argv
 from apps.launcher import run
 from apps.planning import (LOCAL_DEFAULTS, RunConfig, aggregator_config, client_config, env_server_config, plan,
                            scoring_for)
 from apps.results import collect
 from services.aggregator.server import AggregatorConfig
-from services.client_agent.buffer import Buffer, Trajectory, to_keep, training_set
+from services.client_agent.training.buffer import Buffer, Trajectory, to_keep, training_set
 from services.client_agent.config import ClientConfig
 
 TINY = dict(rounds=1, expert_demos=4, explore_tasks=4, eval_tasks=4, epochs=1)
@@ -140,7 +140,7 @@ def test_scoring_is_set_per_environment_and_a_client_of_several_gets_theirs_when
     assert scoring_for("auto", ("maze",)) == "sum"
     assert scoring_for("auto", ("babyai",), base_model="models/smollm2-135m-instruct") == "sum"
     # The tiny model exported as a directory is still the tiny model; another model's directory is not.
-    from fedse.tinymodel import export_tiny_model, tiny_config
+    from fedse.model.tinymodel import export_tiny_model, tiny_config
 
     assert scoring_for("auto", ("babyai",), base_model=export_tiny_model(str(tmp_path / "tiny"))) == "calibrated"
     (tmp_path / "other").mkdir()

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import services.aggregator.servicer  # noqa: F401 - registers the aggregator's metrics
 import services.client_agent.metrics  # noqa: F401 - registers the client agent's metrics
 import services.env_server.metrics  # noqa: F401 - registers the env server's metrics
-from fedse.serving import insecure_channel, start_metrics
+from fedse.transport.serving import insecure_channel, start_metrics
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1.federation_pb2_grpc import FederationServiceStub
 from services.aggregator.server import AggregatorConfig, create_server

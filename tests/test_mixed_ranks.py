@@ -1,5 +1,5 @@
 """Mixed LoRA ranks: the strategies' arithmetic (hlora exact against the dense truncated SVD, flexlora,
-zero-pad), the clients' refactoring to their own rank, and the schema checks (fedse.ranks)."""
+zero-pad), the clients' refactoring to their own rank, and the schema checks (fedse.model.ranks)."""
 
 import io
 import json
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from fedse import accounting
-from fedse import adapter as ad
-from fedse import ranks
-from fedse.adapter import AdapterError, Schema
+from fedse.privacy import accounting
+from fedse.model import adapter as ad
+from fedse.model import ranks
+from fedse.model.adapter import AdapterError, Schema
 from services.aggregator.strategies import StrategyParams, Update, aggregate, validate_params
 
 A, B = "base_model.model.m.lora_A.weight", "base_model.model.m.lora_B.weight"
@@ -201,7 +201,7 @@ def test_a_run_with_clients_at_ranks_4_8_and_16_finishes_and_its_adapter_loads_i
 
     from apps.launcher import run
     from apps.planning import RunConfig
-    from fedse.tinymodel import build_tiny_model
+    from fedse.model.tinymodel import build_tiny_model
 
     cfg = RunConfig(envs="maze,wordle?vocab_size=30,babyai", strategy="hlora", lora_ranks="maze=4,babyai=16",
                     results=str(tmp_path), rounds=2, expert_demos=4, explore_tasks=2, eval_tasks=2, epochs=1)
@@ -268,7 +268,7 @@ def first_a(adapter):
 def lora_state(r, alpha, seed):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    from fedse.tinymodel import build_tiny_model
+    from fedse.model.tinymodel import build_tiny_model
 
     pm = get_peft_model(build_tiny_model(seed=0)[0], LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj"],
                                                                 lora_dropout=0.0))
@@ -282,9 +282,9 @@ def test_the_aggregator_takes_each_clients_rank_refuses_what_does_not_fit_and_ke
     import grpc
 
     from apps.cli import format_status
-    from fedse.tinymodel import TINY_MODEL_NAME
+    from fedse.model.tinymodel import TINY_MODEL_NAME
     from fedse.v1 import federation_pb2 as fpb
-    from services.client_agent.federation import FederationClient
+    from services.client_agent.federation.link import FederationClient
     from support import aggregator_in_process
 
     small, small_config = lora_state(2, 8, seed=1)   # scaling 4
@@ -348,8 +348,8 @@ def test_the_aggregator_refuses_mixed_rank_settings_that_cannot_work_at_start_up
 def test_a_rejoin_may_not_change_the_rank_or_alpha_of_an_accepted_upload_before_its_round_closes(tmp_path):
     import grpc
 
-    from fedse.tinymodel import TINY_MODEL_NAME
-    from services.client_agent.federation import FederationClient
+    from fedse.model.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.federation.link import FederationClient
     from support import aggregator_in_process
 
     trained, alpha8 = lora_state(2, 8, seed=1)  # scaling 4

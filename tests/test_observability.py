@@ -21,7 +21,7 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import fedse.serving  # noqa: F401 - registers the gRPC interceptor's metrics
+import fedse.transport.serving  # noqa: F401 - registers the gRPC interceptor's metrics
 import services.aggregator.metrics  # noqa: F401 - registers the aggregator's metrics
 import services.client_agent.metrics  # noqa: F401 - registers the client agent's metrics
 import services.env_server.metrics  # noqa: F401 - registers the env server's metrics
@@ -192,7 +192,7 @@ def test_dashboard_covers_the_federation_and_uses_the_datasource_variable():
 EXPOSITION_SCRIPT = """
 import sys
 import prometheus_client
-import fedse.serving as s
+import fedse.transport.serving as s
 s.RPC_SECONDS.labels("fedse.v1.X", "Y", "OK").observe(0.01)
 s.RPC_HANDLED.labels("fedse.v1.X", "Y", "OK").inc()
 if sys.argv[1] == "env_server":
@@ -235,7 +235,7 @@ def test_no_label_can_hold_trajectory_text():
     # Labels are fixed words or operator-chosen names; none is free text from an episode.
     allowed = {"env", "outcome", "phase", "source", "stage", "kind", "client_id", "grpc_service", "grpc_method",
                "grpc_code"}
-    metrics = [(name, obj) for module in (fedse.serving, services.aggregator.metrics, services.client_agent.metrics,
+    metrics = [(name, obj) for module in (fedse.transport.serving, services.aggregator.metrics, services.client_agent.metrics,
                                           services.env_server.metrics)
                for name, obj in vars(module).items() if isinstance(obj, prometheus_client.metrics.MetricWrapperBase)]
     assert len(metrics) >= 25

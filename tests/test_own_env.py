@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 import say_env
-from services.client_agent.buffer import Buffer
+from services.client_agent.training.buffer import Buffer
 from services.client_agent.config import ClientConfig
-from services.client_agent.envclient import EnvClient
-from services.client_agent.prompts import fallback_action, parse_react
+from services.client_agent.playing.envclient import EnvClient
+from services.client_agent.playing.prompts import fallback_action, parse_react
 from support import FakeAggregator, aggregator_in_process, serve_fake
 
 

@@ -6,14 +6,14 @@ import os
 import pytest
 import torch
 
-from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
+from fedse.model.tinymodel import build_tiny_model, build_tiny_tokenizer
 from observe import PrefixReuse, returns
-from services.client_agent.actions import Written, cut_after_action, parse_action
-from services.client_agent.generation import ActionLineDone, ActionWriter
-from services.client_agent.model import add_lora
-from services.client_agent.policy import ActionScorer
-from services.client_agent.prefixes import PrefixTree
-from services.client_agent.prompts import (ACTION_CUE, EMPTY_TEXT_ACTION, MAX_CUED_THOUGHT_CHARS, MAX_WRITTEN_ACTION_CHARS,
+from services.client_agent.playing.actions import Written, cut_after_action, parse_action
+from services.client_agent.playing.generation import ActionLineDone, ActionWriter
+from services.client_agent.model.loading import add_lora
+from services.client_agent.playing.policy import ActionScorer
+from services.client_agent.model.prefixes import PrefixTree
+from services.client_agent.playing.prompts import (ACTION_CUE, EMPTY_TEXT_ACTION, MAX_CUED_THOUGHT_CHARS, MAX_WRITTEN_ACTION_CHARS,
                                            PlainFormat, fallback_action, format_prompt, format_target, parse_react,
                                            thought_before_cue)
 from services.env_server.envs.maze import MazeEnv
@@ -236,7 +236,7 @@ def test_reuse_scores_match_a_direct_pass_and_reuse_the_previous_turns_cache():
     assert scorer.cache.bytes == 0
     # Padded to bucket lengths (as bf16 on a CPU is), every pass has a bucket's width, the scores
     # stay those of a direct pass and the cache holds the prompts' own tokens only.
-    from services.client_agent.model import bucket_length
+    from services.client_agent.model.loading import bucket_length
     widths: list[int] = []
     hook = model.get_base_model().get_input_embeddings().register_forward_hook(
         lambda module, args, out: widths.append(args[0].shape[-1]))
@@ -267,7 +267,7 @@ def test_reuse_runs_several_episodes_turns_in_one_pass_each_on_its_own_cached_pr
     candidates; the scores are a direct pass's. Where a pass costs less than the padding it saves
     (layouts.PASS_OVERHEAD), a row far narrower than the others (a Maze turn's new tokens and its
     few actions, 55 positions, beside rows of 164 and 189) runs in a pass of its own."""
-    from services.client_agent import layouts
+    from services.client_agent.model import layouts
 
     monkeypatch.setattr(layouts, "PASS_OVERHEAD", overhead)
     model, tok = _model()
@@ -416,7 +416,7 @@ def test_written_actions_are_parsed_or_fall_back_counted_and_sampled_reproducibl
 
 
 def test_a_merged_lora_scores_as_the_adapter_does_in_one_matmul_a_layer_and_leaves_the_weights_as_they_were():
-    from services.client_agent.model import get_adapter_state, merged_lora
+    from services.client_agent.model.loading import get_adapter_state, merged_lora
 
     model, tok = _model()
     scorer = ActionScorer(model, tok, max_prompt_tokens=160, method="packed")
@@ -480,7 +480,7 @@ def test_reuse_computes_a_start_that_episodes_of_one_batch_share_once():
 
 
 def test_the_output_layer_runs_on_a_few_states_at_a_time_with_the_same_scores(monkeypatch):
-    from services.client_agent import layouts
+    from services.client_agent.model import layouts
 
     model, tok = _model()
     prompts, cands = _maze_prompts(2), [WORDS, MAZE_ACTIONS]
@@ -502,7 +502,7 @@ def test_width_groups_split_rows_where_a_pass_costs_less_than_the_padding_it_sav
     import itertools
     import random
 
-    from services.client_agent.layouts import width_groups
+    from services.client_agent.model.layouts import width_groups
 
     assert width_groups([300, 30, 28, 290], overhead=64) == [[0, 3], [1, 2]]
     assert width_groups([300, 30, 28, 290], overhead=1000) == [[0, 3, 1, 2]]
@@ -553,7 +553,7 @@ def test_scores_of_a_bf16_output_layer_are_computed_in_fp32_as_a_gpu_holds_it():
 def test_auto_precision_is_bf16_for_a_real_model_in_bf16_on_cuda_and_fp32_for_the_tiny_one():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.client_agent.model import pick_precision
+    from services.client_agent.model.loading import pick_precision
 
     cuda = torch.device("cuda")  # only its type is read: no GPU needed
     small = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -575,8 +575,8 @@ def test_a_pass_writes_its_keys_and_values_after_the_cached_prefix_instead_of_co
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
-    from services.client_agent.kvcache import pass_cache
-    from services.client_agent.model import autocast
+    from services.client_agent.model.kvcache import pass_cache
+    from services.client_agent.model.loading import autocast
 
     model, _ = _model()
     decoder = model.get_base_model().get_decoder()
@@ -619,7 +619,9 @@ def test_generation_writes_each_token_into_room_made_once_and_writes_the_same_te
     and sampled; a model with sliding-window layers keeps transformers' cache."""
     from transformers import DynamicCache, MistralConfig
 
-    from services.client_agent import generation, kvcache
+    from services.client_agent.playing import generation
+
+    from services.client_agent.model import kvcache
 
     model, tok = _model()
     writer = ActionWriter(ActionScorer(model, tok, max_prompt_tokens=256))

@@ -14,14 +14,14 @@ import sys
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import pretrained
+from fedse.model import adapter as ad
+from fedse.model import pretrained
 from fedse.config import ConfigError, parse
 from apps.experiment import ExperimentConfig
 from apps.planning import RunConfig
 from services.aggregator.store import Store, config_with_base
-from services.client_agent.model import adapter_config_json, add_lora, get_adapter_state, load_base
-from services.client_agent.prompts import format_prompt
+from services.client_agent.model.loading import adapter_config_json, add_lora, get_adapter_state, load_base
+from services.client_agent.playing.prompts import format_prompt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOLLM2 = pretrained.BASES["smollm2"]
@@ -51,7 +51,7 @@ def test_the_pins_agree_and_stay_out_of_the_service_images():
     service_requirements = (ROOT / "requirements.txt").read_text()
     assert "gguf" not in service_requirements and SMOLLM2.wheel not in service_requirements
     assert "/models" in (ROOT / ".gitignore").read_text().splitlines()  # a folder, or a link to one
-    from fedse.tinymodel import TINY_MODEL_NAME
+    from fedse.model.tinymodel import TINY_MODEL_NAME
 
     assert pretrained.TINY_MODEL_NAME == TINY_MODEL_NAME
 
@@ -106,7 +106,7 @@ def test_the_conversion_is_a_checked_directory_that_loads_without_gguf_as_the_gg
             "import torch\n"
             "torch.set_num_threads(2)\n"
             "from fedse import pretrained\n"
-            "from services.client_agent.model import load_base\n"
+            "from services.client_agent.model.loading import load_base\n"
             f"model, tok = {load}\n"
             f"ids = tok({PROMPT!r}, return_tensors='pt')\n"
             "with torch.no_grad():\n"

@@ -8,7 +8,7 @@ import logging
 from apps.logs import progress_lines
 from apps.planning import Client
 from fedse.progress import PhaseProgress, describe, duration, last_progress
-from fedse.serving import JsonFormatter
+from fedse.transport.serving import JsonFormatter
 
 
 class Clock:

@@ -3,8 +3,8 @@ exactly the tokens the agent saw when it acted."""
 
 import pytest
 
-from fedse.tinymodel import build_tiny_model, build_tiny_tokenizer
-from services.client_agent.prompts import (
+from fedse.model.tinymodel import build_tiny_model, build_tiny_tokenizer
+from services.client_agent.playing.prompts import (
     REACT_FORMAT,
     REACT_HINT,
     REACT_SYSTEM_PROMPT,

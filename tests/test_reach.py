@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from fedse import reach
-from fedse.security import Security, channel
+from fedse.transport import reach
+from fedse.security.admission import Security, channel
 from support import Pki, aggregator_in_process, free_ports
 
 
@@ -170,8 +170,8 @@ def test_fedse_status_and_tasks_say_why(tmp_path, pki, capsys):
 def test_the_client_agent_s_join_ends_with_each_reason(tmp_path, pki, case, expect):
     """The client agent joins through FederationClient.join: each failure kind raises its reason at once
     (the agent's process prints it and exits 2, as test_the_client_agent_ends_with_the_reason shows)."""
-    from fedse import adapter as ad
-    from services.client_agent.federation import FederationClient
+    from fedse.model import adapter as ad
+    from services.client_agent.federation.link import FederationClient
 
     cert = {"name mismatch": pki.named_server, "expired server": pki.expired_server}.get(case)
     flags = {"another CA": client(pki, ca=pki.other_ca_pem), "plain against TLS": {},

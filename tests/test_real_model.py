@@ -11,12 +11,12 @@ import torch
 
 from fedse.machine import cpu_has_native_bf16
 from observe import PrefixReuse
-from services.client_agent.layouts import Reuse
-from services.client_agent.model import (add_lora, get_adapter_state, load_base, pick_precision,
+from services.client_agent.model.layouts import Reuse
+from services.client_agent.model.loading import (add_lora, get_adapter_state, load_base, pick_precision,
                                          store_frozen_linears_in_bf16)
-from services.client_agent.policy import ActionScorer
-from services.client_agent.prompts import ChatFormat, TokenCache, encode_trajectory, make_format
-from services.client_agent.trainer import train_lora
+from services.client_agent.playing.policy import ActionScorer
+from services.client_agent.playing.prompts import ChatFormat, TokenCache, encode_trajectory, make_format
+from services.client_agent.training.trainer import train_lora
 from services.env_server.envs.maze import MazeEnv
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def smollm2(smollm2_dir):
     torch.manual_seed(0)
     model, tok = load_base(str(smollm2_dir))
-    # Grouped-query attention (9 query heads on 3): generation steps laid out by fedse.attention.
+    # Grouped-query attention (9 query heads on 3): generation steps laid out by fedse.model.attention.
     assert model.config._attn_implementation == "fedse_sdpa"
     return add_lora(model), tok
 
@@ -133,9 +133,9 @@ def test_frozen_linears_stored_in_bf16_score_and_train_exactly_as_autocast_over_
 
 MEMORY_SCRIPT = """
 import json, resource, sys, torch
-from services.client_agent.model import add_lora, load_base, pick_precision
-from services.client_agent.prompts import Encoded
-from services.client_agent.trainer import train_lora
+from services.client_agent.model.loading import add_lora, load_base, pick_precision
+from services.client_agent.playing.prompts import Encoded
+from services.client_agent.training.trainer import train_lora
 model, tok = load_base(sys.argv[1])
 model = add_lora(model)
 n = int(sys.argv[2])
@@ -166,9 +166,9 @@ def test_a_long_prompt_trains_within_the_memory_bound(smollm2_dir):
 
 SCORING_MEMORY_SCRIPT = """
 import json, resource, sys, torch
-from services.client_agent import model as mdl
-from services.client_agent.policy import ActionScorer
-from services.client_agent.prompts import TokenCache, make_format
+from services.client_agent.model import loading as mdl
+from services.client_agent.playing.policy import ActionScorer
+from services.client_agent.playing.prompts import TokenCache, make_format
 from services.env_server.envs import make_environment
 torch.set_num_threads(2)
 model, tok = mdl.load_base(sys.argv[1])
@@ -218,7 +218,7 @@ def test_a_client_checkpoints_the_fewest_smollm2_layers_its_memory_limit_leaves_
     from fedse.machine import resident_bytes
     from services.client_agent.agent import ClientAgent
     from services.client_agent.config import ClientConfig
-    from services.client_agent.trainer import checkpointing_on, kept_by_decoder_pass
+    from services.client_agent.training.trainer import checkpointing_on, kept_by_decoder_pass
 
     cfg = ClientConfig(client_id="org-a", env="maze", env_server="127.0.0.1:1", aggregator="127.0.0.1:1",
                        base_model=str(smollm2_dir), state_dir=str(tmp_path), metrics_port=-1, torch_threads=2)

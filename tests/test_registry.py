@@ -8,7 +8,7 @@ import pytest
 
 from fedse.env import (Environment, EnvironmentFailed, EnvironmentUnavailable, Episode, EpisodeLost, NumberedTasks,
                        StepResult)
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
 from services.env_server import registry

@@ -14,10 +14,12 @@ import sys
 import pytest
 import torch
 
-from fedse import ranks, secagg
+from fedse.model import ranks
+
+from fedse.privacy import secagg
 from fedse.v1 import federation_pb2 as fpb
 from secure_party import SCHEMA, base_adapter, trained
-from services.client_agent.secure import AttemptOver, Contribution, Protection, ReleaseBook, SecureRound
+from services.client_agent.federation.secure import AttemptOver, Contribution, Protection, ReleaseBook, SecureRound
 
 NOISY = fpb.RunConfig(run_id="t", strategy="fedavg", clip_norm=1.0, noise_multiplier=0.5)
 
@@ -120,7 +122,7 @@ def test_a_rank_4_client_in_a_rank_8_run_clips_only_its_own_components():
 
 
 def secagg_schema(adapter):
-    from fedse.adapter import Schema
+    from fedse.model.adapter import Schema
 
     return Schema.of(adapter, json.dumps({"r": 8, "lora_alpha": 8, "peft_type": "LORA"}))
 

@@ -60,7 +60,7 @@ def test_a_client_that_requires_it_refuses_a_plain_run(tmp_path, env_server):
 def test_the_upload_path_never_sends_a_plain_upload(caplog):
     """Belt and braces: Agent.upload itself refuses, e.g. where a re-join found the run no longer secure."""
     from services.client_agent.agent import ClientAgent
-    from services.client_agent.federation import InsecureRun
+    from services.client_agent.federation.link import InsecureRun
     from services.client_agent.resume import Progress
 
     sent = []
@@ -86,7 +86,7 @@ def test_the_setting_parses_from_its_flag_and_its_variable():
 
 
 def test_a_client_with_mtls_files_refuses_a_secure_run_whose_keys_are_not_signed():
-    from services.client_agent.federation import InsecureRun, refuse_insecure
+    from services.client_agent.federation.link import InsecureRun, refuse_insecure
 
     unsigned = fpb.RunConfig(run_id="t", secure_aggregation=True, secure_signed=False)
     with pytest.raises(InsecureRun, match="unsigned keys, and this client, with its mTLS files"):

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from apps.processes import Proc
-from fedse.serving import insecure_channel
+from fedse.transport.serving import insecure_channel
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import wait_for

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from services.aggregator.errors import StaleRound
 from services.aggregator.rounds import RoundKeeper
 from services.aggregator.state import RunSettings, State

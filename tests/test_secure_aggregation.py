@@ -13,14 +13,14 @@ import grpc
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import secagg
+from fedse.model import adapter as ad
+from fedse.privacy import secagg
 from fedse.config import ConfigError
 from fedse.v1 import federation_pb2 as fpb
 from secure_party import Party, base_adapter, close_to, leaks
 from services.aggregator import metrics
 from services.aggregator.server import AggregatorConfig
-from services.client_agent.secure import Protection
+from services.client_agent.federation.secure import Protection
 from support import aggregator_in_process, free_ports
 
 
@@ -251,7 +251,7 @@ def test_an_adapter_out_of_the_fixed_point_range_sits_the_round_out(tmp_path):
 
 
 def test_with_a_selector_only_the_chosen_clients_take_part_and_their_mean_is_published(tmp_path):
-    from services.client_agent.federation import NotSelected
+    from services.client_agent.federation.link import NotSelected
 
     with federation(tmp_path, 4, selector="sample", clients_per_round=2) as (agg, _, run_dir, parties):
         chosen = set(parties[0].fed.status().selected)

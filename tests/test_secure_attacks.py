@@ -23,13 +23,21 @@ import types
 
 import pytest
 
-from fedse import certs, masking, reach, secagg, signatures
-from fedse.security import Security
+from fedse.security import certs
+
+from fedse.privacy import masking
+
+from fedse.transport import reach
+
+from fedse.privacy import secagg
+
+from fedse.security import signatures
+from fedse.security.admission import Security
 from fedse.v1 import federation_pb2 as fpb
 from lying_aggregator import at_least, lying_aggregator
 from secure_party import Party
-from services.client_agent import secure_checks
-from services.client_agent.secure import Protection
+from services.client_agent.federation import secure_checks
+from services.client_agent.federation.secure import Protection
 from support import Pki
 from test_secure_lying import finish, refused
 
@@ -37,7 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class FederationPki:
-    """The files a federation hands out, made with fedse.certs as `fedse certs` makes them: the CA (kept
+    """The files a federation hands out, made with fedse.security.certs as `fedse certs` makes them: the CA (kept
     here, as on the operator's offline machine), the aggregator's server certificate for 127.0.0.1 and
     localhost, and a member certificate per organisation, signed from the organisation's own request."""
 
@@ -241,10 +249,10 @@ def test_a_client_agent_reads_its_protection_from_its_settings(tmp_path, fpki):
     """`fedse client`'s settings give the protection above: the CA-signed member list checked against
     --tls-ca (a list the aggregator edited is refused at once), the aggregator's names from its TLS
     certificate, and the organisation's own bounds."""
-    from fedse import members
+    from fedse.security import members
     from fedse.config import ConfigError
     from services.client_agent.config import ClientConfig
-    from services.client_agent.secure import client_protection
+    from services.client_agent.federation.secure import client_protection
 
     listed = tmp_path / "members.json"
     members.sign_member_list(fpki.root / "ca", ["org-0", "org-1", "org-2"], listed)
@@ -332,8 +340,8 @@ def test_a_client_moved_between_run_ids_reveals_in_a_round_once(tmp_path):
     """The attacker runs round 0 as run A, then as run B, then as run A again, the victim's state
     directory kept throughout: it takes part in A and in B, and refuses A's round 0 the second time
     before anything of it leaves (another sum with the same release would give the difference)."""
-    from services.client_agent.secure import ReleaseBook
-    from services.client_agent.secure_checks import SeenAttempts
+    from services.client_agent.federation.secure import ReleaseBook
+    from services.client_agent.federation.secure_checks import SeenAttempts
 
     state = tmp_path / "victim"
     state.mkdir()
@@ -396,7 +404,7 @@ def test_a_restarted_client_shown_its_attempt_again_refuses(tmp_path, monkeypatc
 
 
 def test_a_member_list_that_does_not_verify_stops_the_client_at_start(tmp_path, fpki):
-    from fedse import members
+    from fedse.security import members
     from fedse.config import ConfigError
     from services.client_agent.config import ClientConfig
 

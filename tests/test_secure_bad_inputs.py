@@ -1,5 +1,5 @@
 """Secure aggregation against bad input, stage by stage, spoken with nothing but the generated stubs
-and fedse.secagg's primitives (as a client written elsewhere would): each bad message is refused with
+and fedse.privacy.secagg's primitives (as a client written elsewhere would): each bad message is refused with
 the status and a message saying what to fix, and the round goes on to the right mean."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import grpc
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import secagg
-from fedse.secagg import Member, Participant, SecureError
+from fedse.model import adapter as ad
+from fedse.privacy import secagg
+from fedse.privacy.secagg import Member, Participant, SecureError
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from secure_party import SCHEMA, base_adapter, close_to, trained
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 from support import aggregator_in_process
 
 IDS = ("org-a", "org-b", "org-c")

@@ -23,9 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import fixedpoint as fx
-from fedse import masking, ranks, secagg, signatures
+from fedse.model import adapter as ad
+from fedse.privacy import fixedpoint as fx
+from fedse.privacy import masking
+from fedse.model import ranks
+from fedse.privacy import secagg
+from fedse.security import signatures
 from secure_party import Party, base_adapter
 from services.aggregator import metrics
 from services.aggregator.secure import SecureDesk

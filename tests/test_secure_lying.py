@@ -26,15 +26,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import masking, secagg, signatures
+from fedse.model import adapter as ad
+from fedse.privacy import masking
+from fedse.privacy import secagg
+from fedse.security import signatures
 from fedse.config import ConfigError
 from fedse.v1 import federation_pb2 as fpb
 from lying_aggregator import at_least, lying_aggregator
 from secure_party import Party, close_to
 from services.aggregator import metrics
 from services.aggregator.server import AggregatorConfig
-from services.client_agent.secure import Protection, ReleaseBook
+from services.client_agent.federation.secure import Protection, ReleaseBook
 from support import Pki, env_server_in_process
 
 
@@ -511,8 +513,8 @@ def test_a_client_agent_process_told_it_is_alone_masks_nothing(tmp_path):
     import subprocess
     import sys
 
-    from services.client_agent import model as mdl
-    from fedse.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.model import loading as mdl
+    from fedse.model.tinymodel import TINY_MODEL_NAME
 
     peft = mdl.add_lora(mdl.load_base(TINY_MODEL_NAME, "cpu", seed=0)[0])
     base = {k: v.detach().clone() for k, v in mdl.get_adapter_state(peft).items()}

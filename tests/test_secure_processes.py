@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from fedse.v1 import federation_pb2 as fpb
 from secure_party import base_adapter, close_to, leaks, trained
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 from support import REPO, free_ports
 
 ENVS = "maze,wordle?vocab_size=30,babyai,textcraft,webshop"

@@ -8,10 +8,10 @@ import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fedse import security
+from fedse.security import admission as security
 from fedse.config import ConfigError
-from fedse.security import Security
-from fedse.serving import Service, insecure_channel
+from fedse.security.admission import Security
+from fedse.transport.serving import Service, insecure_channel
 from support import Pki
 
 SERVICE = "fedse.test.Echo"
@@ -211,7 +211,7 @@ def test_token_mode_health_needs_no_token_and_refusals_are_counted(token_file):
 
 
 def test_token_without_tls_is_logged_as_a_warning(token_file, caplog):
-    with caplog.at_level(logging.WARNING, logger="fedse.security"):
+    with caplog.at_level(logging.WARNING, logger="fedse.security.admission"):
         security.channel("127.0.0.1:1", Security(token_file=token_file)).close()
     assert any("clear text" in r.getMessage() for r in caplog.records)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from services.aggregator.errors import NotSelected
 from services.aggregator.rounds import RoundKeeper
 from services.aggregator.selection import SelectionSettings
@@ -132,9 +132,9 @@ def test_over_grpc_the_status_names_the_chosen_and_a_left_out_upload_is_refused(
     import grpc
     import torch
 
-    from fedse.tinymodel import TINY_MODEL_NAME
+    from fedse.model.tinymodel import TINY_MODEL_NAME
     from fedse.v1 import federation_pb2 as fpb
-    from services.client_agent.federation import FederationClient, NotSelected as ClientNotSelected
+    from services.client_agent.federation.link import FederationClient, NotSelected as ClientNotSelected
     from support import aggregator_in_process
 
     state = {"m.lora_A.weight": torch.zeros(2, 3), "m.lora_B.weight": torch.zeros(3, 2)}
@@ -193,8 +193,8 @@ def test_a_client_agent_sits_out_a_round_it_was_not_chosen_for_even_across_a_res
     import threading
 
     from services.client_agent.agent import ClientAgent
-    from services.client_agent.federation import FederationClient
-    from services.client_agent.heartbeat import RoundPhase
+    from services.client_agent.federation.link import FederationClient
+    from services.client_agent.federation.heartbeat import RoundPhase
     from support import aggregator_in_process, env_server_in_process, join_with_phi0
     from test_client_progress import Crash, agent_config
 
@@ -256,8 +256,8 @@ def test_over_grpc_a_chosen_client_that_dies_is_replaced_and_the_accepted_upload
 
     import torch
 
-    from fedse.tinymodel import TINY_MODEL_NAME
-    from services.client_agent.federation import FederationClient
+    from fedse.model.tinymodel import TINY_MODEL_NAME
+    from services.client_agent.federation.link import FederationClient
     from support import aggregator_in_process
 
     state = {"m.lora_A.weight": torch.zeros(2, 3), "m.lora_B.weight": torch.zeros(3, 2)}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedse.adapter import encode
+from fedse.model.adapter import encode
 from services.aggregator.adapter_files import AdapterFile
 from services.aggregator.strategies import (
     BY_NAME,

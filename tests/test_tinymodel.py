@@ -8,8 +8,8 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
-from fedse.tinymodel import TINY_MODEL_NAME, build_tiny_model, export_tiny_model, weights_digest
-from services.client_agent.model import (
+from fedse.model.tinymodel import TINY_MODEL_NAME, build_tiny_model, export_tiny_model, weights_digest
+from services.client_agent.model.loading import (
     AdapterMismatch,
     adapter_config_json,
     add_lora,

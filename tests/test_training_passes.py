@@ -5,9 +5,9 @@ recomputes exactly those layers and learns what it learns without them."""
 import pytest
 import torch
 
-from fedse.tinymodel import build_tiny_model
-from services.client_agent.model import add_lora, get_adapter_state
-from services.client_agent.trainer import (ActivationCost, Checkpointing, HeapRelease, _checkpointing_layers,
+from fedse.model.tinymodel import build_tiny_model
+from services.client_agent.model.loading import add_lora, get_adapter_state
+from services.client_agent.training.trainer import (ActivationCost, Checkpointing, HeapRelease, _checkpointing_layers,
                                            checkpointing_on, encode_pairs, kept_by_decoder_pass, train_lora)
 from services.env_server.envs.maze import MazeEnv
 
@@ -156,7 +156,7 @@ def test_under_bf16_autocast_lora_layers_skip_the_input_casts_and_learn_exactly_
 
     from torch.profiler import ProfilerActivity, profile
 
-    from services.client_agent import trainer
+    from services.client_agent.training import trainer
 
     def trained(as_is: bool):
         if not as_is:

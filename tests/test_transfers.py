@@ -14,12 +14,12 @@ import grpc
 import pytest
 import torch
 
-from fedse import adapter as ad
-from fedse import serde
+from fedse.model import adapter as ad
+from fedse.transport import serde
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 from support import aggregator_in_process
-from services.client_agent.federation import FederationClient
+from services.client_agent.federation.link import FederationClient
 
 MB = 1024 * 1024
 A, B = "x.lora_A.weight", "x.lora_B.weight"
@@ -131,7 +131,7 @@ def test_an_upload_cut_halfway_resumes_and_is_stored_once(aggregator):
 
 
 def test_a_download_cut_halfway_resumes_from_the_bytes_held(aggregator, monkeypatch):
-    from services.client_agent import federation
+    from services.client_agent.federation import link as federation
 
     agg, port, run_dir = aggregator
     # Cut once the client holds at least one whole chunk (a cut that lands while the chunk is still

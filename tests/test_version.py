@@ -13,7 +13,7 @@ import pytest
 
 from apps.cli import main
 from fedse import __version__
-from fedse.serving import setup_logging
+from fedse.transport.serving import setup_logging
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -100,7 +100,7 @@ def test_a_second_grpc_server_never_shares_a_port_with_the_first():
     """gRPC sets SO_REUSEPORT by default on Linux, with which a second server binds a taken port and
     the kernel splits the connections between the two; fedse's services refuse to start instead."""
     from fedse.config import ConfigError
-    from fedse.serving import Service
+    from fedse.transport.serving import Service
 
     first = Service("first", "127.0.0.1:0", max_workers=1)
     first.start()
@@ -109,7 +109,7 @@ def test_a_second_grpc_server_never_shares_a_port_with_the_first():
             Service("second", f"127.0.0.1:{first.port}", max_workers=1)
         import grpc
 
-        from fedse.serving import GRPC_OPTIONS
+        from fedse.transport.serving import GRPC_OPTIONS
         bare = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=GRPC_OPTIONS)
         with pytest.raises(RuntimeError):  # and gRPC itself, without fedse's check first, refuses it
             bare.add_insecure_port(f"127.0.0.1:{first.port}")
@@ -124,7 +124,7 @@ def test_health_watch_streams_hold_no_server_thread(separate_port):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from fedse.serving import Service
+    from fedse.transport.serving import Service
 
     svc = Service("probe", "127.0.0.1:0", max_workers=2, health_address="127.0.0.1:0" if separate_port else "")
     svc.start()
@@ -158,7 +158,7 @@ def test_a_server_stops_while_its_health_watches_end():
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from fedse.serving import Service
+    from fedse.transport.serving import Service
 
     for attempt in range(20):
         svc = Service("probe", "127.0.0.1:0", max_workers=2, health_address="127.0.0.1:0")
@@ -188,7 +188,7 @@ def test_a_service_stops_on_a_sigterm_that_another_thread_took(tmp_path):
     script = tmp_path / "serve.py"
     script.write_text(
         "import signal, threading, time\n"
-        "from fedse.serving import Service\n"
+        "from fedse.transport.serving import Service\n"
         "svc = Service('probe', '127.0.0.1:0', max_workers=2)\n"
         "svc.start(); svc.ready([]); svc.stop_on_signals(grace=0)\n"
         "worker = threading.Thread(target=time.sleep, args=(3,), daemon=True); worker.start()\n"

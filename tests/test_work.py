@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from fedse.machine import matmul_peak
-from fedse.tinymodel import build_tiny_model
-from services.client_agent.generation import ActionWriter
-from services.client_agent.model import add_lora
-from services.client_agent.policy import ActionScorer
-from services.client_agent.prompts import Encoded, PlainFormat
-from services.client_agent.trainer import train_lora
-from services.client_agent.work import ModelShape, Work
+from fedse.model.tinymodel import build_tiny_model
+from services.client_agent.playing.generation import ActionWriter
+from services.client_agent.model.loading import add_lora
+from services.client_agent.playing.policy import ActionScorer
+from services.client_agent.playing.prompts import Encoded, PlainFormat
+from services.client_agent.training.trainer import train_lora
+from services.client_agent.model.work import ModelShape, Work
 
 torch.set_num_threads(1)
 

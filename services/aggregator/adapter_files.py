@@ -12,7 +12,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from fedse.adapter import SAFETENSORS_DTYPES, Adapter, AdapterError, Schema, parse_header, safetensors_header
+from fedse.model.adapter import SAFETENSORS_DTYPES, Adapter, AdapterError, Schema, parse_header, safetensors_header
 
 
 class AdapterFile(Mapping[str, torch.Tensor]):

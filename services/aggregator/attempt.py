@@ -8,8 +8,10 @@ import dataclasses
 import enum
 from typing import Mapping, Sequence
 
-from fedse import masking, secagg
-from fedse.secagg import Member, SecureError
+from fedse.privacy import masking
+
+from fedse.privacy import secagg
+from fedse.privacy.secagg import Member, SecureError
 
 
 class Stage(enum.Enum):

@@ -12,8 +12,8 @@ import logging
 import threading
 from typing import Callable, Protocol
 
-from fedse import adapter as ad
-from fedse.serving import log_fields
+from fedse.model import adapter as ad
+from fedse.transport.serving import log_fields
 
 from .errors import DuplicateUpload, ResumeMismatch, RunFinished, StaleRound, Superseded
 from .state import Member, RunSettings, RunState, State

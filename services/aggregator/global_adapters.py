@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 
 from .store import Store
 

@@ -1,4 +1,4 @@
-"""The aggregator's Prometheus metrics (RPC latency and counts come from fedse.serving's interceptor)."""
+"""The aggregator's Prometheus metrics (RPC latency and counts come from fedse.transport.serving's interceptor)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ for _stage in ("advertising", "sharing", "uploading", "consistency", "unmasking"
     SECURE_STAGE_SECONDS.labels(_stage)
     SECURE_ATTEMPTS_ABORTED.labels(_stage)
 
-# Differential privacy (fedse.accounting): two names, not a label, since a round's epsilon and the
+# Differential privacy (fedse.privacy.accounting): two names, not a label, since a round's epsilon and the
 # total are not parts of one sum.
 DP_EPSILON = prometheus_client.Gauge(
     "fedse_aggregator_dp_epsilon",

@@ -19,9 +19,10 @@ import logging
 import threading
 from typing import Callable
 
-from fedse import adapter as ad
-from fedse import ranks, secagg
-from fedse.serving import log_fields
+from fedse.model import adapter as ad
+from fedse.model import ranks
+from fedse.privacy import secagg
+from fedse.transport.serving import log_fields
 
 from . import metrics
 from .adapter_files import AdapterFile, allocate

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import math
 
-from fedse.inputs import bounded, shown
-from fedse.serving import log_fields
+from fedse.transport.inputs import bounded, shown
+from fedse.transport.serving import log_fields
 
 from .state import RunState
 from .store import Store

@@ -12,7 +12,7 @@ import math
 import threading
 from typing import Callable
 
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 from . import metrics
 from .closing import Rule

@@ -23,10 +23,10 @@ import threading
 import time
 from typing import Callable, Iterable, TypeVar
 
-from fedse import adapter as ad
-from fedse import ranks
-from fedse.inputs import CLIENT_ID, CLIENT_ID_RULE, shown
-from fedse.serving import log_fields
+from fedse.model import adapter as ad
+from fedse.model import ranks
+from fedse.transport.inputs import CLIENT_ID, CLIENT_ID_RULE, shown
+from fedse.transport.serving import log_fields
 
 from . import metrics
 from .adapter_files import fresh

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Callable, ClassVar
 
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 from . import metrics
 from .buffer_rules import OpenBuffer, buffer_size, check_upload, fold_reason, slot_expired

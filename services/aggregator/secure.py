@@ -18,14 +18,16 @@ import dataclasses
 import logging
 from typing import Callable, Mapping, Sequence
 
-from fedse import masking, ranks
-from fedse import secagg
-from fedse.certificates import read_pem
-from fedse import signatures
-from fedse.inputs import shown
-from fedse.secagg import Member
-from fedse.serving import log_fields
-from fedse.signatures import SignatureError, Verifier
+from fedse.privacy import masking
+
+from fedse.model import ranks
+from fedse.privacy import secagg
+from fedse.security.tls_files import read_pem
+from fedse.security import signatures
+from fedse.transport.inputs import shown
+from fedse.privacy.secagg import Member
+from fedse.transport.serving import log_fields
+from fedse.security.signatures import SignatureError, Verifier
 
 from . import metrics
 from .attempt import Attempt, Dealt, Kind, Stage, View
@@ -321,7 +323,7 @@ class SecureDesk:
     # ---- internals -----------------------------------------------------------------------
     def _thinly_held(self, a: Attempt) -> int:
         """In a mixed-rank run, the highest LoRA component that some but fewer than the threshold of the
-        uploads hold (each sent min(its rank, r*), r* from the members that shared: fedse.ranks); 0 if none."""
+        uploads hold (each sent min(its rank, r*), r* from the members that shared: fedse.model.ranks); 0 if none."""
         if self.joined_rank is None:
             return 0
         r_star = ranks.held_rank([a.roster[c].lora_rank for c in a.shared], a.threshold)

@@ -20,7 +20,7 @@ import logging
 import threading
 from typing import Callable
 
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 from .selection import FairnessFloor, Policy, Selection, SelectionInput, _dead
 from .selector_agents import LLMAgent

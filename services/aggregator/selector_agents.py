@@ -34,9 +34,9 @@ import math
 import statistics
 from typing import Any, Mapping
 
-from fedse.asking import AnswerError, json_object
-from fedse.constrained import BoundedAsker
-from fedse.serving import log_fields
+from fedse.agents.asking import AnswerError, json_object
+from fedse.agents.constrained import BoundedAsker
+from fedse.transport.serving import log_fields
 
 from .selection_base import ClientHistory, Choice, Policy, SelectionInput, _Count, _draw, _number
 from .selection_utility import Utility
@@ -275,7 +275,7 @@ class LLMAgent(Policy):
                     r=inp.round, h=json.dumps(history, separators=(",", ":")), f=json.dumps(list(plan.reasoning)))
 
     def generate(self, name: str, prompt: str, schema: dict[str, Any] | None = None) -> str:
-        """The model's greedy answer to `prompt`, held to `schema` (fedse.constrained.BoundedAsker: loaded
+        """The model's greedy answer to `prompt`, held to `schema` (fedse.agents.constrained.BoundedAsker: loaded
         once, on the CPU; AnswerError past max_seconds)."""
         ids = schema["properties"]["clients"] if schema else {}
         longest = sorted((len(i) for i in ids.get("enum", [])), reverse=True)[:ids.get("maxItems", 0)]

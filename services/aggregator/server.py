@@ -10,11 +10,11 @@ import sys
 import threading
 
 from fedse.config import ConfigError, field, parse_or_exit
-from fedse.fixedpoint import MAX_CLIENTS
-from fedse import secagg
-from fedse.secagg import STRATEGIES as SECURE_STRATEGIES
-from fedse.security import Security, peer_identity, server_credentials, server_interceptors, shown_for
-from fedse.serving import Service, log_fields, setup_logging, start_metrics
+from fedse.privacy.fixedpoint import MAX_CLIENTS
+from fedse.privacy import secagg
+from fedse.privacy.secagg import STRATEGIES as SECURE_STRATEGIES
+from fedse.security.admission import Security, peer_identity, server_credentials, server_interceptors, shown_for
+from fedse.transport.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import RoundKeeper

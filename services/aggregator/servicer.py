@@ -10,11 +10,12 @@ from typing import Callable, Iterator
 
 import grpc
 
-from fedse import adapter as ad
-from fedse import secagg, serde
-from fedse.fixedpoint import MAX_CLIENTS
-from fedse.inputs import MAX_NAME_CHARS, bounded, shown
-from fedse.serving import StatusMap
+from fedse.model import adapter as ad
+from fedse.privacy import secagg
+from fedse.transport import serde
+from fedse.privacy.fixedpoint import MAX_CLIENTS
+from fedse.transport.inputs import MAX_NAME_CHARS, bounded, shown
+from fedse.transport.serving import StatusMap
 from fedse.v1 import federation_pb2 as fpb
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 

@@ -14,11 +14,11 @@ import enum
 import logging
 from typing import Any, Callable
 
-from fedse import accounting
-from fedse import adapter as ad
-from fedse import ranks
-from fedse.inputs import shown
-from fedse.serving import log_fields
+from fedse.privacy import accounting
+from fedse.model import adapter as ad
+from fedse.model import ranks
+from fedse.transport.inputs import shown
+from fedse.transport.serving import log_fields
 
 from .errors import NotJoined, NotSelected
 from .selection import Selection, SelectionSettings
@@ -101,7 +101,7 @@ class RunSettings:
         return out
 
     def dp_epsilons(self, releases: int) -> tuple[float, float] | None:
-        """(epsilon of one round, epsilon of `releases` rounds) at dp_delta (fedse.accounting), or None
+        """(epsilon of one round, epsilon of `releases` rounds) at dp_delta (fedse.privacy.accounting), or None
         when the run is not differentially private: without clipping and noise nothing bounds a client's
         influence on what is published, and the noise is calibrated for fedavg's mean alone."""
         if self.params.clip_norm <= 0 or self.params.noise_multiplier <= 0 or not BY_NAME[self.strategy].noise_calibrated:

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from fedse.adapter import CONFIG_NAME, WEIGHTS_NAME
+from fedse.model.adapter import CONFIG_NAME, WEIGHTS_NAME
 from fedse.files import atomic_write, fsync_dir
 
 STATE_NAME = "run.json"

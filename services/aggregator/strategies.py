@@ -14,7 +14,7 @@ and descriptions, what `--strategy` accepts, in `STRATEGIES`):
   matrix is never formed).
 - hlora: for clients of mixed LoRA ranks, the exact weighted sum dW = sum_k p_k s_k B_k A_k (p_k = 1/K,
   s_k = alpha_k / r_k each client's scaling), factored to the run's maximum rank R as exact does (QR
-  and a small SVD); each client then takes its best rank-r_k approximation (fedse.ranks.refactored).
+  and a small SVD); each client then takes its best rank-r_k approximation (fedse.model.ranks.refactored).
 - flexlora: FlexLoRA's redistribution (Bai et al. 2024): the same sum weighted by the clients'
   examples (p_k ~ n_k), cut to rank R. FlexLoRA forms the dense out x in matrix and runs a full SVD;
   the same truncation comes from the stacked factors as hlora's does (QR and a small SVD), which for
@@ -54,8 +54,8 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from fedse import ranks
-from fedse.adapter import Adapter, clip_factor
+from fedse.model import ranks
+from fedse.model.adapter import Adapter, clip_factor
 
 _F64 = torch.float64
 _SORT_ELEMENTS = 1 << 20  # median / trimmed mean sort at most this many values at once
@@ -87,7 +87,7 @@ class Strategy:
     description = ""  # one line, for --help and the docs
     paired = False
     mixed = False  # takes clients of different LoRA ranks (the run's adapter is at the maximum rank)
-    pads = False   # sees each client's adapter zero-padded to the run's rank (fedse.ranks.Padded)
+    pads = False   # sees each client's adapter zero-padded to the run's rank (fedse.model.ranks.Padded)
     linear = True  # the result is a (weighted) mean of the uploads: clipping, noise and secure sums apply
     noise_calibrated = False  # the Gaussian noise's std is calibrated for its result (the unweighted mean)
 
@@ -452,7 +452,7 @@ def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[
     """A', B' of rank r with B'A' the best rank-r approximation of (1/K) sum_k B_k A_k.
 
     B_cat = [B_1/K ... B_K/K] (out x Kr) and A_cat = [A_1; ...; A_K] (Kr x in) give
-    B_cat A_cat = (1/K) sum_k B_k A_k, which fedse.ranks.best_rank factors through a QR of each and an
+    B_cat A_cat = (1/K) sum_k B_k A_k, which fedse.model.ranks.best_rank factors through a QR of each and an
     SVD of the (Kr x Kr) core. A component with a (numerically) zero singular value would leave both
     its A' row and its B' column zero, which no gradient can revive; it gets B' column 0 and the mean
     of the clients' A rows instead (the product is unchanged), so e.g. all-zero B gives fedavg's result.
@@ -473,7 +473,7 @@ def _mixed_pair(clients: _Clients, a_name: str, b_name: str, weights: list[float
     for hlora (p_k = 1/K) and flexlora (p_k ~ n_k) alike.
 
     The stacked factors (_stacked, B_k scaled by p_k s_k) give B_cat A_cat = dW, factored by
-    fedse.ranks.best_rank: a QR of each and an SVD of the (sum r_k x sum r_k) core, which has dW's
+    fedse.model.ranks.best_rank: a QR of each and an SVD of the (sum r_k x sum r_k) core, which has dW's
     nonzero singular values, so the result is dW's truncated SVD without the out x in matrix ever being
     formed. A component with no singular value left keeps B' column 0 and phi_t's A row."""
     total = float(sum(weights))

@@ -47,7 +47,7 @@ from typing import Any, Iterator, Protocol
 import prometheus_client
 
 from fedse.files import atomic_write
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 from .tracked_settings import Value, path_name, public_settings, read_run_settings, recorded_settings
 

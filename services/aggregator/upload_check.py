@@ -10,7 +10,7 @@ import struct
 
 import numpy
 
-from fedse.adapter import (
+from fedse.model.adapter import (
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
     SAFETENSORS_NAMES,
@@ -21,7 +21,7 @@ from fedse.adapter import (
     parse_header,
     transport_dtype,
 )
-from fedse.inputs import shown
+from fedse.transport.inputs import shown
 
 
 class UploadCheck:

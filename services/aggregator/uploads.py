@@ -12,9 +12,9 @@ import re
 import threading
 from typing import Any
 
-from fedse import adapter as ad
-from fedse.inputs import shown
-from fedse.secagg import MASKED_DTYPE
+from fedse.model import adapter as ad
+from fedse.transport.inputs import shown
+from fedse.privacy.secagg import MASKED_DTYPE
 
 from .upload_check import MaskedCheck, UploadCheck
 

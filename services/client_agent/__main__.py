@@ -2,6 +2,6 @@
 
 import sys
 
-from .server import main
+from services.client_agent.server import main
 
 sys.exit(main())

@@ -45,34 +45,35 @@ from typing import Any
 import grpc
 import torch
 
-from fedse import adapter as ad
-from fedse import ranks, secagg
-from fedse.asking import Asker
-from fedse.secagg import SecureError
+from fedse.model import adapter as ad
+from fedse.model import ranks
+from fedse.privacy import secagg
+from fedse.agents.asking import Asker
+from fedse.privacy.secagg import SecureError
 from fedse.machine import available_cores, available_memory_bytes, matmul_peak, release_free_memory, resident_bytes
 from fedse.progress import PhaseProgress
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 from fedse.v1 import federation_pb2 as fpb
 
-from . import demos as demo_files
-from . import guardian
-from . import model as mdl
-from .buffer import Buffer, Trajectory, to_keep, training_set
-from .config import ClientConfig
-from .envclient import EnvClient, EnvInfo
-from .federation import FederationClient, InsecureRun, StaleRound, refuse_insecure, selected
-from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
-from .metrics import (BUFFER, FLOPS, KEPT, LORA_RANK, LOSS, MFU, PEAK_FLOPS, PHASE_SECONDS, PRIVACY_EPSILON, ROUND,
+from services.client_agent.training import demos as demo_files
+from services.client_agent.training import guardian
+from services.client_agent.model import loading as mdl
+from services.client_agent.training.buffer import Buffer, Trajectory, to_keep, training_set
+from services.client_agent.config import ClientConfig
+from services.client_agent.playing.envclient import EnvClient, EnvInfo
+from services.client_agent.federation.link import FederationClient, InsecureRun, StaleRound, refuse_insecure, selected
+from services.client_agent.federation.heartbeat import DEFAULT_HEARTBEAT_INTERVAL_S, Heartbeat, RoundPhase
+from services.client_agent.metrics import (BUFFER, FLOPS, KEPT, LORA_RANK, LOSS, MFU, PEAK_FLOPS, PHASE_SECONDS, PRIVACY_EPSILON, ROUND,
                       ROUNDS_DECLINED, TOKENS, TRAIN_BATCH_TOKENS, TRAIN_SECONDS, init_client)
-from .playing import Player
-from .prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
-from .resume import Phase, Progress, Resume, decide_resume
-from .rollout import expert_policy
-from .secure import Contribution, SecureRound, client_protection
-from .seeding import count_demos, seed_buffer
-from .state import StateDir
-from .tasks import EnvTasks, capabilities, env_tasks, writing
-from .trainer import ActivationCost, Checkpointing, train_lora, training_examples
+from services.client_agent.playing.episodes import Player
+from services.client_agent.playing.prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
+from services.client_agent.resume import Phase, Progress, Resume, decide_resume
+from services.client_agent.playing.rollout import expert_policy
+from services.client_agent.federation.secure import Contribution, SecureRound, client_protection
+from services.client_agent.training.seeding import count_demos, seed_buffer
+from services.client_agent.state import StateDir
+from services.client_agent.playing.tasks import EnvTasks, capabilities, env_tasks, writing
+from services.client_agent.training.trainer import ActivationCost, Checkpointing, train_lora, training_examples
 
 log = logging.getLogger("client_agent")
 
@@ -260,7 +261,7 @@ class ClientAgent:
         return ranks.to_own_rank(adapter, self.run_config.strategy, self.cfg.lora_r, own)
 
     def run_rank_adapter(self, adapter: ad.Adapter) -> ad.Adapter:
-        """This client's adapter as the run's rank-R adapter (zero-padded, B scaled; fedse.ranks.padded): what
+        """This client's adapter as the run's rank-R adapter (zero-padded, B scaled; fedse.model.ranks.padded): what
         it masks under secure aggregation in a mixed-rank run. As it is in a run of one rank."""
         top = self.run_config.max_lora_rank
         if not top:

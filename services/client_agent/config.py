@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from fedse.config import ALL, SCORINGS, ConfigError, Count, field, refuse_zero
-from fedse.security import Security
-from fedse.pretrained import TINY_MODEL_NAME
+from fedse.security.admission import Security
+from fedse.model.pretrained import TINY_MODEL_NAME
 
 # What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
 KEEP_MODES = ("successes", "all")
@@ -186,7 +186,7 @@ class ClientConfig(Security):
         if not 0 < self.secure_dropout_rate < 1:
             raise ConfigError(f"--secure-dropout-rate must lie strictly between 0 and 1, got {self.secure_dropout_rate}")
         if self.secure_members:  # read and checked now, as the TLS files are: a bad list stops the start
-            from .secure_checks import load_members
+            from services.client_agent.federation.secure_checks import load_members
             load_members(self.secure_members, self.tls_ca)
         envs = self.env_list()
         if not envs:

@@ -9,12 +9,12 @@ import sys
 import threading
 
 from fedse.config import ConfigError, parse_or_exit
-from fedse.reach import Unreachable
-from fedse.security import shown_for
-from fedse.serving import Service, log_fields, setup_logging, start_metrics
+from fedse.transport.reach import Unreachable
+from fedse.security.admission import shown_for
+from fedse.transport.serving import Service, log_fields, setup_logging, start_metrics
 
-from .config import ClientConfig
-from .federation import InsecureRun
+from services.client_agent.config import ClientConfig
+from services.client_agent.federation.link import InsecureRun
 
 
 def serve(config: ClientConfig) -> int:
@@ -32,14 +32,14 @@ def serve(config: ClientConfig) -> int:
     except ConfigError as exc:  # --address in use
         return _config_error(exc)
     health.start()
-    from .demos import load_demos  # every demonstration file is read and checked before the model loads
+    from services.client_agent.training.demos import load_demos  # every demonstration file is read and checked before the model loads
 
     try:
         demos = load_demos(config.demos, config.env_list())
     except ConfigError as exc:
         health.stop(0)
         return _config_error(exc)
-    from .agent import ClientAgent  # heavy imports (torch, transformers) after the port is bound
+    from services.client_agent.agent import ClientAgent  # heavy imports (torch, transformers) after the port is bound
 
     stop = threading.Event()
 
@@ -82,7 +82,7 @@ def reset_privacy_ledger(config: ClientConfig) -> int:
     """--reset-privacy-ledger: the organisation's reset of its privacy budget (privacy.py). Moves the
     client's ledger aside and exits without joining (exit status 0), so that the flag, left set, never
     resets a running client's ledger; one line says where the old ledger is kept."""
-    from .privacy import LEDGER_NAME, reset_ledger
+    from services.client_agent.training.privacy import LEDGER_NAME, reset_ledger
 
     path = pathlib.Path(config.state_dir) / config.client_id / LEDGER_NAME
     kept = reset_ledger(path)

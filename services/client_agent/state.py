@@ -12,11 +12,11 @@ import pathlib
 import re
 import time
 
-from fedse import adapter as ad
+from fedse.model import adapter as ad
 from fedse.files import atomic_write, fsync_dir
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
-from .resume import PROGRESS_NAME, Progress, ProgressError, read_progress, write_progress
+from services.client_agent.resume import PROGRESS_NAME, Progress, ProgressError, read_progress, write_progress
 
 log = logging.getLogger("client_agent")
 

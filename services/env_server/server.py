@@ -9,8 +9,8 @@ import threading
 from typing import Sequence
 
 from fedse.config import ConfigError, field, parse_or_exit
-from fedse.security import Security, server_credentials, server_interceptors, shown_for
-from fedse.serving import Service, log_fields, setup_logging, start_metrics
+from fedse.security.admission import Security, server_credentials, server_interceptors, shown_for
+from fedse.transport.serving import Service, log_fields, setup_logging, start_metrics
 from fedse.v1 import env_pb2_grpc
 
 from . import registry

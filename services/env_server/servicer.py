@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 
 from fedse.env import EnvironmentFailed, EnvironmentUnavailable, EpisodeLost
-from fedse.inputs import InputError, bounded
-from fedse.serving import StatusMap
+from fedse.transport.inputs import InputError, bounded
+from fedse.transport.serving import StatusMap
 from fedse.v1 import env_pb2, env_pb2_grpc
 
 from .sessions import (

@@ -16,8 +16,8 @@ import time
 import uuid
 from typing import Callable, Mapping
 
-from fedse.inputs import shown
-from fedse.serving import log_fields
+from fedse.transport.inputs import shown
+from fedse.transport.serving import log_fields
 
 from . import metrics
 from fedse.env import Environment, Episode, EpisodeLost, NoExpert, UnknownTask, check_split

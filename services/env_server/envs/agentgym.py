@@ -64,7 +64,7 @@ from fedse.env import (
     UnknownTask,
     check_split,
 )
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 from .agentgym_http import IdUnknown, NoRoute, Remote, TimedOut
 from .agentgym_profiles import ALFWORLD_WORLD_TYPES, DEFAULT_MAX_ACTIONS, PROFILES, ALFWorld, Profile

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from fedse.env import EnvironmentFailed, EnvironmentUnavailable
-from fedse.serving import log_fields
+from fedse.transport.serving import log_fields
 
 from .agentgym_http import HttpError, IdUnknown, NoRoute, Remote, quote
 

@@ -1,0 +1,3 @@
+"""Training and the guardian: the trajectory buffer (buffer), seed demonstrations (demos, seeding),
+LoRA fine-tuning (trainer), the guardian that sizes the work to the machine (guardian) and the
+organisation's privacy budget (privacy)."""
