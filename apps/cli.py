@@ -16,6 +16,24 @@ from fedse.security.admission import Security, shown_for
 SERVICES = {"aggregator": "services.aggregator", "env-server": "services.env_server",
             "client": "services.client_agent"}
 
+# What `fedse`, `fedse -h` and `fedse --help` print.
+USAGE = ("usage: fedse aggregator [options]     the aggregator service (fedse aggregator --help)\n"
+         "       fedse env-server [options]     the environments' gRPC server (fedse env-server --help)\n"
+         "       fedse client [options]         one organisation's client agent (fedse client --help)\n"
+         "       fedse run [options]            run a whole federation locally (fedse run --help)\n"
+         "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
+         "plots\n"
+         "       fedse tasks [--env-server ADDR | --envs SPECS]  each environment's task counts, turn limit "
+         "and capabilities\n"
+         "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state\n"
+         "       fedse doctor [client options]    checks that this client could join: address, TLS, "
+         "certificates, admission, env server, base model (a dry run)\n"
+         "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
+         "directory, offline (fedse model --help)\n"
+         "       fedse certs COMMAND [options]    the federation's CA and certificates: init, request, sign, "
+         "issue, members, show (fedse certs --help)\n"
+         "       fedse --version                  the version")
+
 
 def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM (kill, timeout, a CI job ending) stops the processes as Ctrl-C does
@@ -34,22 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedse {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fedse aggregator [options]     the aggregator service (fedse aggregator --help)\n"
-              "       fedse env-server [options]     the environments' gRPC server (fedse env-server --help)\n"
-              "       fedse client [options]         one organisation's client agent (fedse client --help)\n"
-              "       fedse run [options]            run a whole federation locally (fedse run --help)\n"
-              "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
-              "plots\n"
-              "       fedse tasks [--env-server ADDR | --envs SPECS]  each environment's task counts, turn limit "
-              "and capabilities\n"
-              "       fedse status --aggregator ADDR   the run, its round and deadline, each client's state\n"
-              "       fedse doctor [client options]    checks that this client could join: address, TLS, "
-              "certificates, admission, env server, base model (a dry run)\n"
-              "       fedse model NAME [DIR]           a real pretrained base (smollm2) as a local Hugging Face "
-              "directory, offline (fedse model --help)\n"
-              "       fedse certs COMMAND [options]    the federation's CA and certificates: init, request, sign, "
-              "issue, members, show (fedse certs --help)\n"
-              "       fedse --version                  the version")
+        print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":

@@ -20,7 +20,8 @@ import torch
 from services.client_agent.model.loading import add_lora, load_base
 from services.client_agent.playing.policy import ActionScorer
 from services.client_agent.playing.prompts import make_format
-from services.env_server.envs import KNOWN_ENVS, make_environment
+from services.env_server.envs import KNOWN_ENVS
+from services.env_server.registry import make_environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

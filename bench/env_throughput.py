@@ -15,7 +15,8 @@ import time
 from fedse.transport.serving import insecure_channel
 from fedse.v1 import env_pb2 as epb
 from fedse.v1 import env_pb2_grpc as epb_grpc
-from services.env_server.envs import KNOWN_ENVS, make_environment
+from services.env_server.envs import KNOWN_ENVS
+from services.env_server.registry import make_environment
 from services.env_server.server import EnvServerConfig, create_server
 from services.env_server.sessions import SessionManager
 

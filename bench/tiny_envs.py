@@ -39,7 +39,8 @@ from services.client_agent.model.loading import add_lora  # noqa: E402
 from services.client_agent.playing.policy import ActionScorer  # noqa: E402
 from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat  # noqa: E402
 from services.client_agent.training.trainer import TINY_LR, train_lora  # noqa: E402
-from services.env_server.envs import KNOWN_ENVS, make_environment  # noqa: E402
+from services.env_server.envs import KNOWN_ENVS  # noqa: E402
+from services.env_server.registry import make_environment  # noqa: E402
 
 
 def per_byte(fmt, scores, candidates) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from fedse.v1 import env_pb2_grpc
 from services.client_agent.playing.envclient import EnvClient, Session, SessionLost
 from services.client_agent.playing.rollout import run_episodes
 from services.env_server.envs.maze import MazeEnv
-from services.env_server.envs import make_environment
+from services.env_server.registry import make_environment
 from services.env_server.servicer import SERVICE_NAME, EnvServicer
 from services.env_server.sessions import SessionManager
 from support import free_ports

@@ -12,7 +12,7 @@ from services.client_agent.model.loading import add_lora, get_adapter_state
 from services.client_agent.playing.policy import ActionScorer
 from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS, PlainFormat, format_prompt
 from services.client_agent.training.trainer import train_lora
-from services.env_server.envs import make_environment
+from services.env_server.registry import make_environment
 from services.env_server.envs.maze import MazeEnv
 
 torch.set_num_threads(1)

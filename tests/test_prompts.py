@@ -18,7 +18,7 @@ from services.client_agent.playing.prompts import (
     format_target,
     make_format,
 )
-from services.env_server.envs import make_environment
+from services.env_server.registry import make_environment
 
 # ChatML, as SmolLM2 and Qwen2.5 write it.
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

@@ -169,7 +169,7 @@ import json, resource, sys, torch
 from services.client_agent.model import loading as mdl
 from services.client_agent.playing.policy import ActionScorer
 from services.client_agent.playing.prompts import TokenCache, make_format
-from services.env_server.envs import make_environment
+from services.env_server.registry import make_environment
 torch.set_num_threads(2)
 model, tok = mdl.load_base(sys.argv[1])
 model = mdl.add_lora(model)

@@ -34,6 +34,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from fedse.config import ConfigError
+from fedse.model.names import TINY_MODEL_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +46,6 @@ MODEL_FILES = ("config.json", "generation_config.json", WEIGHTS_NAME, "tokenizer
                "chat_template.jinja")
 # transformers reads GGUF files with this package; pinned like everything else (requirements-test.txt).
 GGUF_REQUIREMENT = "gguf==0.19.0"
-# The embedded tiny model's name (fedse.model.tinymodel builds it); here, so that checking a --base-model
-# does not import torch.
-TINY_MODEL_NAME = "fedse-tiny"
 # fp32 weights saved and reloaded are the same numbers: any difference beyond float noise is a bug.
 LOGIT_TOLERANCE = 1e-4
 CHECK_NEW_TOKENS = 24

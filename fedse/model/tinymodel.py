@@ -54,8 +54,7 @@ from typing import Any
 import torch
 from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
-# The model's name and how to tell it, where checking a --base-model needs no torch.
-from fedse.model.pretrained import TINY_MODEL_NAME
+from fedse.model.names import TINY_MODEL_NAME
 
 
 # Architecture and initialisation; any of these can be overridden in build_tiny_model(**overrides).

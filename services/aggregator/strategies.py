@@ -43,6 +43,12 @@ walks tensor by tensor (for exact, A/B pair by pair), loading one client's tenso
 running float64 sum (fedavg, weighted) or into one (K x numel) float64 stack (median, trimmed_mean,
 exact's stacked factors), so the peak is about one output adapter plus K copies of one tensor,
 never K adapters. Results are computed in float64 and returned in the input dtype.
+
+This module holds the strategy objects, their parameters' checks, `aggregate`'s walk over the tensors
+and FedBuff's fold (`fedbuff`); the computations it hands a tensor to live beside it: the clients'
+tensors as a strategy reads them (`strategies_clients`), the coordinate-wise sort of median and
+trimmed_mean (`strategies_robust`), and the products B_k A_k of exact, hlora and flexlora
+(`strategies_products`).
 """
 
 from __future__ import annotations
@@ -50,15 +56,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from fedse.model import ranks
-from fedse.model.adapter import Adapter, clip_factor
+from fedse.model.adapter import Adapter
+
+from .strategies_clients import Clients, clip_scales
+from .strategies_products import exact_pair, mixed_pair
+from .strategies_robust import Workspace, trimmed
 
 _F64 = torch.float64
-_SORT_ELEMENTS = 1 << 20  # median / trimmed mean sort at most this many values at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +104,12 @@ class Strategy:
         """Each client's weight in a mean, from its successful trajectories: all equal."""
         return [1.0] * len(successes)
 
-    def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
-                work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
+    def combine(self, clients: Clients, name: str, weights: list[float], params: StrategyParams,
+                work: Workspace) -> tuple[torch.Tensor, torch.dtype]:
         """phi_{t+1}'s tensor `name` (float64) and its input dtype: the weighted mean."""
         return _mean(clients, name, weights)
 
-    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    def combine_pair(self, clients: Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
         raise NotImplementedError(f"{self.name} combines tensors one by one")
 
 
@@ -124,8 +133,8 @@ class Exact(Strategy):
     paired = True
     linear = False
 
-    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
-        return _exact_pair(clients, a_name, b_name)
+    def combine_pair(self, clients: Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+        return exact_pair(clients, a_name, b_name)
 
 
 class HLoRA(Strategy):
@@ -136,8 +145,8 @@ class HLoRA(Strategy):
     mixed = True
     linear = False
 
-    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
-        return _mixed_pair(clients, a_name, b_name, [1.0] * len(clients))
+    def combine_pair(self, clients: Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+        return mixed_pair(clients, a_name, b_name, [1.0] * len(clients))
 
 
 class FlexLoRA(Strategy):
@@ -149,9 +158,9 @@ class FlexLoRA(Strategy):
     mixed = True
     linear = False
 
-    def combine_pair(self, clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    def combine_pair(self, clients: Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
         examples = [float(n) for n in clients.examples]
-        return _mixed_pair(clients, a_name, b_name, examples if sum(examples) > 0 else [1.0] * len(clients))
+        return mixed_pair(clients, a_name, b_name, examples if sum(examples) > 0 else [1.0] * len(clients))
 
 
 class ZeroPad(Strategy):
@@ -168,9 +177,9 @@ class Median(Strategy):
     linear = False
     description = "coordinate-wise median over clients (mean of the two middle values for even K)"
 
-    def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
-                work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
-        return _trimmed(clients, name, (len(clients) - 1) // 2, work)
+    def combine(self, clients: Clients, name: str, weights: list[float], params: StrategyParams,
+                work: Workspace) -> tuple[torch.Tensor, torch.dtype]:
+        return trimmed(clients, name, (len(clients) - 1) // 2, work)
 
 
 class TrimmedMean(Strategy):
@@ -178,12 +187,12 @@ class TrimmedMean(Strategy):
     linear = False
     description = "coordinate-wise mean after dropping floor(trim_fraction*K) values at each end"
 
-    def combine(self, clients: _Clients, name: str, weights: list[float], params: StrategyParams,
-                work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
+    def combine(self, clients: Clients, name: str, weights: list[float], params: StrategyParams,
+                work: Workspace) -> tuple[torch.Tensor, torch.dtype]:
         k = len(clients)
         # floor(f*K) with f < 0.5 cuts at most (K-1)//2 from each end, so at least one value remains;
         # the epsilon keeps e.g. 0.2 * 5 from flooring to 0 on a float rounding.
-        return _trimmed(clients, name, min(math.floor(params.trim_fraction * k + 1e-9), (k - 1) // 2), work)
+        return trimmed(clients, name, min(math.floor(params.trim_fraction * k + 1e-9), (k - 1) // 2), work)
 
 
 BY_NAME: dict[str, Strategy] = {s.name: s for s in (FedAvg(), Weighted(), Exact(), HLoRA(), FlexLoRA(), ZeroPad(),
@@ -232,13 +241,13 @@ def aggregate(strategy: str, updates: Sequence[Update], previous: Mapping[str, t
                 for u in updates]
     if not chosen.mixed:
         _check_one_rank(updates, previous)
-    scales = _clip_scales(adapters, previous, params.clip_norm) if params.clip_norm > 0 else [1.0] * k
-    clients = _Clients(adapters, previous, scales, [u.scaling for u in updates], out_scaling,
+    scales = clip_scales(adapters, previous, params.clip_norm) if params.clip_norm > 0 else [1.0] * k
+    clients = Clients(adapters, previous, scales, [u.scaling for u in updates], out_scaling,
                        [u.num_examples for u in updates])
     weights = chosen.weights(_successes(updates))
     noise = _noise_generator(params.seed, round_) if params.noise_multiplier > 0 else None
     std = params.noise_multiplier * params.clip_norm / k
-    work = _Workspace()
+    work = Workspace()
     result: Adapter = {}
     for group in _groups(names, paired=chosen.paired):
         if len(group) == 2:
@@ -280,45 +289,6 @@ def fedbuff(current: Mapping[str, torch.Tensor], updates: Sequence[tuple[Mapping
 
 
 # ---- internals ---------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Clients:
-    """The clients' tensors as the strategy sees them: as loaded (input dtype), or float64 and pulled
-    towards phi_t for a client whose update is clipped. Consumers accumulate in float64 either way."""
-
-    adapters: list[Mapping[str, torch.Tensor]]
-    previous: Mapping[str, torch.Tensor]
-    scales: list[float]  # per client, min(1, clip_norm / ||delta_k||); all 1.0 without clipping
-    lora_scalings: list[float] = dataclasses.field(default_factory=list)  # per client, s_k (mixed ranks)
-    out_scaling: float = 1.0  # s_R of the result (mixed ranks)
-    examples: list[int] = dataclasses.field(default_factory=list)  # per client, num_examples (flexlora)
-
-    def __len__(self) -> int:
-        return len(self.adapters)
-
-    def tensors(self, name: str) -> tuple[torch.dtype, Iterator[torch.Tensor]]:
-        """The input dtype of `name` and an iterator loading client k's tensor only when it is reached."""
-        first = self.adapters[0][name]
-        return first.dtype, self._iterate(name, first)
-
-    def _iterate(self, name: str, first: torch.Tensor) -> Iterator[torch.Tensor]:
-        prev = self.previous[name].to(_F64) if min(self.scales) < 1.0 else None
-        for k, (adapter, scale) in enumerate(zip(self.adapters, self.scales)):
-            t = first if k == 0 else adapter[name]
-            # Never in place: t may be the caller's tensor.
-            yield t if scale >= 1.0 else prev + scale * (t.to(_F64) - prev)
-
-
-def _clip_scales(adapters: Sequence[Mapping[str, torch.Tensor]], previous: Mapping[str, torch.Tensor],
-                 clip_norm: float) -> list[float]:
-    """min(1, clip_norm / ||phi_k - phi_t||) per client, the norm over all tensors (first pass, tensor by tensor)."""
-    squares = [0.0] * len(adapters)
-    for name in previous:
-        prev = previous[name].to(_F64)
-        for k, adapter in enumerate(adapters):
-            squares[k] += float(torch.sub(adapter[name], prev).square().sum())
-    return [clip_factor(s, clip_norm) for s in squares]
-
 
 def _rank(previous: Mapping[str, torch.Tensor]) -> int:
     """The rank of phi_t's LoRA factors (the run's maximum rank)."""
@@ -363,7 +333,7 @@ def _groups(names: list[str], paired: bool) -> list[tuple[str, ...]]:
     return groups
 
 
-def _mean(clients: _Clients, name: str, weights: list[float]) -> tuple[torch.Tensor, torch.dtype]:
+def _mean(clients: Clients, name: str, weights: list[float]) -> tuple[torch.Tensor, torch.dtype]:
     """sum_k w_k t_k / sum_k w_k as a running float64 sum, one client's tensor at a time (add_ promotes
     each tensor to float64 as it goes, without a float64 copy)."""
     total = float(sum(weights))
@@ -375,112 +345,3 @@ def _mean(clients: _Clients, name: str, weights: list[float]) -> tuple[torch.Ten
         acc.add_(t, alpha=w / total)
     assert acc is not None
     return acc, dtype
-
-
-class _Workspace:
-    """Buffers reused from tensor to tensor (median, trimmed mean). Fresh (K x numel) stacks and sort
-    outputs for every tensor, interleaved with the small output tensors that stay, fragment glibc's
-    heap: the peak RSS reached 1.3 GB for K = 20 over an 80 MB adapter, against ~0.15 GB reused."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, key: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        numel = shape[0] * shape[1]
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            self._buffers[key] = buffer = torch.empty(numel, dtype=dtype)
-        return buffer[:numel].view(shape)
-
-
-def _trimmed(clients: _Clients, name: str, cut: int, work: _Workspace) -> tuple[torch.Tensor, torch.dtype]:
-    """Coordinate-wise: sort the K values, drop `cut` at each end, average the rest.
-    cut = (K-1)//2 is the median (the middle value, or the mean of the two middle ones)."""
-    k = len(clients)
-    dtype, tensors = clients.tensors(name)
-    stack: torch.Tensor | None = None
-    shape = torch.Size()
-    for i, t in enumerate(tensors):
-        if stack is None:
-            shape = t.shape
-            stack = work.take("stack", (k, t.numel()), _F64)
-        stack[i] = t.reshape(-1)
-    assert stack is not None
-    n = stack.shape[1]
-    out = torch.empty(n, dtype=_F64)
-    step = max(1, _SORT_ELEMENTS // k)
-    for start in range(0, n, step):
-        part = stack[:, start:start + step]
-        values = work.take("values", tuple(part.shape), _F64)
-        indices = work.take("indices", tuple(part.shape), torch.int64)
-        torch.sort(part, dim=0, out=(values, indices))
-        torch.mean(values[cut:k - cut], dim=0, out=out[start:start + part.shape[1]])
-    return out.view(shape), dtype
-
-
-def _stacked(clients: _Clients, a_name: str, b_name: str, coefficients: list[float]
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.dtype, list[int]]:
-    """(A_cat, B_cat, A's dtype, B's dtype, the clients' ranks): the clients' factors stacked, float64,
-    A_cat = [A_1; ...; A_K] (sum r_k x in) and B_cat = [c_1 B_1 ... c_K B_K] (out x sum r_k), so that
-    B_cat A_cat = sum_k c_k B_k A_k. One client's tensors are loaded at a time, each written into stacks
-    made for K clients of the first one's rank (made larger where a later client's rank needs room)."""
-    k = len(clients)
-    a_dtype, a_tensors = clients.tensors(a_name)
-    b_dtype, b_tensors = clients.tensors(b_name)
-    a_cat = b_cat = torch.empty(0, dtype=_F64)
-    at, client_ranks = 0, []
-    for i, (a, b, c) in enumerate(zip(a_tensors, b_tensors, coefficients)):
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise ValueError(f"{a_name} {list(a.shape)} and {b_name} {list(b.shape)} are not LoRA factors "
-                             "A (r x in) and B (out x r); use a strategy that averages tensors separately")
-        r = a.shape[0]
-        if at + r > a_cat.shape[0]:  # room for this client and the rest at its rank
-            rows = at + r * (k - i)
-            a_cat = torch.cat([a_cat[:at], torch.empty((rows - at, a.shape[1]), dtype=_F64)]) if at else \
-                torch.empty((rows, a.shape[1]), dtype=_F64)
-            b_cat = torch.cat([b_cat[:, :at], torch.empty((b.shape[0], rows - at), dtype=_F64)], dim=1) if at else \
-                torch.empty((b.shape[0], rows), dtype=_F64)
-        a_cat[at:at + r] = a
-        b_cat[:, at:at + r] = b
-        b_cat[:, at:at + r] *= c
-        at += r
-        client_ranks.append(r)
-    return a_cat[:at], b_cat[:, :at], a_dtype, b_dtype, client_ranks
-
-
-def _exact_pair(clients: _Clients, a_name: str, b_name: str) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
-    """A', B' of rank r with B'A' the best rank-r approximation of (1/K) sum_k B_k A_k.
-
-    B_cat = [B_1/K ... B_K/K] (out x Kr) and A_cat = [A_1; ...; A_K] (Kr x in) give
-    B_cat A_cat = (1/K) sum_k B_k A_k, which fedse.model.ranks.best_rank factors through a QR of each and an
-    SVD of the (Kr x Kr) core. A component with a (numerically) zero singular value would leave both
-    its A' row and its B' column zero, which no gradient can revive; it gets B' column 0 and the mean
-    of the clients' A rows instead (the product is unchanged), so e.g. all-zero B gives fedavg's result.
-    """
-    k = len(clients)
-    a_cat, b_cat, a_dtype, b_dtype, client_ranks = _stacked(clients, a_name, b_name, [1.0 / k] * k)
-    r = client_ranks[0]
-    b_new, a_new, live = ranks.best_rank(b_cat, a_cat, r)
-    mean_a = a_cat.view(k, r, -1).mean(dim=0)  # rows of dead components keep the mean A row
-    a_new[~live] = mean_a[~live]
-    return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}
-
-
-def _mixed_pair(clients: _Clients, a_name: str, b_name: str, weights: list[float]
-                ) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
-    """A', B' at phi_t's rank R with s_R B'A' the best rank-R approximation of
-    dW = sum_k p_k s_k B_k A_k (p_k = weights normalised; s_k each client's scaling, s_R out_scaling),
-    for hlora (p_k = 1/K) and flexlora (p_k ~ n_k) alike.
-
-    The stacked factors (_stacked, B_k scaled by p_k s_k) give B_cat A_cat = dW, factored by
-    fedse.model.ranks.best_rank: a QR of each and an SVD of the (sum r_k x sum r_k) core, which has dW's
-    nonzero singular values, so the result is dW's truncated SVD without the out x in matrix ever being
-    formed. A component with no singular value left keeps B' column 0 and phi_t's A row."""
-    total = float(sum(weights))
-    coefficients = [p / total * s for p, s in zip(weights, clients.lora_scalings)]
-    a_cat, b_cat, a_dtype, b_dtype, _ = _stacked(clients, a_name, b_name, coefficients)
-    previous_a = clients.previous[a_name].to(_F64)
-    rank = previous_a.shape[0]
-    b_new, a_new, live = ranks.best_rank(b_cat, a_cat, rank, clients.out_scaling)
-    a_new[~live] = previous_a[~live]
-    return {a_name: (a_new, a_dtype), b_name: (b_new, b_dtype)}

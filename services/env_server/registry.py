@@ -243,3 +243,8 @@ def build(spec: EnvSpec, seed: int = 0) -> Environment:
                             "fedse.env.Environment")
     env.name = spec.name
     return env
+
+
+def make_environment(name: str, *, seed: int = 0, **options) -> Environment:
+    """Builds one registered environment with its options (RegistryError if it cannot)."""
+    return build(EnvSpec(name, name, tuple((k, str(v)) for k, v in options.items())), seed)

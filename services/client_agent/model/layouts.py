@@ -1,9 +1,9 @@
 """How the scorer lays out its forward passes over prompts and their candidates' target tokens.
 
-A prompt is prepared once (Prepared): the target tokens all its candidates share are appended to
-it and scored once, and the candidates' later tokens form a prefix tree (prefixes.PrefixTree). A
+A prompt is prepared once (passes.Prepared): the target tokens all its candidates share are appended
+to it and scored once, and the candidates' later tokens form a prefix tree (prefixes.PrefixTree). A
 layout then runs a batch of prepared prompts (Batch) through the model and adds, for every scored
-token (Target), log p(token | what precedes it) to its prompt's candidate totals:
+token (passes.Target), log p(token | what precedes it) to its prompt's candidate totals:
 - Packed: one pass, each row the prompt followed by its candidates' prefix tree, with a 4D mask
   (best for a few short candidates);
 - Cached: a prompt pass keeping the KV cache, then rows of up to `group_size` candidates packed on a
@@ -13,13 +13,13 @@ token (Target), log p(token | what precedes it) to its prompt's candidate totals
   it begins with (prefixes.PrefixCache: the previous turn, the shared instruction), then its
   candidates packed in rows on that prompt's cache;
 - Auto: Packed up to `packed_max_candidates` candidates, else Cached.
+Every layout's passes run on a passes.Runner; make_layout picks the layout a method names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -28,9 +28,9 @@ from fedse.machine import release_free_memory
 
 from services.client_agent.model.kvcache import KV, pass_cache
 from services.client_agent.model.loading import bucket_length, logits_fp32
+from services.client_agent.model.passes import Prepared, Runner, Target
 from services.client_agent.model.prefixes import PrefixCache, PrefixTree, common_prefix
-from services.client_agent.playing.prompts import inner_model
-from services.client_agent.model.work import Work, causal_context
+from services.client_agent.model.work import causal_context
 
 # The fewest prompt tokens a prompt must share with an earlier one of its batch, beyond what the
 # prefix cache holds for it, to wait for a second pass that reuses them (Reuse.run).
@@ -62,59 +62,6 @@ def width_groups(widths: list[int], overhead: int | None = None) -> list[list[in
         groups.append(order[cut[i]:i])
         i = cut[i]
     return groups[::-1]
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """One scored token: the batch's prompt it counts for, where the hidden state that predicts it
-    sits in the pass's (flattened) hidden states, the token, and the candidate it belongs to (-1:
-    shared by all the prompt's candidates)."""
-
-    item: int
-    at: int
-    token: int
-    cand: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """One prompt ready to score: `prompt` holds its `n_prompt` tokens followed by the `shared` first
-    target tokens all its candidates have in common ("Action: ", scored once as part of the prompt);
-    `suffixes` are every candidate's remaining target tokens (at least one each), and `tree` their
-    prefix tree."""
-
-    prompt: list[int]
-    n_prompt: int
-    shared: int
-    suffixes: list[list[int]]
-    tree: PrefixTree
-
-    @classmethod
-    def of(cls, prompt: list[int], targets: list[list[int]]) -> Prepared:
-        """The prompt's tokens and its candidates' target tokens, prepared."""
-        shared = min(len(t) for t in targets) - 1  # keep >= 1 token per suffix
-        first = targets[0]
-        for t in targets[1:]:
-            k = 0
-            while k < shared and t[k] == first[k]:
-                k += 1
-            shared = k
-        shared = max(shared, 0)
-        suffixes = [t[shared:] for t in targets]
-        return cls(prompt + first[:shared], len(prompt), shared, suffixes, PrefixTree(list(enumerate(suffixes))))
-
-    @property
-    def length(self) -> int:
-        """Its row's width in a packed pass."""
-        return len(self.prompt) + self.tree.width
-
-    def first_targets(self, b: int, last: int) -> list[Target]:
-        """The targets the prompt's own pass predicts, for the batch's prompt b: the tokens all
-        candidates share (the last `shared` tokens of `prompt`) and every candidate's first token;
-        `last` is where the prompt's last token sits in the pass's hidden states."""
-        n, k_sh = len(self.prompt), self.shared
-        out = [Target(b, last - k_sh + k, self.prompt[n - k_sh + k], -1) for k in range(k_sh)]
-        return out + [Target(b, last, suf[0], j) for j, suf in enumerate(self.suffixes)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,30 +101,6 @@ class Batch:
             if self.totals[self.where[b]] is None:
                 self.totals[self.where[b]] = torch.zeros(n_c)
             self.totals[self.where[b]] += per + shared
-
-
-@dataclasses.dataclass(frozen=True)
-class Runner:
-    """What every layout's passes need: the model (a PeftModel or a plain causal LM), its device,
-    the pad token, the most (rows x row length) tokens of one pass, whether passes are padded to
-    bucket lengths (model.bucket_length), and where the passes' tokens are counted."""
-
-    model: Any
-    device: torch.device
-    pad_id: int
-    max_batch_tokens: int
-    bucket: bool
-    work: Work
-
-    @property
-    def lm(self):
-        return inner_model(self.model)
-
-    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """The attention mask, in the weights' dtype, of a boolean [rows, queries, keys] one."""
-        dtype = next(self.model.parameters()).dtype
-        mask = torch.zeros((allowed.shape[0], 1, *allowed.shape[1:]), dtype=dtype)
-        return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
 
 
 class Layout:

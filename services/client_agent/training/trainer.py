@@ -317,6 +317,54 @@ def encode_pairs(tokenizer, examples: Sequence[tuple[str, str]], max_prompt_toke
     return out
 
 
+def _lora_parameters(peft_model) -> list[torch.nn.Parameter]:
+    """The LoRA parameters of `peft_model`, set to require grad (a ValueError where it has none)."""
+    params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    if not params:
+        raise ValueError("train_lora: the model has no LoRA parameters (wrap it with add_lora first)")
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def _sequences(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tuple[str, str]],
+               max_prompt_tokens: int | None) -> list[Encoded]:
+    """The training sequences as given, or plain (prompt, action) pairs encoded (encode_pairs)."""
+    if isinstance(examples[0], Encoded):
+        return list(examples)
+    return encode_pairs(tokenizer, examples, max_prompt_tokens or default_max_prompt_tokens(peft_model))
+
+
+def _epoch_plans(encoded: Sequence[Encoded], epochs: int, batch_size: int,
+                 seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Per epoch, the sequences' order (shuffled by a generator seeded from `seed`) and its optimizer
+    steps (turn_batches: indices into that order)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    orders = [torch.randperm(len(encoded), generator=gen).tolist() for _ in range(epochs)]
+    plans = [turn_batches([encoded[i].turns for i in order], batch_size) for order in orders]
+    return orders, plans
+
+
+def _micro_batch_hook(checkpointing: bool | Checkpointing, layers: list[torch.nn.Module],
+                      release_memory: "bool | HeapRelease", passes: list[int]) -> Callable[[int, int], None] | None:
+    """What runs before each micro-batch (accumulate_gradients' `before`): the heap returned where
+    `release_memory` asks (HeapRelease), and the layers that recompute chosen (every one of `layers`,
+    or the fewest a Checkpointing needs), counted in `passes` (layer passes run, recomputed); None
+    where there is neither to do."""
+    release = release_memory if isinstance(release_memory, HeapRelease) else HeapRelease() if release_memory else None
+
+    def before(rows: int, width: int) -> None:
+        k = checkpointing.layers(rows, width) if isinstance(checkpointing, Checkpointing) else len(layers)
+        if release is not None:
+            release.before(rows, width, recomputes=k > 0)
+        if layers:
+            _checkpoint(layers, k)
+            passes[0] += len(layers)
+            passes[1] += k
+
+    return before if layers or release else None
+
+
 def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tuple[str, str]], epochs: int = 2,
                lr: float = TINY_LR, batch_size: int = 8, seed: int = 0,
                max_prompt_tokens: int | None = None, warmup_ratio: float = 0.05,
@@ -347,22 +395,13 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
     if not examples:
         return {"loss": float("nan"), "first_loss": float("nan"), "steps": 0, "examples": 0, "turns": 0,
                 "tokens": 0, "seconds": 0.0, "recomputed": 0.0}
-    params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
-    if not params:
-        raise ValueError("train_lora: the model has no LoRA parameters (wrap it with add_lora first)")
-    for p in params:
-        p.requires_grad_(True)
+    params = _lora_parameters(peft_model)
     device = params[0].device
-    if isinstance(examples[0], Encoded):
-        encoded = list(examples)
-    else:
-        encoded = encode_pairs(tokenizer, examples, max_prompt_tokens or default_max_prompt_tokens(peft_model))
+    encoded = _sequences(peft_model, tokenizer, examples, max_prompt_tokens)
     bucket = pads_to_buckets(precision, device) if bucket is None else bucket
     budget = max_batch_tokens or (DEFAULT_TRAIN_BATCH_TOKENS if device.type == "cpu" else 32768)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    gen = torch.Generator().manual_seed(int(seed))
-    orders = [torch.randperm(len(encoded), generator=gen).tolist() for _ in range(epochs)]
-    plans = [turn_batches([encoded[i].turns for i in order], batch_size) for order in orders]
+    orders, plans = _epoch_plans(encoded, epochs, batch_size, seed)
     total = sum(len(plan) for plan in plans)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(round(warmup_ratio * total)), total)
@@ -371,18 +410,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
     was_training = peft_model.training
     layers = _checkpointing_layers(inner) if checkpointing else []
     passes = [0, 0]  # layer passes run, recomputed
-
-    release = release_memory if isinstance(release_memory, HeapRelease) else HeapRelease() if release_memory else None
-
-    def before(rows: int, width: int) -> None:
-        k = checkpointing.layers(rows, width) if isinstance(checkpointing, Checkpointing) else len(layers)
-        if release is not None:
-            release.before(rows, width, recomputes=k > 0)
-        if layers:
-            _checkpoint(layers, k)
-            passes[0] += len(layers)
-            passes[1] += k
-
+    before = _micro_batch_hook(checkpointing, layers, release_memory, passes)
     step, epoch_losses = 0, []
     with contextlib.ExitStack() as undo:
         undo.callback(peft_model.train, was_training)
@@ -396,8 +424,7 @@ def train_lora(peft_model, tokenizer, examples: Sequence[Encoded] | Sequence[tup
                 batch = [encoded[order[i]] for i in run]
                 n_tok = max(1, sum(e.targets for e in batch))
                 optimizer.zero_grad(set_to_none=True)
-                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, bucket, work,
-                                                  before if layers or release else None)
+                batch_loss = accumulate_gradients(peft_model, batch, budget, pad_id, precision, bucket, work, before)
                 if max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 optimizer.step()

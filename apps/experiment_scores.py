@@ -1,0 +1,168 @@
+"""`fedse experiment`'s scores: each run's held-out success per environment and round, micro-averaged
+over test tasks, its bytes and model throughput; the summary of every method over seeds, and the
+paper-style markdown table of it (mean +- sd over seeds, gains as paired differences per seed)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Iterable
+
+from apps.experiment_methods import PRETRAINED, ExperimentConfig, Method
+from apps.results import round_mean
+
+
+def rows_at(results: dict[str, Any], round_: int) -> dict[str, dict[str, float]]:
+    """env -> that environment's metrics row for `round_` (envs without one are left out)."""
+    out = {}
+    for env, rows in results["envs"].items():
+        row = next((r for r in rows if r["round"] == round_ and "test_success" in r), None)
+        if row is not None:
+            out[env] = row
+    return out
+
+
+def micro_average(results: dict[str, Any], round_: int) -> float | None:
+    """Successes over test tasks across every environment of a run, for `round_`'s global adapter."""
+    return round_mean(results["envs"], list(results["envs"]), round_)
+
+
+def mean_sd(values: Iterable[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value); NaN mean for none."""
+    xs = [v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def upload_mb_per_round(results: dict[str, Any]) -> float:
+    """Mean MB (10^6 bytes) one client sent the aggregator per round."""
+    sent = [r["upload_bytes"] for rows in results["envs"].values() for r in rows if "upload_bytes" in r]
+    return statistics.mean(sent) / 1e6 if sent else math.nan
+
+
+WORK_PHASES = ("eval", "explore", "train")
+
+
+def work_rates(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per phase, the mean over a run's client rounds of tokens/s and MFU (where reported): how fast
+    its model ran (work.py counts what)."""
+    rows = [r for rows in results["envs"].values() for r in rows]
+    out: dict[str, dict[str, float]] = {}
+    for phase in WORK_PHASES:
+        for key in ("tokens_per_s", "mfu"):
+            got = [r[f"{phase}_{key}"] for r in rows if f"{phase}_{key}" in r]
+            if got:
+                out.setdefault(phase, {})[key] = statistics.mean(got)
+    return out
+
+
+def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
+              runs: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """Per method: per-seed final success per env and micro average, gains, bytes; plus the table."""
+    envs = cfg.env_list()
+    last = cfg.setting("rounds")
+    scored: dict[str, dict[str, Any]] = {}
+
+    def score(name: str, group: str, key: str, round_: int) -> None:
+        per_seed = [runs[(key, s)] for s in seeds if (key, s) in runs]
+        if not per_seed:
+            return
+        env_values = {e: [rows_at(r, round_).get(e, {}).get("test_success") for r in per_seed] for e in envs}
+        scored[name] = {"group": group, "key": key, "round": round_, "env": env_values,
+                        "avg": [micro_average(r, round_) for r in per_seed],
+                        "mb_per_round": statistics.mean(upload_mb_per_round(r) for r in per_seed)
+                        if round_ else 0.0,
+                        "work": [work_rates(r) for r in per_seed]}
+
+    if "fedse" in cfg.method_keys():
+        score(PRETRAINED, "main", "fedse", 0)
+    for m in methods:
+        score(m.name, m.group, m.key, last)
+    summary = {"envs": envs, "seeds": seeds, "rounds": last, "budget": cfg.budget, "base_model": cfg.base_model,
+               "methods": scored, "curves": curves(methods, seeds, runs, envs, last)}
+    summary["table"] = table(summary)
+    return summary
+
+
+def _paired_gain(a: list[float | None], b: list[float | None]) -> tuple[float, float]:
+    return mean_sd(x - y for x, y in zip(a, b) if x is not None and y is not None)
+
+
+def _cell(mean: float, sd: float, n: int, signed: bool = False) -> str:
+    """A percentage, ± the spread over seeds; a difference (signed) no larger than its spread is
+    marked "≈": the seeds cannot tell it from noise."""
+    if math.isnan(mean):
+        return "-"
+    value = round(100 * mean, 1) + 0.0  # + 0.0: no "-0.0"
+    text = f"{value:+.1f}" if signed else f"{value:.1f}"
+    if n < 2:
+        return text
+    noise = " ≈" if signed and abs(mean) <= sd else ""
+    return f"{text} ± {100 * sd:.1f}{noise}"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """Markdown: Table 1's layout (methods x environments, the average, the gain over Pre-trained),
+    then the ablations beside Fed-SE with the bytes each client sends per round."""
+    envs, n, scored = summary["envs"], len(summary["seeds"]), summary["methods"]
+    head = "| Method | " + " | ".join(envs) + " | Avg. | Δ vs Pre-trained |"
+    rule = "|---|" + "---:|" * (len(envs) + 2)
+    lines = [f"Held-out success (%) after round {summary['rounds']}, mean ± sd over {n} seed(s); "
+             f"Avg. micro-averaged over test tasks; Δ: paired difference per seed, ≈ where it is no larger "
+             f"than its sd (noise); {summary['base_model']}, budget {summary['budget']}.", "", head, rule]
+    base = scored.get(PRETRAINED)
+    for name, s in scored.items():
+        if s["group"] != "main":
+            continue
+        gain = _cell(*_paired_gain(s["avg"], base["avg"]), n, signed=True) if base and name != PRETRAINED else "-"
+        lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
+                     + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
+    ref = scored.get("Fed-SE")
+    for group, head, fedse in (("ablation", "Variant", "Fed-SE (rank 8)"), ("selection", "Selector", "Fed-SE (all)"),
+                               ("ranks", "Mixed ranks", "Fed-SE (every client at rank 8)")):
+        variants = [name for name, s in scored.items() if s["group"] == group]
+        if not variants:
+            continue
+        lines += ["", f"| {head} | " + " | ".join(envs) + " | Avg. | Δ vs Fed-SE | MB sent / client / round |",
+                  "|---|" + "---:|" * (len(envs) + 3)]
+        for name in (["Fed-SE"] if ref else []) + variants:
+            s = scored[name]
+            gain = _cell(*_paired_gain(s["avg"], ref["avg"]), n, signed=True) if ref and name != "Fed-SE" else "-"
+            label = fedse if name == "Fed-SE" else name
+            lines.append(f"| {label} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
+                         + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} | {s['mb_per_round']:.2f} |")
+    return "\n".join(lines + work_table(scored))
+
+
+def work_table(scored: dict[str, Any]) -> list[str]:
+    """The model's throughput per method and phase, tokens/s (MFU), means over seeds and client
+    rounds; no lines where no run reported any."""
+    def cell(s: dict[str, Any], phase: str) -> str:
+        rates = [w[phase]["tokens_per_s"] for w in s.get("work", []) if phase in w]
+        if not rates:
+            return "-"
+        mfu = [w[phase]["mfu"] for w in s["work"] if "mfu" in w.get(phase, {})]
+        return f"{statistics.mean(rates):,.0f}" + (f" ({100 * statistics.mean(mfu):.0f}%)" if mfu else "")
+
+    rows = [(name, [cell(s, p) for p in WORK_PHASES]) for name, s in scored.items() if name != PRETRAINED]
+    rows = [(name, cells) for name, cells in rows if any(c != "-" for c in cells)]
+    if not rows:
+        return []
+    return ["", "Model throughput, tokens/s (MFU against this machine's measured matmul peak), mean over seeds and "
+                "client rounds:", "", "| Method | " + " | ".join(WORK_PHASES) + " |", "|---|" + "---:|" * len(WORK_PHASES)] \
+        + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+
+
+def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], dict[str, Any]],
+           envs: list[str], last: int) -> dict[str, dict[str, list[list[float | None]]]]:
+    """method name -> env (and "Avg.") -> per round, the values over seeds."""
+    out: dict[str, dict[str, list[list[float | None]]]] = {}
+    for m in methods:
+        per_seed = [runs[(m.key, s)] for s in seeds if (m.key, s) in runs]
+        by_env: dict[str, list[list[float | None]]] = {}
+        for e in envs:
+            by_env[e] = [[rows_at(r, t).get(e, {}).get("test_success") for r in per_seed] for t in range(last + 1)]
+        by_env["Avg."] = [[micro_average(r, t) for r in per_seed] for t in range(last + 1)]
+        out[m.name] = by_env
+    return out
