@@ -132,3 +132,21 @@ def test_the_secure_release_runs_the_stages_and_a_plain_run_refuses_them(tmp_pat
     assert plain.status().secure_stage is None and plain.release.masked_bytes is None
     with pytest.raises(StaleRound, match="does not use secure aggregation"):
         plain.secure_call("a", 0, plain.status().round_nonce, lambda desk: None)
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--mode", "fedbuff"], "--mode: mode 'fedbuff' is not a round schedule: give one of sync, async"),
+    (["--mode", "async", "--strategy", "median"], "--mode async folds updates with FedBuff's staleness-weighted mean"),
+    (["--mode", "async", "--selector", "sample", "--clients-per-round", "2"], "--selector sample chooses whole rounds"),
+    (["--mode", "async", "--strategy", "hlora", "--max-lora-rank", "8"], "--mode async folds updates of one rank"),
+    (["--async-server-lr", "0.5"], "--async-server-lr 0.5 is FedBuff's, for --mode async"),
+])
+def test_each_schedule_refuses_the_settings_it_cannot_run_with(flags, refused):
+    """The aggregator's settings are checked by the schedule --mode names, not by mode flags in the config."""
+    from fedse.config import ConfigError, parse
+    from services.aggregator.server import AggregatorConfig
+
+    with pytest.raises(ConfigError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+        parse(AggregatorConfig, flags, environ={})
+    SyncRounds.check_settings(parse(AggregatorConfig, ["--async-server-lr", "1"], environ={}))  # the default: fine
+    FedBuff.check_settings(parse(AggregatorConfig, ["--mode", "async"], environ={}))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from fedse.transport.serving import log_fields
 
@@ -44,6 +44,11 @@ class Schedule(abc.ABC):
     name: ClassVar[str]
     keeps_nonce: ClassVar[bool] = False  # whether a round that opens keeps the run's round nonce
     uploads: UploadDesk
+
+    @staticmethod
+    def check_settings(cfg: Any) -> None:
+        """Refuses the aggregator's settings (server.AggregatorConfig) that this schedule cannot run
+        with: ValueError saying which to change."""
 
     def __init__(self, settings: RunSettings, store: Store, run: RunState, rule: Rule, clock: Callable[[], float],
                  changed: Callable[[], None], persist: Callable[[], None], release: Release):
@@ -135,6 +140,12 @@ class SyncRounds(Schedule):
 
     name = "sync"
 
+    @staticmethod
+    def check_settings(cfg: Any) -> None:
+        if cfg.async_server_lr != 1.0:
+            raise ValueError(f"--async-server-lr {cfg.async_server_lr:g} is FedBuff's, for --mode async: leave it at "
+                             "1 with --mode sync, or give --mode async")
+
     def _taking_part(self) -> tuple[str, ...] | None:
         return self.run.selection.chosen if self.run.selection is not None else None
 
@@ -192,13 +203,32 @@ class SyncRounds(Schedule):
             m.new_round()
 
 
-
 class FedBuff(Schedule):
     """Asynchronous buffered rounds (settings.mode "async"): training slots, a buffer per version folded
     with each update's staleness (buffer_rules says when)."""
 
     name = "async"
     keeps_nonce = True  # an upload may come from an earlier version
+
+    @staticmethod
+    def check_settings(cfg: Any) -> None:
+        """What buffered rounds can do: FedBuff's staleness-weighted mean of plain updates of one rank."""
+        if cfg.max_lora_rank:
+            raise ValueError("--mode async folds updates of one rank: leave --max-lora-rank at 0, or use --mode sync")
+        if cfg.secure_aggregation:
+            raise ValueError(
+                "--mode async cannot work with --secure-aggregation: a buffer mixes updates trained from different "
+                "versions, each weighted by its staleness, while a masked sum needs one cohort that advertises keys, "
+                "shares seeds and uploads together for one version; use --mode sync with secure aggregation")
+        if cfg.strategy != "fedavg":
+            raise ValueError(f"--mode async folds updates with FedBuff's staleness-weighted mean: use --strategy "
+                             f"fedavg, not {cfg.strategy}")
+        if cfg.clip_norm > 0 or cfg.noise_multiplier > 0:
+            raise ValueError("--mode async does not clip or add noise: leave --clip-norm and --noise-multiplier at 0, "
+                             "or use --mode sync")
+        if cfg.selector != "all":
+            raise ValueError(f"--mode async gives training slots to clients as they free up (--async-concurrency); "
+                             f"--selector {cfg.selector} chooses whole rounds: leave it at all, or use --mode sync")
 
     @property
     def max_staleness(self) -> int:

@@ -18,6 +18,7 @@ from fedse.transport.serving import Service, log_fields, setup_logging, start_me
 from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import RoundKeeper
+from .schedules import SCHEDULES, schedule_for
 from .selecting import model_agent
 from .selection import POLICIES, SelectionSettings
 from .servicer import FederationServicer
@@ -150,13 +151,10 @@ class AggregatorConfig(Security):
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self._check_ranks()
-        if self.mode not in ("sync", "async"):
-            raise ConfigError(f"--mode must be sync or async, got {self.mode!r}")
-        if self.mode == "async":
-            self._check_async()
-        elif self.async_server_lr != 1.0:
-            raise ConfigError(f"--async-server-lr {self.async_server_lr:g} is FedBuff's, for --mode async: leave it "
-                              "at 1 with --mode sync, or give --mode async")
+        try:  # what the round schedule --mode names cannot do with the other settings
+            schedule_for(self.mode).check_settings(self)
+        except ValueError as exc:
+            raise ConfigError(f"--mode: {exc}" if self.mode not in SCHEDULES else str(exc)) from None
         try:
             check_installed([Target.parse(spec) for spec in self.track])
             if self.run_settings:
@@ -179,25 +177,6 @@ class AggregatorConfig(Security):
         if BY_NAME[self.strategy].mixed and not self.max_lora_rank:
             raise ConfigError(f"--strategy {self.strategy} combines clients of mixed LoRA ranks: give the run's "
                               "maximum rank with --max-lora-rank (e.g. 16), at which the run's adapter is held")
-        if self.max_lora_rank and self.mode == "async":
-            raise ConfigError("--mode async folds updates of one rank: leave --max-lora-rank at 0, or use --mode sync")
-
-    def _check_async(self) -> None:
-        """What asynchronous rounds can do: FedBuff's staleness-weighted mean of plain updates."""
-        if self.secure_aggregation:
-            raise ConfigError(
-                "--mode async cannot work with --secure-aggregation: a buffer mixes updates trained from different "
-                "versions, each weighted by its staleness, while a masked sum needs one cohort that advertises keys, "
-                "shares seeds and uploads together for one version; use --mode sync with secure aggregation")
-        if self.strategy != "fedavg":
-            raise ConfigError(f"--mode async folds updates with FedBuff's staleness-weighted mean: use --strategy "
-                              f"fedavg, not {self.strategy}")
-        if self.clip_norm > 0 or self.noise_multiplier > 0:
-            raise ConfigError("--mode async does not clip or add noise: leave --clip-norm and --noise-multiplier at 0, "
-                              "or use --mode sync")
-        if self.selector != "all":
-            raise ConfigError(f"--mode async gives training slots to clients as they free up (--async-concurrency); "
-                              f"--selector {self.selector} chooses whole rounds: leave it at all, or use --mode sync")
         for name in ("async_concurrency", "async_buffer", "async_max_staleness"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
