@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedse.agents.asking import json_object  # noqa: E402
-from services.aggregator.selection import ClientHistory, SelectionInput  # noqa: E402
-from services.aggregator.selector_agents import LLMAgent, ToolAgent  # noqa: E402
+from services.aggregator.selection.policies import ClientHistory, SelectionInput  # noqa: E402
+from services.aggregator.selection.agents import LLMAgent, ToolAgent  # noqa: E402
 
 
 def situation(n: int, seed: int) -> SelectionInput:

@@ -11,7 +11,7 @@ import pytest
 from fedse.model import adapter as ad
 from services.aggregator.errors import NotSelected
 from services.aggregator.rounds import RoundKeeper
-from services.aggregator.selection import SelectionSettings
+from services.aggregator.selection.policies import SelectionSettings
 from services.aggregator.state import State
 from services.aggregator.store import Store
 from services.aggregator.uploads import UploadHeader
@@ -176,7 +176,7 @@ def test_over_grpc_the_status_names_the_chosen_and_a_left_out_upload_is_refused(
 
 def _seed_where(run_id: str, first: str, then: str, ids=("org-a", "org-b")) -> int:
     """A seed whose `sample` of one client picks `first` in round 0 and `then` in round 1."""
-    from services.aggregator.selection import ClientHistory, Sample, SelectionInput
+    from services.aggregator.selection.policies import ClientHistory, Sample, SelectionInput
 
     for seed in range(200):
         picks = [Sample(clients_per_round=1).select(SelectionInput(

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from services.aggregator.selection import (
+from services.aggregator.selection.policies import (
     POLICIES,
     All,
     Available,
@@ -376,7 +376,7 @@ def test_utility_never_shuts_out_a_low_utility_client(k):
 
 
 def test_the_fairness_floor_is_on_by_default_and_agent_tools_obeys_it():
-    from services.aggregator.selection import SelectionSettings
+    from services.aggregator.selection.policies import SelectionSettings
 
     floor = SelectionSettings("sample", clients_per_round=1).policy()
     assert isinstance(floor, FairnessFloor) and floor.every_f_rounds == 0 and floor.rounds(4) == 5  # ceil(4/1)+1

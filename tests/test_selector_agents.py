@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from services.aggregator.selection import SelectionInput, SelectionSettings, make_policy
-from services.aggregator.selector_agents import AnswerError, LLMAgent, ToolAgent, check_answer
+from services.aggregator.selection.policies import SelectionInput, SelectionSettings, make_policy
+from services.aggregator.selection.agents import AnswerError, LLMAgent, ToolAgent, check_answer
 from test_selection import ALIVE, check, history, inp
 
 
@@ -215,6 +215,6 @@ def test_selector_agents_imports_first_without_a_circle():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import services.aggregator.selector_agents"],
+    out = subprocess.run([sys.executable, "-c", "import services.aggregator.selection.agents"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

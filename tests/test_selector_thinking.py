@@ -1,4 +1,4 @@
-"""agent-llm's model is asked outside the round keeper's lock (services/aggregator/selecting.py): status
+"""agent-llm's model is asked outside the round keeper's lock (services/aggregator/selection/thinking.py): status
 calls and heartbeats go on meanwhile and nobody is counted a dropout for them; an answer past the
 deadline falls back, counted; an answer for a round that moved on is discarded; the model is loaded
 when the aggregator starts."""
@@ -12,7 +12,7 @@ import pytest
 
 from fedse.config import ConfigError
 from services.aggregator.rounds import RoundKeeper
-from services.aggregator.selection import SelectionSettings
+from services.aggregator.selection.policies import SelectionSettings
 from services.aggregator.server import load_selector_model
 from services.aggregator.state import State
 from services.aggregator.store import Store

@@ -36,11 +36,11 @@ from .errors import NotAvailable, SchemaMismatch, StaleRound
 from .global_adapters import GlobalAdapters
 from .reports import MAX_METRIC_NAME_BYTES, MAX_METRICS, MetricsReports, check_report
 from .release import Records, fold_image, release_for, strategy_image
-from .round_selection import RoundSelector
+from .selection.keeper import RoundSelector
 from .schedules import DECLINED, schedule_for
 from .secure import SecureDesk
-from .selection import Policy, Selection
-from .selecting import Thinking, is_placeholder
+from .selection.policies import Policy, Selection
+from .selection.thinking import Thinking, is_placeholder
 from .state import UPLOAD_TIMES, Client, Member, RunSettings, State, restore
 from .store import Store
 from .tracking import Tracker

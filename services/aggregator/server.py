@@ -19,8 +19,8 @@ from fedse.v1 import federation_pb2_grpc as fpb_grpc
 
 from .rounds import RoundKeeper
 from .schedules import SCHEDULES, schedule_for
-from .selecting import model_agent
-from .selection import POLICIES, SelectionSettings
+from .selection.thinking import model_agent
+from .selection.policies import POLICIES, SelectionSettings
 from .servicer import FederationServicer
 from .state import RunSettings
 from .store import Store

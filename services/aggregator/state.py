@@ -21,7 +21,7 @@ from fedse.transport.inputs import shown
 from fedse.transport.serving import log_fields
 
 from .errors import NotJoined, NotSelected
-from .selection import Selection, SelectionSettings
+from .selection.policies import Selection, SelectionSettings
 from .store import Store, config_with_base
 from .strategies import BY_NAME, StrategyParams
 from .uploads import Accepted, Stream

@@ -14,12 +14,12 @@ from typing import Callable
 
 from fedse.transport.serving import log_fields
 
-from . import metrics
-from .closing import Rule
-from .selection import All, ClientHistory, Policy, Selection, SelectionInput, top_up
-from .selecting import Pending, Thinking, model_agent, placeholder
-from .state import RunSettings, RunState, State
-from .store import Store
+from .. import metrics
+from ..closing import Rule
+from .policies import All, ClientHistory, Policy, Selection, SelectionInput, top_up
+from .thinking import Pending, Thinking, model_agent, placeholder
+from ..state import RunSettings, RunState, State
+from ..store import Store
 
 log = logging.getLogger("aggregator.rounds")
 

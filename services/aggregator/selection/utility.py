@@ -31,7 +31,7 @@ import math
 import statistics
 from typing import Any
 
-from .selection_base import ClientHistory, Policy, SelectionInput, _Count, _dead, _draw, _number
+from .base import ClientHistory, Policy, SelectionInput, _Count, _dead, _draw, _number
 
 STALENESS_BONUS = 1.0  # added to a score per round since the client was last chosen
 

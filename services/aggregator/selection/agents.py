@@ -38,8 +38,8 @@ from fedse.agents.asking import AnswerError, json_object
 from fedse.agents.constrained import BoundedAsker
 from fedse.transport.serving import log_fields
 
-from .selection_base import ClientHistory, Choice, Policy, SelectionInput, _Count, _draw, _number
-from .selection_utility import Utility
+from .base import ClientHistory, Choice, Policy, SelectionInput, _Count, _draw, _number
+from .utility import Utility
 
 log = logging.getLogger("aggregator.selection")
 

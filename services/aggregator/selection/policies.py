@@ -44,10 +44,10 @@ import inspect
 import math
 from typing import Any
 
-from .selection_base import (  # noqa: F401 - re-exported: the policies' types, where they always were
+from .base import (  # noqa: F401 - re-exported: the policies' types, where they always were
     ClientHistory, Choice, Policy, Selection, SelectionInput, _Count, _age, _dead, _draw, _integer, _number)
-from .selection_utility import Utility
-from .selector_agents import AGENTS
+from .utility import Utility
+from .agents import AGENTS
 
 DEFAULT_POLICY = "all"
 NO_FLOOR = -1  # --fairness-rounds that turns the fairness floor off

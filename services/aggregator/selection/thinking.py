@@ -22,8 +22,8 @@ from typing import Callable
 
 from fedse.transport.serving import log_fields
 
-from .selection import FairnessFloor, Policy, Selection, SelectionInput, _dead
-from .selector_agents import LLMAgent
+from .policies import FairnessFloor, Policy, Selection, SelectionInput, _dead
+from .agents import LLMAgent
 
 log = logging.getLogger("aggregator.selection")
 
