@@ -61,7 +61,8 @@ def tiny_client(a: argparse.Namespace) -> tuple:
     return env, tok, model, fmt, ActionScorer(model, tok, "cpu", max_prompt_tokens=a.window, fmt=fmt, scoring=a.scoring)
 
 
-def main(argv=None) -> None:
+def arguments(argv=None) -> argparse.Namespace:
+    """The command line: the environment, the run's sizes and what the model acts on."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", default="babyai", choices=KNOWN_ENVS)
     ap.add_argument("--demos", type=int, default=20)
@@ -78,7 +79,11 @@ def main(argv=None) -> None:
     ap.add_argument("--scoring", choices=SCORINGS, default="sum", help="what ranks actions (the client's --scoring)")
     ap.add_argument("--window", type=int, default=TINY_MAX_PROMPT_TOKENS, help="prompt window (bytes)")
     ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = arguments(argv)
 
     torch.set_num_threads(a.threads)
     env, tok, model, fmt, scorer = tiny_client(a)

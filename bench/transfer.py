@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import pathlib
-import select
 import shutil
 import socket
 import statistics
@@ -57,10 +56,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent import futures
 
 import grpc
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,120 +69,19 @@ from services.aggregator.store import Store  # noqa: E402
 from services.aggregator.upload_check import UploadCheck  # noqa: E402
 from services.client_agent.federation.link import FederationClient  # noqa: E402
 
-from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK, schema  # noqa: E402  (bench/, beside this file)
+from llama_lora import BYTES_PER_LAYER, MAX_LAYERS, MODULES, RANK  # noqa: E402  (bench/, beside this file)
+# The helper processes this file starts itself as (a hidden flag), and what they share with it.
+from transfer_helpers import (BASE_MODEL, CHUNK, CONFIG_JSON, ENV, SERVICE, START_S, _recv_exact,  # noqa: E402
+                              adapter_of, round_client, serve_grpc, serve_tcp)
 
-CONFIG_JSON = json.dumps({
-    "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 16, "lora_dropout": 0.0,
-    "bias": "none", "target_modules": sorted(m.split(".")[-1] for m in MODULES),
-})
-BASE_MODEL = "llama-2-7b-bench"
-ENV = "bench"
-CHUNK = ad.CHUNK_BYTES
 FLOWER_ROUND_S = 6.9
-SERVICE = "fedsebench.Transfer"
-START_S = 120.0
-
-
-def adapter_of(layers: int, seed: int) -> ad.Adapter:
-    """PEFT state-dict names: lora_A is (r, in), lora_B is (out, r); small random fp32 values."""
-    gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=gen) * (0.01 if ".lora_A." in name else 0.001)
-            for name, shape in schema(layers).items()}
 
 
 def layers_for(mb: float) -> int:
     return max(1, min(MAX_LAYERS, round(mb * 1e6 / BYTES_PER_LAYER)))
 
 
-# ---- helper processes (this file run with a hidden flag) -------------------------------------------
-def serve_grpc(path: str) -> None:
-    """A bare gRPC server: Upload (stream of raw chunks -> 8-byte count), Download (8-byte size -> chunks)."""
-    data = pathlib.Path(path).read_bytes()
-    sink = bytearray(len(data))
-
-    def upload(request_iterator, context):
-        view, n = memoryview(sink), 0
-        for msg in request_iterator:
-            view[n:n + len(msg)] = msg
-            n += len(msg)
-        return n.to_bytes(8, "little")
-
-    def download(request, context):
-        n = int.from_bytes(request, "little")
-        for start in range(0, n, CHUNK):
-            yield data[start:min(n, start + CHUNK)]
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Upload": grpc.stream_unary_rpc_method_handler(upload),
-        "Download": grpc.unary_stream_rpc_method_handler(download),
-    }),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    print(json.dumps({"port": port}), flush=True)
-    sys.stdin.read()  # until the parent closes our stdin
-    server.stop(0).wait()
-
-
-def _recv_exact(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("peer closed early")
-        got += n
-
-
-def serve_tcp(path: str) -> None:
-    """A socket server: b'U' + 8-byte size + bytes -> b'k'; b'D' + 8-byte size -> that many bytes."""
-    data = pathlib.Path(path).read_bytes()
-    sink = bytearray(len(data))
-    lsock = socket.create_server(("127.0.0.1", 0))
-    print(json.dumps({"port": lsock.getsockname()[1]}), flush=True)
-    while True:
-        ready, _, _ = select.select([lsock, sys.stdin], [], [])
-        if sys.stdin in ready:
-            return  # the parent closed our stdin
-        conn, _ = lsock.accept()
-        with conn:
-            head = bytearray(9)
-            _recv_exact(conn, memoryview(head))
-            n = int.from_bytes(head[1:], "little")
-            if head[:1] == b"U":
-                _recv_exact(conn, memoryview(sink)[:n])
-                conn.sendall(b"k")
-            else:
-                conn.sendall(memoryview(data)[:n])
-
-
-def round_client(target: str, client_id: str, layers: int, seed: int) -> None:
-    """One client of the whole-round bench: prepares its adapter, says ready, waits for 'go' on stdin,
-    then joins, waits for OPEN, downloads phi_0, uploads, waits until the round closed; prints stamps."""
-    adapter = adapter_of(layers, seed)
-    data = ad.encode(adapter)
-    sha = ad.sha256_hex(data)  # as the agent does when it saves its trained adapter, before uploading
-    schema = ad.Schema.of(adapter, CONFIG_JSON)
-    del adapter
-    fed = FederationClient(target, client_id)
-    print("ready", flush=True)
-    sys.stdin.readline()
-    t: dict[str, float] = {"join": time.monotonic()}
-    fed.join(ENV, BASE_MODEL, schema)
-    st = fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_OPEN, timeout_s=START_S)
-    t["open"] = time.monotonic()
-    phi = fed.download(st.round)
-    t["downloaded"] = time.monotonic()
-    assert len(phi.data) == len(data)
-    t["upload"] = time.monotonic()
-    fed.upload(st.round, data, num_examples=1, num_successes=1, adapter_config_json=CONFIG_JSON,
-               round_nonce=st.round_nonce, sha256=sha)
-    t["acked"] = time.monotonic()
-    fed.wait_until(lambda s: s.state == fpb.ROUND_STATE_FINISHED or s.round > st.round, timeout_s=START_S)
-    t["closed"] = time.monotonic()
-    fed.close()
-    print(json.dumps(t), flush=True)
-
-
+# ---- helper processes (this file run with a hidden flag: transfer_helpers.py) --------------------
 class Helper:
     """This file run as a helper process; the first line of its stdout is read as JSON."""
 
@@ -392,7 +288,8 @@ def round_times(work: pathlib.Path, layers: int, index: int) -> dict[str, float]
         agg.stop()
 
 
-def main() -> None:
+def arguments() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line (and the hidden flags that start a helper process)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=80.0, help="adapter size in MB (sets the number of layers, "
                                                                f"at most {MAX_LAYERS})")
@@ -403,7 +300,69 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser, parser.parse_args()
+
+
+def print_transfers(sizes: dict[str, int], floors: dict, fed: dict) -> None:
+    """The table of transfers: each path, direction and wire dtype, against the two floors."""
+    rows: list[tuple[str, str, str, list[float]]] = []
+    for direction in ("upload", "download"):
+        for name in sizes:
+            rows.append(("raw TCP floor", direction, name, floors["tcp"][name][direction]))
+            rows.append(("gRPC floor", direction, name, floors["grpc"][name][direction]))
+            rows.append(("fedse", direction, name, fed[(direction, name)]))
+    print(f"{'path':<14} {'direction':<9} {'wire':<8} {'wire MB':>7} {'median s':>8} {'MB/s':>7} "
+          f"{'x gRPC floor':>12} {'x TCP floor':>11}  runs s")
+    for path_name, direction, name, times in rows:
+        med = statistics.median(times)
+        g = statistics.median(floors["grpc"][name][direction])
+        t = statistics.median(floors["tcp"][name][direction])
+        print(f"{path_name:<14} {direction:<9} {name:<8} {sizes[name] / 1e6:>7.1f} {med:>8.3f} "
+              f"{sizes[name] / 1e6 / med:>7.0f} {med / g:>12.2f} {med / t:>11.2f}  "
+              + " ".join(f"{x:.3f}" for x in times), flush=True)
+    print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, chunks under 4 MiB "
+          "checked (sha256, header, finite values) and written by the aggregator as they arrive, fsynced at the "
+          "end, then committed as accepted (the received file renamed); a fresh client each run")
+    print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "
+          "serves it from memory; the first bf16 download also makes the bf16 variant)", flush=True)
+
+
+def print_breakdown(steps: list[tuple[str, float, float]]) -> None:
+    """The table of where an upload's time goes."""
+    title = "where an upload's time goes (each step alone, median s)"
+    print(f"\n{title:<56} {'fp32':>7} {'bf16':>7}")
+    for name, fp32_s, bf16_s in steps:
+        print(f"{name:<56} " + " ".join(f"{x:>7.3f}" if x == x else f"{'-':>7}" for x in (fp32_s, bf16_s)))
+    counted = [(f, b) for n, f, b in steps if not n.startswith(" ") and "no fsync" not in n]
+    print(f"{'sum of the steps above, without the two for scale':<56} "
+          + " ".join(f"{sum(x for x in col if x == x):>7.3f}" for col in zip(*counted)), flush=True)
+
+
+def print_rounds(rounds: list[dict[str, float]]) -> None:
+    """The table of whole rounds, beside Flower's."""
+    print(f"\n{'whole round (2 clients, fp32)':<36} {'median s':>8} {'Flower s':>8} {'x Flower':>8}  runs s")
+    labels = {
+        "join_to_closed": "first join -> both saw it closed",
+        "upload_to_closed": "first upload -> both saw it closed",
+        "join_to_open": "  first join -> both saw it open",
+        "download": "  download of phi_0 (slower client)",
+        "upload": "  upload until ack (slower client)",
+        "aggregate": "  aggregation at the aggregator",
+    }
+    for key, label in labels.items():
+        values = [r[key] for r in rounds]
+        med = statistics.median(values)
+        flower = f"{FLOWER_ROUND_S:>8.1f} {med / FLOWER_ROUND_S:>8.2f}" if key == "join_to_closed" \
+            else f"{'':>8} {'':>8}"
+        print(f"{label:<36} {med:>8.3f} {flower}  " + " ".join(f"{x:.3f}" for x in values), flush=True)
+    print(f"# Flower 1.42 deployment runtime, same round on this machine: {FLOWER_ROUND_S} s (measured "
+          "separately); ours: a fresh aggregator process, two client processes on loopback; the aggregator "
+          "stores both uploads and phi_1 on disk, fsynced, before the round shows closed; "
+          "the aggregation runs beside the last upload's ack; the first join makes and stores phi_0", flush=True)
+
+
+def main() -> None:
+    parser, args = arguments()
     if args.serve == "grpc":
         return serve_grpc(args.file)
     if args.serve == "tcp":
@@ -439,60 +398,13 @@ def main() -> None:
             port = int(json.loads(helper.line())["port"])
             floors[kind] = {name: measure(port, data, size, args.repeats) for name, size in sizes.items()}
             helper.stop()
-        fed = federation_times(work, adapter, data, args.repeats, say)
-
-        rows: list[tuple[str, str, str, list[float]]] = []
-        for direction in ("upload", "download"):
-            for name in sizes:
-                rows.append(("raw TCP floor", direction, name, floors["tcp"][name][direction]))
-                rows.append(("gRPC floor", direction, name, floors["grpc"][name][direction]))
-                rows.append(("fedse", direction, name, fed[(direction, name)]))
-        print(f"{'path':<14} {'direction':<9} {'wire':<8} {'wire MB':>7} {'median s':>8} {'MB/s':>7} "
-              f"{'x gRPC floor':>12} {'x TCP floor':>11}  runs s")
-        for path_name, direction, name, times in rows:
-            med = statistics.median(times)
-            g = statistics.median(floors["grpc"][name][direction])
-            t = statistics.median(floors["tcp"][name][direction])
-            print(f"{path_name:<14} {direction:<9} {name:<8} {sizes[name] / 1e6:>7.1f} {med:>8.3f} "
-                  f"{sizes[name] / 1e6 / med:>7.0f} {med / g:>12.2f} {med / t:>11.2f}  "
-                  + " ".join(f"{x:.3f}" for x in times), flush=True)
-        print("# fedse upload = FederationClient.upload until the ack: client sha256 + status call, chunks under 4 MiB "
-              "checked (sha256, header, finite values) and written by the aggregator as they arrive, fsynced at the "
-              "end, then committed as accepted (the received file renamed); a fresh client each run")
-        print("# fedse download = FederationClient.download of phi_0 with its sha256 check (the aggregator "
-              "serves it from memory; the first bf16 download also makes the bf16 variant)", flush=True)
+        print_transfers(sizes, floors, federation_times(work, adapter, data, args.repeats, say))
 
         say(f"  upload steps x{args.repeats} ...")
-        steps = breakdown(work, adapter, data, args.repeats)
-        title = "where an upload's time goes (each step alone, median s)"
-        print(f"\n{title:<56} {'fp32':>7} {'bf16':>7}")
-        for name, fp32_s, bf16_s in steps:
-            print(f"{name:<56} " + " ".join(f"{x:>7.3f}" if x == x else f"{'-':>7}" for x in (fp32_s, bf16_s)))
-        counted = [(f, b) for n, f, b in steps if not n.startswith(" ") and "no fsync" not in n]
-        print(f"{'sum of the steps above, without the two for scale':<56} "
-              + " ".join(f"{sum(x for x in col if x == x):>7.3f}" for col in zip(*counted)), flush=True)
+        print_breakdown(breakdown(work, adapter, data, args.repeats))
 
         say(f"  whole round x{args.repeats} ...")
-        rounds = [round_times(work, layers, i) for i in range(args.repeats)]
-        print(f"\n{'whole round (2 clients, fp32)':<36} {'median s':>8} {'Flower s':>8} {'x Flower':>8}  runs s")
-        labels = {
-            "join_to_closed": "first join -> both saw it closed",
-            "upload_to_closed": "first upload -> both saw it closed",
-            "join_to_open": "  first join -> both saw it open",
-            "download": "  download of phi_0 (slower client)",
-            "upload": "  upload until ack (slower client)",
-            "aggregate": "  aggregation at the aggregator",
-        }
-        for key, label in labels.items():
-            values = [r[key] for r in rounds]
-            med = statistics.median(values)
-            flower = f"{FLOWER_ROUND_S:>8.1f} {med / FLOWER_ROUND_S:>8.2f}" if key == "join_to_closed" \
-                else f"{'':>8} {'':>8}"
-            print(f"{label:<36} {med:>8.3f} {flower}  " + " ".join(f"{x:.3f}" for x in values), flush=True)
-        print(f"# Flower 1.42 deployment runtime, same round on this machine: {FLOWER_ROUND_S} s (measured "
-              "separately); ours: a fresh aggregator process, two client processes on loopback; the aggregator "
-              "stores both uploads and phi_1 on disk, fsynced, before the round shows closed; "
-              "the aggregation runs beside the last upload's ack; the first join makes and stores phi_0", flush=True)
+        print_rounds([round_times(work, layers, i) for i in range(args.repeats)])
     finally:
         for h in helpers:
             h.stop()

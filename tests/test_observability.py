@@ -311,6 +311,100 @@ def grafana_to_promql(expr: str) -> str:
     return expr
 
 
+def start_federation(tmp_path, logs, ports: dict[str, int], procs: list) -> dict[str, Proc]:
+    """An env server, an aggregator of ROUNDS rounds and the CLIENTS, each serving /metrics on its
+    port of `ports`, added to `procs` as they start; returns the clients."""
+    env = Proc("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs",
+                              "maze,wordle?vocab_size=30", "--metrics-port", str(ports["env_server"])], logs)
+    procs.append(env)
+    agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port",
+                              str(ports["aggregator"]), "--state-dir", str(tmp_path / "aggregator"),
+                              "--run-id", "r", "--rounds", str(ROUNDS), "--min-clients", str(len(CLIENTS)),
+                              "--round-deadline-s", "600"], logs)
+    procs.append(agg)
+    env_port, agg_port = env.port(), agg.port()
+    clients = {}
+    for cid, env_name in CLIENTS.items():
+        clients[cid] = Proc(cid, [
+            "services.client_agent", "--client-id", cid, "--env", env_name,
+            "--env-server", f"127.0.0.1:{env_port}", "--aggregator", f"127.0.0.1:{agg_port}",
+            "--address", "127.0.0.1:0", "--metrics-port", str(ports[cid]),
+            "--state-dir", str(tmp_path / "clients"), "--expert-demos", "4", "--explore-tasks", "2",
+            "--eval-tasks", "3", "--epochs", "1", "--torch-threads", "1", "--heartbeat-interval-s", "0.5"], logs)
+        procs.append(clients[cid])
+    return clients
+
+
+def scrape_until_done(procs: list, clients: dict[str, Proc], ports: dict[str, int]) -> tuple[dict[str, str], float]:
+    """Each service's latest /metrics, scraped until the clients finish, and the moment to evaluate
+    the dashboard's queries at."""
+    # Scrape every service ourselves while the run goes, keeping each one's latest /metrics, and
+    # note the last moment every client was up with round 0 closed: the dashboard queries below
+    # are evaluated then (clients exit at the end, and Prometheus marks their series stale).
+    latest: dict[str, str] = {}
+    round1_seen = query_at = None
+    deadline = time.monotonic() + 300
+    while not all(c.popen.poll() == 0 for c in clients.values()):
+        for p in procs:
+            if p.popen.poll() not in (None, 0):
+                raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n"
+                                     f"{p.log_path.read_text()[-3000:]}")
+        assert time.monotonic() < deadline, "the federation did not finish in time"
+        now, up = time.time(), 0
+        for name, port in ports.items():
+            try:
+                latest[name] = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                up += name in CLIENTS
+            except (urllib.error.URLError, OSError):
+                pass
+        m = re.search(r"^fedse_aggregator_round (\S+)$", latest.get("aggregator", ""), re.M)
+        if round1_seen is None and m and float(m.group(1)) >= 1:
+            round1_seen = time.time()
+        if up == len(CLIENTS) and round1_seen is not None and now > round1_seen + 2:
+            query_at = now  # Prometheus (1 s scrapes) has seen round 1 open, and both clients still up
+        time.sleep(0.3)
+    assert query_at is not None, "never saw both clients up in round 1 or later"
+    return latest, query_at
+
+
+def check_what_prometheus_saw(prom, dashboard: dict, tmp_path, query_at: float) -> None:
+    """What Prometheus scraped of the run: the last round, every upload accepted, each environment's
+    held-out success as its client reported it, and data for every dashboard query."""
+    # Prometheus: the aggregator reached the last round, and still serves.
+    def agg_round() -> float:
+        r = prom.query("fedse_aggregator_round")
+        return float(r[0]["value"][1]) if r else -1.0
+    deadline = time.monotonic() + 20
+    while agg_round() < ROUNDS and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert agg_round() == ROUNDS
+    accepted = prom.query('sum(fedse_aggregator_uploads_total{outcome="accepted"})')
+    assert float(accepted[0]["value"][1]) == ROUNDS * len(CLIENTS)
+
+    # The held-out success rate per environment: what the clients reported to the aggregator.
+    reports = [json.loads(line) for line in (tmp_path / "aggregator" / "r" / "metrics.jsonl").read_text()
+               .splitlines()]
+    reported = {cid: {r["metrics"]["test_success"] for r in reports if r["client_id"] == cid} for cid in CLIENTS}
+    success = prom.query("last_over_time(fedse_client_test_success_ratio[10m]) * on (job, instance) "
+                         "group_left (client_id) last_over_time(fedse_client_info[10m])")
+    by_env = {s["metric"]["env"]: (s["metric"]["client_id"], float(s["value"][1])) for s in success}
+    assert set(by_env) == set(CLIENTS.values())
+    for env_name, (cid, value) in by_env.items():
+        assert CLIENTS[cid] == env_name
+        assert 0.0 <= value <= 1.0 and any(abs(value - v) < 1e-9 for v in reported[cid]), (cid, value)
+    rounds = prom.query("max_over_time(fedse_client_round[10m])")
+    assert len(rounds) == len(CLIENTS) and all(float(r["value"][1]) >= 1 for r in rounds)
+
+    # Every dashboard query is valid PromQL and has data from this run.
+    empty = [where for where, q in dashboard_queries(dashboard)
+             if not q.startswith("label_values") and not prom.query(grafana_to_promql(q), at=query_at)]
+    assert empty == []
+    parts = prom.query(grafana_to_promql(
+        "sum by (phase) (increase(fedse_client_phase_seconds_count[$window]))"), at=query_at)
+    assert {s["metric"]["phase"] for s in parts if float(s["value"][1]) > 0} >= {
+        "download", "eval", "explore", "train", "upload", "wait"}
+
+
 @pytest.mark.slow
 def test_prometheus_scrapes_a_federation(tmp_path):
     logs = tmp_path / "logs"
@@ -320,51 +414,8 @@ def test_prometheus_scrapes_a_federation(tmp_path):
                                  "client_agent": [ports[cid] for cid in CLIENTS]})
     procs: list[Proc] = []
     try:
-        env = Proc("env_server", ["services.env_server", "--address", "127.0.0.1:0", "--envs",
-                                  "maze,wordle?vocab_size=30", "--metrics-port", str(ports["env_server"])], logs)
-        procs.append(env)
-        agg = Proc("aggregator", ["services.aggregator", "--address", "127.0.0.1:0", "--metrics-port",
-                                  str(ports["aggregator"]), "--state-dir", str(tmp_path / "aggregator"),
-                                  "--run-id", "r", "--rounds", str(ROUNDS), "--min-clients", str(len(CLIENTS)),
-                                  "--round-deadline-s", "600"], logs)
-        procs.append(agg)
-        env_port, agg_port = env.port(), agg.port()
-        clients = {}
-        for cid, env_name in CLIENTS.items():
-            clients[cid] = Proc(cid, [
-                "services.client_agent", "--client-id", cid, "--env", env_name,
-                "--env-server", f"127.0.0.1:{env_port}", "--aggregator", f"127.0.0.1:{agg_port}",
-                "--address", "127.0.0.1:0", "--metrics-port", str(ports[cid]),
-                "--state-dir", str(tmp_path / "clients"), "--expert-demos", "4", "--explore-tasks", "2",
-                "--eval-tasks", "3", "--epochs", "1", "--torch-threads", "1", "--heartbeat-interval-s", "0.5"], logs)
-            procs.append(clients[cid])
-
-        # Scrape every service ourselves while the run goes, keeping each one's latest /metrics, and
-        # note the last moment every client was up with round 0 closed: the dashboard queries below
-        # are evaluated then (clients exit at the end, and Prometheus marks their series stale).
-        latest: dict[str, str] = {}
-        round1_seen = query_at = None
-        deadline = time.monotonic() + 300
-        while not all(c.popen.poll() == 0 for c in clients.values()):
-            for p in procs:
-                if p.popen.poll() not in (None, 0):
-                    raise AssertionError(f"{p.name} exited with {p.popen.returncode}:\n"
-                                         f"{p.log_path.read_text()[-3000:]}")
-            assert time.monotonic() < deadline, "the federation did not finish in time"
-            now, up = time.time(), 0
-            for name, port in ports.items():
-                try:
-                    latest[name] = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
-                    up += name in CLIENTS
-                except (urllib.error.URLError, OSError):
-                    pass
-            m = re.search(r"^fedse_aggregator_round (\S+)$", latest.get("aggregator", ""), re.M)
-            if round1_seen is None and m and float(m.group(1)) >= 1:
-                round1_seen = time.time()
-            if up == len(CLIENTS) and round1_seen is not None and now > round1_seen + 2:
-                query_at = now  # Prometheus (1 s scrapes) has seen round 1 open, and both clients still up
-            time.sleep(0.3)
-        assert query_at is not None, "never saw both clients up in round 1 or later"
+        clients = start_federation(tmp_path, logs, ports, procs)
+        latest, query_at = scrape_until_done(procs, clients, ports)
 
         # promtool accepts what every real service served.
         for name, text in latest.items():
@@ -375,39 +426,7 @@ def test_prometheus_scrapes_a_federation(tmp_path):
         served = set().union(*(exposition_names(t) for t in latest.values()))
         assert unknown_metrics(dashboard, served) == {}
 
-        # Prometheus: the aggregator reached the last round, and still serves.
-        def agg_round() -> float:
-            r = prom.query("fedse_aggregator_round")
-            return float(r[0]["value"][1]) if r else -1.0
-        deadline = time.monotonic() + 20
-        while agg_round() < ROUNDS and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert agg_round() == ROUNDS
-        accepted = prom.query('sum(fedse_aggregator_uploads_total{outcome="accepted"})')
-        assert float(accepted[0]["value"][1]) == ROUNDS * len(CLIENTS)
-
-        # The held-out success rate per environment: what the clients reported to the aggregator.
-        reports = [json.loads(line) for line in (tmp_path / "aggregator" / "r" / "metrics.jsonl").read_text()
-                   .splitlines()]
-        reported = {cid: {r["metrics"]["test_success"] for r in reports if r["client_id"] == cid} for cid in CLIENTS}
-        success = prom.query("last_over_time(fedse_client_test_success_ratio[10m]) * on (job, instance) "
-                             "group_left (client_id) last_over_time(fedse_client_info[10m])")
-        by_env = {s["metric"]["env"]: (s["metric"]["client_id"], float(s["value"][1])) for s in success}
-        assert set(by_env) == set(CLIENTS.values())
-        for env_name, (cid, value) in by_env.items():
-            assert CLIENTS[cid] == env_name
-            assert 0.0 <= value <= 1.0 and any(abs(value - v) < 1e-9 for v in reported[cid]), (cid, value)
-        rounds = prom.query("max_over_time(fedse_client_round[10m])")
-        assert len(rounds) == len(CLIENTS) and all(float(r["value"][1]) >= 1 for r in rounds)
-
-        # Every dashboard query is valid PromQL and has data from this run.
-        empty = [where for where, q in dashboard_queries(dashboard)
-                 if not q.startswith("label_values") and not prom.query(grafana_to_promql(q), at=query_at)]
-        assert empty == []
-        parts = prom.query(grafana_to_promql(
-            "sum by (phase) (increase(fedse_client_phase_seconds_count[$window]))"), at=query_at)
-        assert {s["metric"]["phase"] for s in parts if float(s["value"][1]) > 0} >= {
-            "download", "eval", "explore", "train", "upload", "wait"}
+        check_what_prometheus_saw(prom, dashboard, tmp_path, query_at)
     finally:
         for p in reversed(procs):
             p.stop()

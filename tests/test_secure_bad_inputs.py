@@ -45,15 +45,25 @@ def run(tmp_path):
             fed.close()
 
 
-def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
-    feds, stub, run_dir = run
-    a = feds["org-a"]
-    st = a.status()
-    nonce, run_id = st.round_nonce, st.run_id
-    ctx = secagg.context(run_id, 0, nonce)
-    me = {cid: Participant(cid, ctx) for cid in IDS}
+class Attempt:
+    """The round's secure attempt as org-a, org-b and org-c play it by hand: their federation clients
+    (org-d too, joined but silent), a raw stub, the attempt's nonce and context, and each one's
+    secagg.Participant."""
 
-    def advertise(cid, nonce=nonce, p=None):
+    def __init__(self, feds: dict[str, FederationClient], stub):
+        self.feds, self.stub = feds, stub
+        self.a = feds["org-a"]
+        st = self.a.status()
+        self.nonce, self.run_id = st.round_nonce, st.run_id
+        self.ctx = secagg.context(self.run_id, 0, self.nonce)
+        self.me = {cid: Participant(cid, self.ctx) for cid in IDS}
+
+
+def advertise_keys(t: Attempt) -> None:
+    """Stage 1: bad key advertisements refused, then every member's keys advertised."""
+    feds, stub, a, nonce, ctx, me = t.feds, t.stub, t.a, t.nonce, t.ctx, t.me
+
+    def advertise(cid, nonce=t.nonce, p=None):
         p = p or me[cid]
         feds[cid].advertise_keys(0, nonce, p.sealing.public, p.masking.public, p.self_commitment)
 
@@ -73,6 +83,10 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     assert f"secure aggregation: attempt {nonce[:8]} at sharing; org-a advertised, org-b advertised" in shown
     refused(grpc.StatusCode.FAILED_PRECONDITION, "stage of this attempt is over", lambda: advertise("org-a"))
 
+
+def share_keys(t: Attempt) -> dict[str, Member]:
+    """Stage 2: bad shares refused, then every member's shares sent; returns the roster."""
+    feds, a, nonce, me = t.feds, t.a, t.nonce, t.me
     # ---- 2. shares
     sr = a.secure_round(0, nonce)
     roster = {m.client_id: Member(m.client_id, m.index, m.encryption_key, m.masking_key, m.self_mask_commitment)
@@ -93,7 +107,13 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     for cid in IDS:
         feds[cid].share_keys(0, nonce, sealed(cid))
     wait_stage(a, fpb.SECURE_STAGE_UPLOADING)
+    return roster
 
+
+def upload_masked(t: Attempt, roster: dict[str, Member]) -> tuple[dict, dict]:
+    """Stage 3: the shares opened, bad masked uploads refused, then every member's masked adapter
+    uploaded; returns the shares each member holds and the adapters they trained."""
+    feds, a, nonce, me = t.feds, t.a, t.nonce, t.me
     # ---- 3. masked uploads
     held = {}
     for cid in IDS:
@@ -121,8 +141,15 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     for cid in IDS:
         upload(cid, masked[cid])
     wait_stage(a, fpb.SECURE_STAGE_UNMASKING)
+    return held, adapters
 
+
+def reveal_shares(t: Attempt, held: dict) -> None:
+    """Stage 4: bad reveals refused, then two of three members reveal (the threshold) and the round
+    closes; a reveal replayed after that is refused."""
+    feds, stub, a, nonce = t.feds, t.stub, t.a, t.nonce
     # ---- 4. unmasking
+
     def reveal(cid, tamper=None):
         out = [fpb.RevealedShare(client_id=v, kind=fpb.SHARE_KIND_SELF_MASK, share=held[cid][v][0]) for v in IDS]
         if tamper:
@@ -154,6 +181,16 @@ def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
     st = a.wait_until(lambda s: s.round == 1 or s.state == fpb.ROUND_STATE_FINISHED, timeout_s=30)
     refused(grpc.StatusCode.FAILED_PRECONDITION, "another round nonce",
             lambda: feds["org-c"].unmask(0, nonce, reveal("org-c")))  # replayed after the round closed
+
+
+def test_every_stage_refuses_bad_input_and_the_round_goes_on(run):
+    feds, stub, run_dir = run
+    attempt = Attempt(feds, stub)
+    advertise_keys(attempt)
+    roster = share_keys(attempt)
+    held, adapters = upload_masked(attempt, roster)
+    reveal_shares(attempt, held)
+    a, me = attempt.a, attempt.me
     glob = ad.decode(a.download(1).data)
     for name in base_adapter():
         want = sum(adapters[c][name].double() for c in IDS) / 3
