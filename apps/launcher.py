@@ -32,7 +32,7 @@ import sys
 import time
 from typing import IO, Any
 
-from fedse.config import to_argv
+from fedse.config import plain, to_argv
 from fedse.machine import available_cores
 from fedse.v1 import federation_pb2 as fpb
 from apps.display import Display
@@ -70,7 +70,8 @@ def settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings that shape a run (a RunConfig as a dict), as JSON holds them, less where it is
     written, what the trackers call it and how its folder was claimed: a run resumes only one with
     equal settings."""
-    return {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ("results", "replace", "run_name")}
+    return {k: v for k, v in json.loads(json.dumps(plain(config))).items()
+            if k not in ("results", "replace", "run_name")}
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any] | None:

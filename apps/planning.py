@@ -15,7 +15,7 @@ import json
 import pathlib
 from typing import Any, Sequence, TypeVar
 
-from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse
+from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse, plain
 from fedse.model.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
 from fedse.security.admission import Security
 from services.aggregator.server import AggregatorConfig
@@ -377,4 +377,4 @@ def client_settings(cfg: RunConfig) -> dict[str, dict[str, Any]]:
             config = client_config(cfg, c, LOOPBACK, LOOPBACK, pathlib.Path(cfg.results) / "state", threads=1)
             out[c.client_id] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                                 if f.name not in PLACE_SETTINGS}
-    return json.loads(json.dumps(out))
+    return json.loads(json.dumps(plain(out)))

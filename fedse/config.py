@@ -47,9 +47,24 @@ class Count(int):
     def __str__(self) -> str:
         return "all" if self is ALL else int.__repr__(self)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy of ALL is ALL (dataclasses.asdict copies deeply)
+        return Count, (str(self),)
+
 
 
 ALL = int.__new__(Count, 0)
+
+
+def plain(value: Any) -> Any:
+    """`value` as JSON should hold it: ALL as "all" (JSON would write the 0 it equals, which reads as
+    "none"), in dicts, lists and tuples too."""
+    if value is ALL:
+        return "all"
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def refuse_zero(value: int, flag: str, what: str) -> None:

@@ -1,10 +1,13 @@
 """Configuration from flags and environment; the persisted trajectory buffer."""
 
+import copy
+import dataclasses
+import json
 import os
 
 import pytest
 
-from fedse.config import ALL, ConfigError, parse, to_argv
+from fedse.config import ALL, ConfigError, parse, plain, to_argv
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.training.buffer import Buffer, Trajectory
 from services.client_agent.config import ClientConfig
@@ -45,6 +48,10 @@ def test_eval_tasks_takes_a_number_or_all_and_refuses_a_zero_that_reads_as_none(
     assert parse(ClientConfig, [*base, "--eval-tasks", "7"], environ={}).eval_tasks == 7
     # A process started with another's flags gets the same setting: ALL travels as "all".
     assert parse(ClientConfig, to_argv(every), environ={}).eval_tasks is ALL
+    # Copied (dataclasses.asdict copies deeply) it stays ALL, and JSON records it as "all", not as the 0
+    # it equals, which would read as none.
+    assert copy.deepcopy(every).eval_tasks is ALL and dataclasses.asdict(every)["eval_tasks"] is ALL
+    assert json.loads(json.dumps(plain({"eval_tasks": ALL, "n": [ALL, 3]}))) == {"eval_tasks": "all", "n": ["all", 3]}
     with pytest.raises(ConfigError, match="--eval-tasks 0 would mean no test task evaluated: give how many, or 'all'"):
         parse(ClientConfig, [*base, "--eval-tasks", "0"], environ={})
     with pytest.raises(ConfigError, match="FEDSE_EVAL_TASKS: expected a number or 'all', got 'most'"):

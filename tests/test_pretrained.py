@@ -105,7 +105,7 @@ def test_the_conversion_is_a_checked_directory_that_loads_without_gguf_as_the_gg
         script = ("import sys; sys.modules['gguf'] = None\n" if name == "directory" else "") + (
             "import torch\n"
             "torch.set_num_threads(2)\n"
-            "from fedse import pretrained\n"
+            "from fedse.model import pretrained\n"
             "from services.client_agent.model.loading import load_base\n"
             f"model, tok = {load}\n"
             f"ids = tok({PROMPT!r}, return_tensors='pt')\n"
