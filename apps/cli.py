@@ -42,6 +42,9 @@ def _stop(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICES:  # before the signal handlers below: a service installs its own
+        from apps.processes import die_with_parent
+
+        die_with_parent()
         return service(argv[0], argv[1:])
     signal.signal(signal.SIGTERM, _stop)
     # Ctrl-C too, even where the parent ran us with SIGINT ignored (Python then leaves it ignored).

@@ -101,7 +101,7 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             path.mkdir(parents=True, exist_ok=True)
             # An interrupted run with these settings goes on; any other earlier run is moved aside.
             rc = dataclasses.replace(rc, replace=cfg.fresh or not resumes(rc))
-            with open(path / "progress.log", "w") as log:
+            with open(path / "progress.log", "w" if rc.replace else "a") as log:  # a resumed run's goes on
                 results = run_federation(rc, out=log)
             if not results["complete"]:  # a table of runs that lost clients would compare unlike things
                 raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "

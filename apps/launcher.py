@@ -19,7 +19,9 @@ stopped. Whatever ends the run (every client done, a failure, Ctrl-C), results.j
 success.png hold every round every client reported, and results.json says which clients failed;
 the mean over environments is given for the rounds every environment reported (collect()). The
 launcher learns what the aggregators know (who joined, what each client reported) through their
-GetRunStatus, as any operator's tool would.
+GetRunStatus, as any operator's tool would; a status shows each client's latest report only, so a
+resumed run's reports from before its interruption are read from the aggregators' state (each
+report is recorded there once), and its results.json holds every round, as an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from apps.logs import progress_texts
 from apps.planning import (Client, Federation, RunConfig, aggregator_config, client_config, client_settings,
                            env_server_config, plan)
 from apps.processes import Proc, stop_all
+from services.aggregator.store import Store
 from apps.results import (POLL_S, Failure, RunWatch, closing_words, collect, describe_failure, env_rows,
                           failure_text, plot, reported)
 
@@ -179,13 +182,15 @@ class Launch:
         members = [(f, c) for f in self.feds for c in f.clients]
         env_servers = {c: self.process(f"env_server-{c.label}", "env-server", env_server_config(self.cfg, c))
                        for _, c in members}
-        aggregators = {f.name: self.process(f.name, "aggregator", aggregator_config(self.cfg, f, self.state))
-                       for f in self.feds}
+        agg_cfgs = {f.name: aggregator_config(self.cfg, f, self.state) for f in self.feds}
+        aggregators = {name: self.process(name, "aggregator", c) for name, c in agg_cfgs.items()}
         env_ports = {c: p.port() for c, p in env_servers.items()}
         agg_ports = {name: p.port() for name, p in aggregators.items()}
         self.say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
                  + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
         self.watch = RunWatch({name: f"127.0.0.1:{port}" for name, port in agg_ports.items()})
+        for c in agg_cfgs.values():  # a resumed run's reports from before it was interrupted, from its state
+            self.watch.add(Store(pathlib.Path(c.state_dir), c.run_id).metrics_reports())
         # The clients share this machine's cores; each gets its share (at least one thread).
         threads = max(1, available_cores() // len(members))
         for f, c in members:

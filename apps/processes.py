@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pathlib
 import signal
 import subprocess
+import threading
 import sys
 import time
 from typing import IO
@@ -14,6 +16,23 @@ from typing import IO
 SERVICE_START_S = 120.0
 # Seconds a stopping process gets between SIGTERM and SIGKILL.
 STOP_GRACE_S = 10.0
+# The launcher's pid, set in its services' environment: each dies with it (die_with_parent).
+PARENT_ENV = "FEDSE_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Where the launcher started this process (PARENT_ENV), has Linux SIGKILL it when the launcher
+    dies. The services run in their own sessions (a Ctrl-C reaches the launcher alone, which stops
+    them in order), so a SIGKILL to the launcher's process group (a batch system's time limit) would
+    otherwise leave them running, still writing to the run's state when the run is resumed. Set here
+    rather than in a preexec_fn, which is unsafe in the launcher's threaded process."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(parent):  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Proc:
@@ -24,6 +43,10 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[bytes] = open(self.log_path, "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Linux signals a child when the *thread* that started it ends: only one started by the main
+        # thread, which lives as long as the launcher, is tied to it.
+        if threading.current_thread() is threading.main_thread():
+            env[PARENT_ENV] = str(os.getpid())
         self.popen = subprocess.Popen([sys.executable, "-m", *argv], stdout=self._log, stderr=subprocess.STDOUT,
                                       env=env, start_new_session=True)
 

@@ -45,6 +45,12 @@ class RunWatch:
                 if c.metrics_round >= 0:
                     self._reports[c.client_id, c.metrics_round] = dict(sorted(c.metrics.items()))
 
+    def add(self, recorded: list[tuple[str, int, dict[str, float]]]) -> None:
+        """Adds reports an aggregator recorded before, as (client_id, round, metrics): a resumed run's
+        from before its interruption, which no status shows again."""
+        for cid, rnd, metrics in recorded:
+            self._reports[cid, rnd] = dict(sorted(metrics.items()))
+
     def reports(self) -> list[dict[str, Any]]:
         """Every report seen, as {"client_id", "round", "metrics"}."""
         return [{"client_id": cid, "round": rnd, "metrics": m} for (cid, rnd), m in self._reports.items()]
