@@ -115,5 +115,6 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     write_outputs(summary, runs, root)
     say("\n" + summary["table"])
     say(f"\ndone in {time.monotonic() - started:.0f}s; wrote {root / 'table.md'}, {root / 'results.csv'}, "
-        f"{root / 'methods.png'}, {root / 'ablations.png'}, {root / 'bytes.png'}")
+        f"{root / 'methods.png'}, {root / 'ablations.png'}, {root / 'bytes.png'}, "
+        f"{root / 'why.png'}, {root / 'rounds.csv'}")
     return summary

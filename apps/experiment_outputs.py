@@ -1,5 +1,6 @@
 """`fedse experiment`'s files in --results: table.md, results.csv, summary.json and the plots
-(success per round per environment for each group of methods, and adapter bytes per round)."""
+(success per round per environment for each group of methods, and adapter bytes per round); the
+round-by-round why.png and rounds.csv come from experiment_rounds."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import statistics
 from typing import Any
 
 from apps.experiment_methods import BY_KEY, METHODS, PRETRAINED
+from apps.experiment_rounds import write_rounds
 
 
 def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
@@ -28,6 +30,7 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
         plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ranks"],
                     root / "ranks.png", "Fed-SE (every client at rank 8) and mixed ranks 4/16/8")
     plot_bytes(summary, root / "bytes.png")
+    write_rounds(summary, runs, root)
     (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
 
 

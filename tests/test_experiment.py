@@ -136,7 +136,7 @@ def test_quick_experiment_writes_table_csv_and_plots_and_reuses_finished_runs(tm
     assert all(r["env"] == "maze" and r["round"] in ("0", "1") for r in rows)
     sent = {r["method"]: float(r["upload_bytes"]) for r in rows if r["upload_bytes"]}
     assert sent["LoRA rank 2"] < sent["Fed-SE"] < sent["LoRA rank 16"]
-    for png in ("methods.png", "ablations.png", "bytes.png"):
+    for png in ("methods.png", "ablations.png", "bytes.png", "why.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["methods"]) == {ex.PRETRAINED, *names}
