@@ -80,9 +80,11 @@ def model_cost(base_model: str) -> Cost:
                 demo_epoch_s=SMOLLM2.demo_epoch_s * scale, round_s=SMOLLM2.round_s)
 
 
+@functools.lru_cache(maxsize=None)
 def machine_speed(seconds: float = 0.6) -> float:
     """This machine's single-threaded fp32 matmul rate in FLOP/s: the best of four runs of about a
-    quarter of `seconds` each (the others' share of the cores, where other work runs, is left out)."""
+    quarter of `seconds` each (the others' share of the cores, where other work runs, is left out).
+    Measured once per process: an experiment's forecast and each of its runs ask it again."""
     import torch
 
     from fedse.machine import matmul_peak

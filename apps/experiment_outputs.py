@@ -8,11 +8,10 @@ import csv
 import json
 import math
 import pathlib
-import statistics
 from typing import Any
 
 from apps.experiment_methods import BY_KEY, METHODS, PRETRAINED
-from apps.experiment_rounds import write_rounds
+from apps.experiment_rounds import mean_band, write_rounds
 
 
 def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
@@ -63,10 +62,7 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
         for name in shown:
             per_round = summary["curves"][name][panel]
             xs = [t for t, vals in enumerate(per_round) if any(v is not None for v in vals)]
-            vals = [[100 * v for v in per_round[t] if v is not None] for t in xs]
-            ax.plot(xs, [statistics.mean(v) for v in vals], marker="o", markersize=3, label=name)
-            if len(summary["seeds"]) > 1:
-                ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15)
+            mean_band(ax, xs, [[100 * v for v in per_round[t] if v is not None] for t in xs], name)
         ax.set_title(panel)
         ax.set_xlabel("round (0 = base model)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

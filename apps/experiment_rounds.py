@@ -83,12 +83,7 @@ def plot_why(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path,
             if not per_round:
                 continue
             xs = sorted(per_round)
-            vals = [[scale * v for v in per_round[t]] for t in xs]
-            ax.plot(xs, [statistics.mean(v) for v in vals], marker="o", markersize=3, label=name,
-                    color=colours[name])
-            if any(len(v) > 1 for v in vals):
-                ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15,
-                                color=colours[name])
+            mean_band(ax, xs, [[scale * v for v in per_round[t]] for t in xs], name, colours[name])
         drawn[metric] = ax.get_legend_handles_labels()[1]
         ax.set_ylabel(label)
         ax.set_xlabel("round (0 = base model)" if metric == "test_success" else "round")
@@ -103,6 +98,14 @@ def plot_why(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
+
+
+def mean_band(ax: Any, xs: list[int], vals: list[list[float]], label: str, color: Any = None) -> None:
+    """One method's line on `ax`: the mean of each x's values, and their min..max as a band where an x
+    has more than one (the seeds')."""
+    ax.plot(xs, [statistics.mean(v) for v in vals], marker="o", markersize=3, label=label, color=color)
+    if any(len(v) > 1 for v in vals):
+        ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15, color=color)
 
 
 def write_rounds(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],

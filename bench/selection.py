@@ -61,8 +61,8 @@ class SlowLaunch(launcher.Launch):
         return super().process(name, service, config)
 
 
-def run_one(cfg: RunConfig) -> dict:
-    launch = SlowLaunch(cfg, open(os.devnull, "w"))
+def run_fresh(launch: launcher.Launch) -> dict:
+    """Runs `launch` in its emptied results folder (a benchmark's run is never resumed): its results."""
     shutil.rmtree(launch.dir, ignore_errors=True)
     launch.logs.mkdir(parents=True)
     try:
@@ -70,6 +70,12 @@ def run_one(cfg: RunConfig) -> dict:
         launch.follow()
     finally:
         results = launch.finish()
+    return results
+
+
+def run_one(cfg: RunConfig) -> dict:
+    launch = SlowLaunch(cfg, open(os.devnull, "w"))
+    results = run_fresh(launch)
     state = launch.state / "aggregator" / "local"
     run = json.loads((state / "run.json").read_text())
     updates = [p for p in state.glob("uploads/*/*.json") if not p.name.endswith(".part.json")]

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from apps import launcher  # noqa: E402
 from apps.planning import RunConfig  # noqa: E402
 from apps.processes import Proc  # noqa: E402
+from bench.selection import run_fresh  # noqa: E402
 from fedse.config import to_argv  # noqa: E402
 from fedse.machine import describe_cpu  # noqa: E402
 
@@ -89,13 +89,7 @@ def shares(selections: list[dict], rounds: int) -> tuple[float, dict[int, list[s
 def run_one(cfg: RunConfig) -> dict:
     """One run, then what its aggregator recorded (`analyse`)."""
     launch = AdversarialLaunch(cfg, open(os.devnull, "w"))
-    shutil.rmtree(launch.dir, ignore_errors=True)
-    launch.logs.mkdir(parents=True)
-    try:
-        launch.start()
-        launch.follow()
-    finally:
-        launch.finish()
+    run_fresh(launch)
     return analyse(launch.dir)
 
 

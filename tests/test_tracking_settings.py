@@ -166,3 +166,13 @@ def test_mlflow_paths_become_sqlite_stores_and_a_bad_settings_file_is_one_clear_
     with pytest.raises(ConfigError, match="needs the alembic package.*pip install fedse.track"):
         parse(AggregatorConfig, ["--track", f"mlflow:{tmp_path / 'runs'}"], environ={})
     parse(AggregatorConfig, ["--track", "mlflow:http://mlflow:5000"], environ={})  # a server needs neither
+
+
+def test_values_keep_their_type_and_all_says_all():
+    from fedse.config import ALL, Count
+    from services.aggregator.tracked_settings import public_settings
+
+    assert public_settings({"lr": 0.003, "lora_r": 8, "keep": False, "eval_tasks": ALL, "tasks": Count("5"),
+                            "envs": ("maze", "wordle"), "track": "mlflow:http://u:p@host"}) == {
+        "envs": "maze,wordle", "eval_tasks": "all", "keep": False, "lora_r": 8, "lr": 0.003, "tasks": 5,
+        "track": "mlflow:http://***@host"}

@@ -20,6 +20,8 @@ import pathlib
 import re
 from typing import Any, Union
 
+from fedse.config import ALL
+
 Value = Union[bool, int, float, str]
 
 SECRET_WORDS = ("token", "key", "secret", "password", "credential")  # settings never sent, whatever they hold
@@ -36,7 +38,7 @@ def typed(value: Any) -> Value:
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return int(value)  # a Count is an int
+        return str(value) if value is ALL else int(value)  # a Count's ALL says "all", not the 0 it equals
     if isinstance(value, float):
         return value
     if isinstance(value, (tuple, list)):
