@@ -82,12 +82,3 @@ def progress_texts(clients: dict[Client, Proc]) -> dict[str, str]:
             texts[c.client_id] = describe(entry)
     return texts
 
-
-def progress_lines(clients: dict[Client, Proc], seen: dict[str, str]) -> list[str]:
-    """progress_texts' "client: text" lines, for those whose text changed since `seen` (updated)."""
-    lines = []
-    for cid, text in progress_texts(clients).items():
-        if seen.get(cid) != text:
-            seen[cid] = text
-            lines.append(f"{cid}: {text}")
-    return lines

@@ -102,11 +102,6 @@ def round_mean(rows: dict[str, list[dict[str, Any]]], envs: list[str], rnd: int)
     return sum(row["test_success"] * row["test_tasks"] for row in found) / max(1.0, tasks)
 
 
-def success_table(rows: dict[str, list[dict[str, Any]]], envs: list[str], rounds: int) -> str:
-    head, lines = table_lines(rows, envs, rounds)
-    return "\n".join(head + lines)
-
-
 def table_lines(rows: dict[str, list[dict[str, Any]]], envs: list[str], rounds: int) -> tuple[list[str], list[str]]:
     """The success table as (its head: column names and rule; one row per round from 0, an
     environment's cell "-" until it reported the round, the mean's until all of them did)."""

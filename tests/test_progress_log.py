@@ -3,9 +3,11 @@ end, read back from a log's end and shown in words by `fedse run`."""
 
 from __future__ import annotations
 
+import io
 import logging
 
-from apps.logs import progress_lines
+from apps.display import Display
+from apps.logs import progress_texts
 from apps.planning import Client
 from fedse.progress import PhaseProgress, describe, duration, last_progress
 from fedse.transport.serving import JsonFormatter
@@ -100,9 +102,13 @@ def test_fedse_run_shows_what_changed_of_each_running_client(tmp_path):
     clients = {Client(f"org-{name}", (name,)): Proc(path) for name, path in logs.items()}
     log = json_logger(logs["maze"], "progress-test-2")
     PhaseProgress(log, "evaluating", 20, "episodes", env="maze", round=2)
-    seen: dict[str, str] = {}
-    assert progress_lines(clients, seen) == ["org-maze: round 2 evaluating maze: 0/20 episodes, 0s"]
-    assert progress_lines(clients, seen) == []  # nothing new
+    out = io.StringIO()  # not a terminal: lines are appended, those that changed only
+    display = Display(out, ["maze", "wordle"], 1)
+    display.progress(progress_texts(clients))
+    assert out.getvalue().endswith("] org-maze: round 2 evaluating maze: 0/20 episodes, 0s\n")
+    shown = out.getvalue()
+    display.progress(progress_texts(clients))
+    assert out.getvalue() == shown  # nothing new
 
 
 def test_a_phase_that_runs_the_model_says_its_tokens_per_second_and_padding(tmp_path):
