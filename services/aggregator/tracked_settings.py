@@ -20,7 +20,7 @@ import pathlib
 import re
 from typing import Any, Union
 
-from fedse.config import ALL
+from fedse.config import plain
 
 Value = Union[bool, int, float, str]
 
@@ -35,10 +35,11 @@ def is_secret(name: str) -> bool:
 
 def typed(value: Any) -> Value:
     """A setting's value as the trackers take it: bool, int, float or str."""
+    value = plain(value)  # a Count's ALL says "all", not the 0 it equals
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return str(value) if value is ALL else int(value)  # a Count's ALL says "all", not the 0 it equals
+        return int(value)
     if isinstance(value, float):
         return value
     if isinstance(value, (tuple, list)):
