@@ -53,11 +53,18 @@ PRETRAINED = "Pre-trained"
 # in under 15 minutes on a 2-core CPU machine with the embedded tiny model; "cpu-real" runs the
 # paper's table (no ablations) with SmolLM2-135M on a 2-core CPU in about 2 hours; "full" is for a
 # GPU machine and a real model (--base-model /path/to/model): all five environments and all test tasks.
+# "long" is the paper's T = 20 rounds with the tiny model on all five environments, three seeds and 20
+# test tasks each (a task is 5 points): hours on a 2-core CPU, resumed by running it again; "long-real"
+# is the same for SmolLM2-135M on three environments, sized for a GPU (on 2 CPU cores: days).
 BUDGETS: dict[str, dict[str, Any]] = {
     "quick": {"envs": "maze,wordle?vocab_size=30", "methods": "all", "seeds": 2, "rounds": 3, "expert_demos": 10,
               "explore_tasks": 16, "eval_tasks": ALL, "epochs": 2, "lr": 3e-3},
     "cpu-real": {"envs": "maze,babyai", "methods": "local,centralized,fedit,fedse", "seeds": 1, "rounds": 1,
                  "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 10, "epochs": 2, "lr": 2e-3},
+    "long": {"envs": "maze,wordle,babyai,textcraft,webshop", "methods": "local,centralized,fedit,fedse", "seeds": 3,
+             "rounds": 20, "expert_demos": 20, "explore_tasks": 16, "eval_tasks": 20, "epochs": 2, "lr": 3e-3},
+    "long-real": {"envs": "babyai,maze,wordle", "methods": "local,centralized,fedit,fedse", "seeds": 3, "rounds": 20,
+                  "expert_demos": 10, "explore_tasks": 8, "eval_tasks": 20, "epochs": 2, "lr": 2e-3},
     "full": {"envs": "babyai,webshop,textcraft,maze,wordle", "methods": "all", "seeds": 3, "rounds": 5,
              "expert_demos": 20, "explore_tasks": 32, "eval_tasks": ALL, "epochs": 2, "lr": 3e-3},
 }
@@ -71,7 +78,9 @@ class ExperimentConfig:
 
     budget: str = field("quick", "'quick' (under 15 min on a 2-core CPU with the tiny model), 'cpu-real' "
                                  "(SmolLM2-135M on a 2-core CPU, the paper's table without ablations, about two "
-                                 "hours) or 'full' (GPU machine, real model: all five environments, all test tasks)")
+                                 "hours), 'long' (the tiny model, 20 rounds, five environments, three seeds: hours), "
+                                 "'long-real' (the same for a real model on three environments: a GPU's) or 'full' "
+                                 "(GPU machine, real model: all five environments, all test tasks)")
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                              + " ('all' = the paper's methods and ablations; 'selectors' = fedse and the client "
                                "selectors, each taking half the clients a round; 'ranks' = fedse at rank 8 beside "

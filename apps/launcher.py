@@ -69,12 +69,23 @@ class RunFolderError(RuntimeError):
     """--results names a folder whose run this one must not overwrite."""
 
 
+def _as_json(value: Any) -> Any:
+    return json.loads(json.dumps(plain(value)))
+
+
+def _defaults() -> dict[str, Any]:
+    return {f.name: _as_json(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+            for f in dataclasses.fields(RunConfig)}
+
+
 def settings(config: dict[str, Any]) -> dict[str, Any]:
     """The settings that shape a run (a RunConfig as a dict), as JSON holds them, less where it is
-    written, what the trackers call it and how its folder was claimed: a run resumes only one with
-    equal settings."""
-    return {k: v for k, v in json.loads(json.dumps(plain(config))).items()
-            if k not in ("results", "replace", "run_name")}
+    written, what the trackers call it and how its folder was claimed, and less those at their
+    defaults: a run resumes only one with equal settings, and one recorded before a setting existed
+    equals one with that setting at its default (the behaviour it had then)."""
+    defaults = _defaults()
+    return {k: v for k, v in _as_json(config).items()
+            if k not in ("results", "replace", "run_name") and not (k in defaults and v == defaults[k])}
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any] | None:
@@ -134,7 +145,8 @@ def claim(cfg: RunConfig, say: Any) -> None:
                              "aside and start again")
     elif earlier is not None and earlier[0] != mine:
         other = ("unknown settings" if earlier[0] is None else "other settings ("
-                 + ", ".join(f"--{k.replace('_', '-')}" for k in sorted(mine) if earlier[0].get(k) != mine[k]) + ")")
+                 + ", ".join(f"--{k.replace('_', '-')}" for k in sorted({*mine, *earlier[0]})
+                               if earlier[0].get(k) != mine.get(k)) + ")")
         raise RunFolderError(f"{folder} holds an interrupted run with {other}: pass its settings to resume it, "
                              "another --results, or --replace to move it aside")
     elif earlier is not None:
@@ -144,7 +156,8 @@ def claim(cfg: RunConfig, say: Any) -> None:
             log.rename(kept / log.name)
         say(f"resuming the interrupted run in {folder}")
     (folder / "logs").mkdir(parents=True, exist_ok=True)
-    (folder / "run.json").write_text(json.dumps({"config": {"results": cfg.results, **mine},
+    every = {k: v for k, v in _as_json(dataclasses.asdict(cfg)).items() if k not in ("replace", "run_name")}
+    (folder / "run.json").write_text(json.dumps({"config": every,
                                                  "clients": client_settings(cfg)}, indent=2))
 
 

@@ -101,6 +101,25 @@ def test_an_interrupted_run_with_other_settings_is_refused(tmp_path):
     assert json.loads((tmp_path / "results" / "run.json").read_text())["config"]["rounds"] == 2
 
 
+def test_a_run_recorded_before_a_setting_existed_resumes_with_it_at_its_default(tmp_path):
+    """An interrupted run recorded by an older fedse lacks the settings added since; at their
+    defaults they change nothing, so upgrading mid-experiment resumes it (another value refuses)."""
+    cfg = config(tmp_path)
+    interrupted(cfg)
+    for name in ("run.json", "results.json"):
+        path = tmp_path / "results" / name
+        record = json.loads(path.read_text())
+        del record["config"]["scoring"]  # as if --scoring came later
+        path.write_text(json.dumps(record))
+    assert resumes(cfg)
+    other = dataclasses.replace(cfg, scoring="sum")
+    assert not resumes(other)
+    with pytest.raises(RunFolderError, match=r"other settings \(--scoring\)"):
+        launcher.run(other, out=io.StringIO())
+    launcher.run(cfg, out=io.StringIO())
+    assert json.loads((tmp_path / "results" / "run.json").read_text())["config"]["scoring"] == "auto"
+
+
 def test_state_without_recorded_settings_is_refused(tmp_path):
     (tmp_path / "results" / "state").mkdir(parents=True)
     with pytest.raises(RunFolderError, match="interrupted run with unknown settings"):
