@@ -117,7 +117,7 @@ def run_seconds(cfg: RunConfig, speed: float, cores: int | None = None) -> float
     """The expected wall time of `cfg` on a machine of `speed` (machine_speed) and `cores` cores."""
     cost = model_cost(cfg.base_model)
     clients = [c for f in plan(cfg) for c in f.clients]
-    counts = all_test_tasks(cfg.envs)
+    counts = all_test_tasks(",".join(cfg.env_specs().values()))  # less the :N of members
     work = 0.0
     for c in clients:
         work += cost.start_s + cost.round_s * (cfg.rounds + 1)
@@ -171,7 +171,14 @@ class Forecast:
         """The next run ended after `seconds`."""
         self.spent.append(seconds)
 
-    def left_s(self) -> float:
+    def scale(self) -> float:
+        """How the finished runs' times compared with their estimates (1 before any finished)."""
         ran = len(self.spent)
-        scale = sum(self.spent) / max(1e-9, sum(self.estimates[:ran])) if ran else 1.0
-        return scale * sum(self.estimates[ran:])
+        return sum(self.spent) / max(1e-9, sum(self.estimates[:ran])) if ran else 1.0
+
+    def left_s(self) -> float:
+        return self.scale() * sum(self.estimates[len(self.spent):])
+
+    def after_current_s(self) -> float:
+        """The time left for the runs after the one under way."""
+        return self.scale() * sum(self.estimates[len(self.spent) + 1:])

@@ -45,6 +45,7 @@ from typing import IO, Any
 from apps.estimate import Forecast, words
 from apps.experiment_methods import (  # noqa: F401 - re-exported: the methods and settings, where they always were
     BUDGET_FIELDS, BUDGETS, BY_KEY, GROUPS, METHODS, PRETRAINED, ExperimentConfig, Method)
+from apps.experiment_progress import RunProgress, roster
 from apps.experiment_outputs import (  # noqa: F401 - re-exported: the files, where they always were
     plot_bytes, plot_curves, write_csv, write_outputs)
 from apps.experiment_scores import (  # noqa: F401 - re-exported: the scores and table, where they always were
@@ -88,6 +89,9 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     say(f"experiment: {len(methods)} methods x {len(seeds)} seeds on {', '.join(cfg.env_list())}, "
         f"{cfg.setting('rounds')} rounds, budget {cfg.budget}; runs in {root / 'runs'}/")
     forecast = Forecast(rc for job, rc in configs.items() if job not in kept)
+    for line in roster([run_name(m, s) for m, s in jobs if (m.key, s) in kept],
+                       [run_name(m, s) for m, s in jobs if (m.key, s) not in kept]):
+        say(line)
     say(forecast.line(f"{len(jobs) - len(kept)} of its {len(jobs)} runs to run"))
     for i, (method, seed) in enumerate(jobs, 1):
         rc = configs[method.key, seed]
@@ -102,7 +106,8 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             # An interrupted run with these settings goes on; any other earlier run is moved aside.
             rc = dataclasses.replace(rc, replace=cfg.fresh or not resumes(rc))
             with open(path / "progress.log", "w" if rc.replace else "a") as log:  # a resumed run's goes on
-                results = run_federation(rc, out=log)
+                follow = RunProgress(run_name(method, seed), cfg.env_list(), rc.rounds, forecast, say)
+                results = run_federation(rc, out=log, on_rows=follow)
             if not results["complete"]:  # a table of runs that lost clients would compare unlike things
                 raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "
                                    f"{path / 'progress.log'} (the next fedse experiment runs it again)")

@@ -32,7 +32,7 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from fedse.config import plain, to_argv
 from fedse.machine import available_cores
@@ -165,8 +165,8 @@ class Launch:
     """One local run: its processes, what their aggregators show, the clients that failed and why
     the launcher ended (part of) the run early."""
 
-    def __init__(self, cfg: RunConfig, out: IO[str]):
-        self.cfg, self.out = cfg, out
+    def __init__(self, cfg: RunConfig, out: IO[str], on_rows: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None):
+        self.cfg, self.out, self.on_rows = cfg, out, on_rows
         self.dir = pathlib.Path(cfg.results)
         self.state, self.logs = self.dir / "state", self.dir / "logs"
         self.feds = plan(cfg)
@@ -249,12 +249,16 @@ class Launch:
             new = self.note_failures()
             self.stop_unopenable()
             seen = self.reports()
-            if len(seen) != shown or new:
+            tick = time.monotonic() - read_at >= self.display.progress_every_s
+            changed = len(seen) != shown or bool(new)
+            if changed:
                 shown = len(seen)
                 self.show_table()
-            if time.monotonic() - read_at >= self.display.progress_every_s:
+            if tick:
                 read_at = time.monotonic()
                 self.display.progress(progress_texts(self.clients))
+            if self.on_rows is not None and (tick or changed):
+                self.on_rows(env_rows(seen, self.client_envs))
             if all(p.popen.poll() is not None for p in self.clients.values()):
                 return
             time.sleep(POLL_S)
@@ -285,12 +289,15 @@ class Launch:
         return results
 
 
-def run(cfg: RunConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
+def run(cfg: RunConfig, out: IO[str] = sys.stdout,
+        on_rows: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None) -> dict[str, Any]:
     """Runs the federation until every client agent has exited, then writes and returns its results
     (collect()). A client that fails is reported and recorded, and the others go on; on Ctrl-C (or
     any other exception) the results so far are written before the exception goes on up. It never
-    overwrites another run's folder (claim()): it resumes an interrupted one with its settings."""
-    launch = Launch(cfg, out)
+    overwrites another run's folder (claim()): it resumes an interrupted one with its settings.
+    `on_rows`, if given, is called with the rows reported so far (results.env_rows) as reports come
+    in and on the progress clock (how `fedse experiment` follows its runs)."""
+    launch = Launch(cfg, out, on_rows)
     claim(cfg, launch.say)
     try:
         launch.start()

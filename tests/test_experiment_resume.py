@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def test_killed_between_rounds_the_experiment_resumes_to_the_same_table_and_adap
     assert not (out / "runs" / "fedse-seed0" / "results.json").exists()
     said = experiment(out)
     assert "Fed-SE, seed 0: running" in said
+    assert re.search(r"fedse-seed0: resumed after round [01] of 2\n", said), said  # progress names the run
+    assert re.search(r"fedse-seed0: round 2 of 2 in, held-out success \d+\.\d%; this run about", said), said
     assert "resuming the interrupted run" in (out / "runs" / "fedse-seed0" / "progress.log").read_text()
     assert outcome(out) == uninterrupted
 
@@ -97,5 +100,6 @@ def test_killed_inside_a_round_the_experiment_keeps_finished_runs_and_resumes(tm
     killed_when(out, lambda: log.exists() and training in log.read_text(errors="replace"))
     said = experiment(out)
     assert "Fed-SE, seed 0: kept from an earlier run" in said and "FedIT, seed 0: running" in said
+    assert "runs done: 1 (fedse-seed0)\nruns to run: 1 (fedit-seed0)\n" in said
     assert "resuming the interrupted run" in (out / "runs" / "fedit-seed0" / "progress.log").read_text()
     assert outcome(out) == uninterrupted
