@@ -14,12 +14,14 @@ from fedse.security.admission import Security, shown_for
 # The services: `fedse NAME` runs the one of `python -m MODULE`, with the same flags and FEDSE_*
 # variables (images, manifests and `fedse run` start them this way).
 SERVICES = {"aggregator": "services.aggregator", "env-server": "services.env_server",
-            "client": "services.client_agent"}
+            "client": "services.client_agent", "client-host": "services.client_host"}
 
 # What `fedse`, `fedse -h` and `fedse --help` print.
 USAGE = ("usage: fedse aggregator [options]     the aggregator service (fedse aggregator --help)\n"
          "       fedse env-server [options]     the environments' gRPC server (fedse env-server --help)\n"
          "       fedse client [options]         one organisation's client agent (fedse client --help)\n"
+         "       fedse client-host [options]    many client agents in one process over one base model "
+         "(fedse client-host --help)\n"
          "       fedse run [options]            run a whole federation locally (fedse run --help)\n"
          "       fedse experiment [options]     the paper's methods and ablations over seeds: table, CSV, "
          "plots\n"

@@ -18,7 +18,9 @@ by `sample`, `utility`, `agent-tools` or `agent-llm` (every client evaluates the
 Mixed ranks (--methods ranks) are Fed-SE with the clients at LoRA ranks 4, 16 and 8 in turn (alpha =
 2 x rank), combined by `hlora` (the exact sum of the products, each client taking its best rank) and
 by `zero-pad` (the zero-padded factors' mean, the naive baseline HetLoRA builds on), beside Fed-SE with every
-client at rank 8.
+client at rank 8. The variants (--methods variants) are Fed-SE with one part of its round changed within
+the method: 3 tries per exploration task, a learning rate falling over the rounds, and the seed
+demonstrations kept at half of what each round trains on.
 
 All methods share seeds, tasks and budgets: for each seed the runs start from the same base model
 and phi_0 and see the same training and test tasks. The score of a run is the held-out success of
@@ -26,11 +28,13 @@ its last global adapter phi_T; an environment's average is micro-averaged over t
 method runs once per seed and the table shows mean +- sample standard deviation over seeds.
 
 Output in --results: table.md (the paper's layout), results.csv (every run, environment and
-round), methods.png, ablations.png, selectors.png and ranks.png (success per round per environment), bytes.png (adapter
+round), methods.png, ablations.png, selectors.png, variants.png and ranks.png (success per round per environment), bytes.png (adapter
 bytes each client sends per round), and runs/<method>-seed<k>/ with each run's own results and
 logs. A run whose results.json exists with the same settings is not run again, and one it
 interrupted resumes, so an interrupted experiment picks up where it stopped (--fresh runs everything
 again; an earlier run's files are moved aside to runs/<method>-seed<k>.replaced-<time>, never deleted).
+As it goes it names the runs done and to run, and says each round that every environment reported,
+with the time left (apps.experiment_progress).
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ METHODS: tuple[Method, ...] = (
     Method("utility", "utility (Oort) half", "selection", {"selector": "utility", "selection_fraction": 0.5}),
     Method("agent-tools", "agent-tools half", "selection", {"selector": "agent-tools", "selection_fraction": 0.5}),
     Method("agent-llm", "agent-llm half", "selection", {"selector": "agent-llm", "selection_fraction": 0.5}),
+    # Fed-SE with one part of its round changed, within the method (--methods variants).
+    Method("tries3", "3 tries per task", "variants", {"explore_tries": 3}),
+    Method("lr-cosine", "rate falling over rounds", "variants", {"round_lr": "cosine"}),
+    Method("expert-half", "demonstrations kept at half", "variants", {"expert_share": 0.5}),
     # Fed-SE with clients at mixed LoRA ranks (4, 16, 8 in turn; Fed-SE itself: every client at rank 8).
     Method("hlora", "hlora, ranks 4/16/8", "ranks", {"strategy": "hlora", "lora_ranks": "4,16,8"}),
     Method("zero-pad", "zero-pad, ranks 4/16/8", "ranks", {"strategy": "zero-pad", "lora_ranks": "4,16,8"}),
@@ -44,7 +48,8 @@ METHODS: tuple[Method, ...] = (
 )
 BY_KEY = {m.key: m for m in METHODS}
 # What --methods accepts besides method keys.
-GROUPS = {"all": [m.key for m in METHODS if m.group not in ("selection", "ranks")],
+GROUPS = {"all": [m.key for m in METHODS if m.group not in ("selection", "ranks", "variants")],
+          "variants": ["fedse"] + [m.key for m in METHODS if m.group == "variants"],
           "selectors": ["fedse"] + [m.key for m in METHODS if m.group == "selection"],
           "ranks": ["fedse", "hlora", "zero-pad"]}
 PRETRAINED = "Pre-trained"
@@ -84,7 +89,9 @@ class ExperimentConfig:
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                              + " ('all' = the paper's methods and ablations; 'selectors' = fedse and the client "
                                "selectors, each taking half the clients a round; 'ranks' = fedse at rank 8 beside "
-                               "hlora and zero-pad with clients at ranks 4, 16 and 8; Pre-trained comes with fedse; "
+                               "hlora and zero-pad with clients at ranks 4, 16 and 8; 'variants' = fedse beside 3 "
+                               "tries per exploration task, a rate falling over the rounds and the demonstrations "
+                               "kept at half the training data; Pre-trained comes with fedse; "
                                "'' = the budget's)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
@@ -133,8 +140,11 @@ class ExperimentConfig:
         """The environments' names (a spec's options are not part of its name)."""
         from services.env_server.registry import RegistryError, parse_specs
 
-        try:
-            return [spec.name for spec in parse_specs(self.setting("envs"))]
+        from fedse.splits import split_members
+
+        try:  # an environment's :N (its members) is not part of its name
+            parts = [split_members(part)[0] for part in self.setting("envs").split(",") if part.strip()]
+            return [spec.name for spec in parse_specs(",".join(parts))]
         except RegistryError as exc:
             raise ConfigError(f"--envs: {exc}") from None
 

@@ -25,6 +25,9 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
     if any(s["group"] == "selection" for s in summary["methods"].values()):
         plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "selection"],
                     root / "selectors.png", "Fed-SE (every client a round) and the selectors (half)")
+    if any(s["group"] == "variants" for s in summary["methods"].values()):
+        plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "variants"],
+                    root / "variants.png", "Fed-SE and its variants within the method")
     if any(s["group"] == "ranks" for s in summary["methods"].values()):
         plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ranks"],
                     root / "ranks.png", "Fed-SE (every client at rank 8) and mixed ranks 4/16/8")

@@ -119,7 +119,11 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                      + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
     ref = scored.get("Fed-SE")
+    if ref and "FedIT" in scored:  # the paper's claim: self-evolution above static federated tuning
+        lines += ["", f"Fed-SE - FedIT: {_cell(*_paired_gain(ref['avg'], scored['FedIT']['avg']), n, signed=True)} "
+                      "points on the average (paired over seeds)."]
     for group, head, fedse in (("ablation", "Variant", "Fed-SE (rank 8)"), ("selection", "Selector", "Fed-SE (all)"),
+                               ("variants", "Within the method", "Fed-SE"),
                                ("ranks", "Mixed ranks", "Fed-SE (every client at rank 8)")):
         variants = [name for name, s in scored.items() if s["group"] == group]
         if not variants:

@@ -193,13 +193,17 @@ class Launch:
         first how long the run should take (apps.estimate)."""
         self.say(estimate_line(run_seconds(self.cfg, machine_speed())))
         members = [(f, c) for f in self.feds for c in f.clients]
-        env_servers = {c: self.process(f"env_server-{c.label}", "env-server", env_server_config(self.cfg, c))
-                       for _, c in members}
+        # One env server per set of environments: the members sharing an environment's tasks share its server.
+        hosts = {c.envs: c for _, c in members}
+        served = {envs: self.process(f"env_server-{'+'.join(envs)}", "env-server", env_server_config(self.cfg, c))
+                  for envs, c in hosts.items()}
         agg_cfgs = {f.name: aggregator_config(self.cfg, f, self.state) for f in self.feds}
         aggregators = {name: self.process(name, "aggregator", c) for name, c in agg_cfgs.items()}
-        env_ports = {c: p.port() for c, p in env_servers.items()}
+        ports = {envs: p.port() for envs, p in served.items()}
+        env_ports = {c: ports[c.envs] for _, c in members}
         agg_ports = {name: p.port() for name, p in aggregators.items()}
-        self.say(f"env servers on {', '.join(f'{c.label}:{port}' for c, port in env_ports.items())}; "
+        where = [f"{'+'.join(envs)}:{port}" for envs, port in ports.items()]
+        self.say(f"env servers on {', '.join(where)}; "
                  + ", ".join(f"{name} on {port}" for name, port in agg_ports.items()))
         self.watch = RunWatch({name: f"127.0.0.1:{port}" for name, port in agg_ports.items()})
         for c in agg_cfgs.values():  # a resumed run's reports from before it was interrupted, from its state

@@ -3,9 +3,10 @@ action scoring of each client (scoring_for).
 
 --topology says who federates with whom, which is all that tells the paper's methods apart beside
 the client settings (--explore-tasks, --keep, --history, --lora-r): "federated" (one client per
-environment, one aggregator: Fed-SE, FedIT), "local" (each client alone with its own aggregator,
-nothing averaged across clients: Local) or "centralized" (one client holding every environment:
-Centralized).
+environment, one aggregator: Fed-SE, FedIT; or several members per environment, --clients or NAME:N
+in --envs, each with a share of its training tasks, --task-split), "local" (each client alone with
+its own aggregator, nothing averaged across clients: Local) or "centralized" (one client holding
+every environment: Centralized).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Sequence, TypeVar
 from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse, plain
 from fedse.model.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
 from fedse.security.admission import Security
+from fedse.splits import split_members
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.config import ClientConfig
 from services.env_server.server import EnvServerConfig
@@ -57,7 +59,15 @@ class RunConfig:
                                                               "built-in or installed plugin by name, "
                                                               "NAME=package.module:factory or "
                                                               "NAME=agentgym:PROFILE@URL, each with ?KEY=VALUE&... "
-                                                              "options (e.g. wordle?vocab_size=30)")
+                                                              "options (e.g. wordle?vocab_size=30), each may end "
+                                                              "in :N, N members sharing its training tasks "
+                                                              "(e.g. babyai:40,wordle?vocab_size=30:4; see "
+                                                              "--clients)")
+    clients: int = field(0, "with --topology federated: this many clients in all, spread over the environments as "
+                            "evenly as possible (the first ones take the remainder), the members of each sharing "
+                            "its training tasks (--task-split) and evaluating the same test tasks (0 = one client "
+                            "per environment, or the :N of --envs)")
+    task_split: str = setting(ClientConfig, "task_split")
     demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
                            "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
     rounds: int = setting(AggregatorConfig, "rounds")
@@ -86,11 +96,14 @@ class RunConfig:
     async_max_staleness: int = setting(AggregatorConfig, "async_max_staleness")
     expert_demos: int = setting(ClientConfig, "expert_demos")
     explore_tasks: int = setting(ClientConfig, "explore_tasks")
-    topology: str = field("federated", "'federated' (one client per environment, one aggregator), 'local' (each "
-                                       "client alone with its own aggregator) or 'centralized' (one client "
-                                       "holding every environment)")
+    topology: str = field("federated", "'federated' (one client per environment, or its members: --clients; one "
+                                       "aggregator), 'local' (each client alone with its own aggregator) or "
+                                       "'centralized' (one client holding every environment)")
     keep: str = setting(ClientConfig, "keep")
     history: str = setting(ClientConfig, "history")
+    explore_tries: int = setting(ClientConfig, "explore_tries")
+    round_lr: str = setting(ClientConfig, "round_lr")
+    expert_share: float = setting(ClientConfig, "expert_share")
     lora_r: int = setting(ClientConfig, "lora_r")
     lora_alpha: int = setting(ClientConfig, "lora_alpha")
     guardian: bool = setting(ClientConfig, "guardian")
@@ -122,8 +135,9 @@ class RunConfig:
             raise ConfigError(f"--rounds must be at least 1, got {self.rounds}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"--topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
-        if self.secure_aggregation and (self.topology != "federated" or len(self.env_list()) < 2):
-            raise ConfigError("--secure-aggregation needs --topology federated and two environments or more: "
+        self.check_members()
+        if self.secure_aggregation and (self.topology != "federated" or sum(self.members().values()) < 2):
+            raise ConfigError("--secure-aggregation needs --topology federated and two clients or more: "
                               "a secure round averages two clients' adapters or more")
         ranks = self.rank_pairs()
         if ranks and not self.mixed_ranks():
@@ -223,14 +237,43 @@ class RunConfig:
         return self.max_lora_rank or max([self.lora_r, *self.rank_pairs().values()]) or DEFAULT_TOP_RANK
 
     def env_specs(self) -> dict[str, str]:
-        """Each environment's name and its spec as the env server takes it (parsed only: __post_init__
-        checked that each can be served); ConfigError for a malformed spec."""
+        """Each environment's name and its spec as the env server takes it, less the :N of its members
+        (parsed only: __post_init__ checked that each can be served); ConfigError for a malformed spec."""
         from services.env_server import registry
 
         try:
-            return {spec.name: spec.text for spec in registry.parse_specs(self.envs)}
+            return {spec.name: spec.text for spec in registry.parse_specs(",".join(s for s, _ in self.env_parts()))}
         except registry.RegistryError as exc:
             raise ConfigError(f"--envs: {exc}") from None
+
+    def env_parts(self) -> list[tuple[str, int]]:
+        """--envs as (spec, members given: N where it ends in :N, else 0), in order (split_members)."""
+        return [split_members(part) for part in self.envs.split(",") if part.strip()]
+
+    def members(self) -> dict[str, int]:
+        """Each environment's number of members (clients sharing its training tasks): its :N in --envs,
+        else --clients spread as evenly as possible (the first environments take the remainder), else 1."""
+        envs = list(self.env_specs())
+        given = [n for _, n in self.env_parts()]
+        if self.clients:
+            base, extra = divmod(self.clients, len(envs))
+            return {env: base + (i < extra) for i, env in enumerate(envs)}
+        return {env: n or 1 for env, n in zip(envs, given)}
+
+    def check_members(self) -> None:
+        """--clients and the :N of --envs: ConfigError where they cannot be planned."""
+        given = [n for _, n in self.env_parts() if n]  # split_members refuses a :0
+        if self.clients < 0:
+            raise ConfigError(f"--clients must be 0 (one client per environment) or more, got {self.clients}")
+        if (self.clients or given) and self.topology != "federated":
+            raise ConfigError(f"--clients and the :N of --envs give environments several members, which needs "
+                              f"--topology federated, not {self.topology}")
+        if self.clients and given:
+            raise ConfigError("give environments their members either as NAME:N in --envs or with --clients, not "
+                              "both")
+        if self.clients and self.clients < len(self.env_list()):
+            raise ConfigError(f"--clients {self.clients} is fewer than the {len(self.env_list())} environments: "
+                              "each environment needs a client at least")
 
     def env_list(self) -> list[str]:
         return list(self.env_specs()) if self.envs.strip() else []
@@ -249,15 +292,18 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Client:
-    """A client agent to start: its id and the environments it holds (its env server hosts them)."""
+    """A client agent to start: its id, the environments it holds (its env server hosts them) and,
+    for one of several members of an environment, its share of the training tasks ("K/N")."""
 
     client_id: str
     envs: tuple[str, ...]
+    share: str = ""
 
     @property
     def label(self) -> str:
-        """Names its processes and logs: env_server-maze, client_agent-maze+wordle."""
-        return "+".join(self.envs)
+        """Names its processes and logs: env_server-maze, client_agent-maze+wordle; a member's
+        client_agent-babyai-03 (its id less org-)."""
+        return self.client_id.removeprefix("org-") if self.share else "+".join(self.envs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +322,17 @@ def plan(cfg: RunConfig) -> list[Federation]:
         return [Federation(f"aggregator-{e}", f"local-{e}", (Client(f"org-{e}", (e,)),)) for e in envs]
     if cfg.topology == "centralized":
         return [Federation("aggregator", "local", (Client("org-central", tuple(envs)),))]
-    return [Federation("aggregator", "local", tuple(Client(f"org-{e}", (e,)) for e in envs))]
+    return [Federation("aggregator", "local", tuple(c for e, n in cfg.members().items() for c in env_members(e, n)))]
+
+
+def env_members(env: str, n: int) -> list[Client]:
+    """The `n` clients sharing environment `env`'s training tasks: org-ENV alone with all of them, else
+    org-ENV-00 .. org-ENV-<n-1> (zero-padded), member K with share "K/n"."""
+    if n == 1:
+        return [Client(f"org-{env}", (env,))]
+    width = max(2, len(str(n - 1)))
+    return [Client(f"org-{env}-{k:0{width}d}", (env,), f"{k}/{n}") for k in range(n)]
+
 
 TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (docs/results.md)
 
@@ -357,7 +413,7 @@ def client_config(cfg: RunConfig, client: Client, env_server: str, aggregator: s
     settings = {**cfg.passed_on(ClientConfig), "lora_r": lora_r, "lora_alpha": lora_alpha,
                 "secure_tolerate_colluders": 0}
     return service_config(ClientConfig, client_id=client.client_id, env=",".join(client.envs), env_server=env_server,
-                          aggregator=aggregator, address=LOOPBACK, metrics_port=-1, state_dir=str(state / "clients"),
+                          task_share=client.share, aggregator=aggregator, address=LOOPBACK, metrics_port=-1, state_dir=str(state / "clients"),
                           **settings, scoring=scoring_for(cfg.scoring, client.envs, cfg.base_model),
                           seed=cfg.seed, torch_threads=threads,
                           demos=tuple(path for e in client.envs for path in demos.get(e, [])))

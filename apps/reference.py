@@ -11,8 +11,9 @@ import pathlib
 import sys
 
 # Each command, in the order `fedse --help` lists them; `fedse certs` has a page section per step.
-COMMANDS = [[], ["aggregator"], ["env-server"], ["client"], ["run"], ["experiment"], ["tasks"], ["status"], ["doctor"],
-            ["model"], ["certs"], *[["certs", step] for step in ("init", "request", "sign", "issue", "members", "show")]]
+COMMANDS = [[], ["aggregator"], ["env-server"], ["client"], ["client-host"], ["run"], ["experiment"], ["tasks"],
+            ["status"], ["doctor"], ["model"], ["certs"],
+            *[["certs", step] for step in ("init", "request", "sign", "issue", "members", "show")]]
 WIDTH = "100"
 HEADER = """# Command-line reference
 

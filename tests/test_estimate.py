@@ -70,7 +70,7 @@ def test_an_experiments_time_left_follows_how_its_finished_runs_compared_with_th
 def test_an_experiment_says_its_total_before_its_first_run(tmp_path, monkeypatch):
     said: list[str] = []
 
-    def stop(cfg, out):  # the first run: what was said before it is all that is checked
+    def stop(cfg, out, **_kw):  # the first run: what was said before it is all that is checked
         said.append("first run")
         raise KeyboardInterrupt
 
@@ -80,5 +80,6 @@ def test_an_experiment_says_its_total_before_its_first_run(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         ex.run(cfg, out=out)
     lines = out.getvalue().splitlines()
-    assert lines[1].startswith("2 of its 2 runs to run: about ") and "expected on this machine" in lines[1]
-    assert "left in all" in lines[2] and said == ["first run"]
+    assert lines[1:3] == ["runs done: 0", "runs to run: 2 (fedse-seed0, local-seed0)"]
+    assert lines[3].startswith("2 of its 2 runs to run: about ") and "expected on this machine" in lines[3]
+    assert "left in all" in lines[4] and said == ["first run"]

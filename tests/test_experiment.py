@@ -59,6 +59,8 @@ def test_table_has_the_papers_layout_with_spread_and_paired_gains():
     assert lines[4] == "| Pre-trained | 10.0 ± 14.1 | 5.0 ± 7.1 | 7.5 ± 3.5 | - |"
     assert lines[5] == "| FedIT | 40.0 ± 14.1 | 5.0 ± 7.1 | 22.5 ± 3.5 | +15.0 ± 0.0 |"  # a gain beyond the noise
     assert lines[6] == "| Fed-SE | 70.0 ± 14.1 | 10.0 ± 14.1 | 40.0 ± 0.0 | +32.5 ± 3.5 |"
+    # The paper's claim in one line: Fed-SE's paired gain over FedIT (+20 and +15 points).
+    assert "Fed-SE - FedIT: +17.5 ± 3.5 points on the average (paired over seeds)." in lines
     ablation = [line for line in lines if line.startswith("| w/o success filter")]
     assert ablation == ["| w/o success filter | 5.0 ± 7.1 | 0.0 ± 0.0 | 2.5 ± 3.5 | -37.5 ± 3.5 | 0.50 |"]
     assert any(line.startswith("| Fed-SE (rank 8) |") and line.endswith("| - | 2.00 |") for line in lines)
@@ -97,7 +99,14 @@ def test_settings_come_from_the_budget_unless_given():
     assert ex.ExperimentConfig(budget="cpu-real", methods="fedse", lr=5e-4).run_config(
         ex.BY_KEY["fedse"], seed=0, results=pathlib.Path("x")).lr == 5e-4
     # quick: the paper's methods and ablations; the selectors when asked for, beside Fed-SE
-    assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS if m.group not in ("selection", "ranks")]
+    assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS
+                                                   if m.group not in ("selection", "ranks", "variants")]
+    assert ex.ExperimentConfig(methods="variants").method_keys() == ["fedse", "tries3", "lr-cosine", "expert-half"]
+    long = ex.ExperimentConfig(budget="long")  # the paper's T = 20 on all five environments; a test task is 5 points
+    assert (long.setting("rounds"), long.setting("seeds"), long.setting("eval_tasks"), len(long.env_list())) == \
+        (20, 3, 20, 5)
+    tries = long.run_config(ex.BY_KEY["tries3"], seed=1, results=pathlib.Path("x"))
+    assert (tries.explore_tries, tries.round_lr, tries.rounds) == (3, "constant", 20)
     assert ex.ExperimentConfig(methods="selectors").method_keys() == ["fedse", "sample", "utility", "agent-tools",
                                                                       "agent-llm"]
     sampled = ex.ExperimentConfig(methods="selectors").run_config(ex.BY_KEY["agent-tools"], 0, pathlib.Path("x"))

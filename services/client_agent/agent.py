@@ -39,10 +39,11 @@ the model, the environments, the state directory, joining the run and resuming.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 import resource
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 import torch
@@ -56,6 +57,7 @@ from fedse.v1 import federation_pb2 as fpb
 from services.client_agent.training import demos as demo_files
 from services.client_agent.training import guardian
 from services.client_agent.model import loading as mdl
+from services.client_agent.model.shared import SharedModel, shared_settings
 from services.client_agent.training.buffer import Buffer, Trajectory
 from services.client_agent.config import ClientConfig
 from services.client_agent.playing.envclient import EnvClient, EnvInfo
@@ -66,7 +68,7 @@ from services.client_agent.metrics import (FLOPS, LORA_RANK, MFU, PEAK_FLOPS, PR
                                            init_client)
 from services.client_agent.phases import RoundPhases
 from services.client_agent.playing.episodes import Player
-from services.client_agent.playing.prompts import TokenCache, default_max_prompt_tokens, is_tiny, make_format
+from services.client_agent.playing.prompts import is_tiny
 from services.client_agent.resume import Progress, Resume, decide_resume
 from services.client_agent.playing.rollout import expert_policy
 from services.client_agent.rounds import RoundLoop
@@ -90,14 +92,18 @@ def count_work(phase: str, kind: str | None, tokens: int, flops: float) -> None:
 class ClientAgent(RoundLoop, RoundPhases, AdapterExchange):
     """One organisation's Fed-SE client: `run` joins the run and plays it to the end."""
 
-    def __init__(self, config: ClientConfig, demos: dict[str, list[Trajectory]] | None = None):
+    def __init__(self, config: ClientConfig, demos: dict[str, list[Trajectory]] | None = None,
+                 shared: SharedModel | None = None):
         """`demos`: the --demos files' demonstrations by environment (demos.load_demos), where the
         caller read them already; else they are read here, first, so that a malformed file stops the
-        client (demos.DemoError, a ConfigError) before it loads a model or joins a run."""
+        client (demos.DemoError, a ConfigError) before it loads a model or joins a run. `shared`: the
+        model, where a client host lends it (model.shared; its settings must be this config's, and the
+        host has set torch's threads); else the agent loads its own."""
         self.cfg = config
         self.demos = demos if demos is not None else demo_files.load_demos(config.demos, config.env_list())
         init_client(config.client_id, config.env)
-        torch.set_num_threads(config.torch_threads or available_cores())
+        if shared is None:
+            torch.set_num_threads(config.torch_threads or available_cores())
         self.state = StateDir(pathlib.Path(config.state_dir) / config.client_id)
         names = config.env_list()
         env_server = EnvClient(config.env_server, names[0], security=None if config.env_server_plain else config,
@@ -106,24 +112,21 @@ class ClientAgent(RoundLoop, RoundPhases, AdapterExchange):
         self.fed = FederationClient(config.aggregator, config.client_id, transport_dtype=config.transport_dtype,
                                     security=config)
         self.heartbeat = Heartbeat(self.fed, config.heartbeat_interval_s or DEFAULT_HEARTBEAT_INTERVAL_S)
-        with PhaseProgress(log, "loading the model", None, "", base_model=config.base_model):
-            base, self.tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
-            self.sizing: guardian.Sizing | None = None
-            if config.guardian:  # before Join: the rank it joins with is the guardian's choice
-                config = self.cfg = self.sized(base, config)
+        self.sizing: guardian.Sizing | None = None
+        if shared is None:
+            with PhaseProgress(log, "loading the model", None, "", base_model=config.base_model):
+                base, tokenizer = mdl.load_base(config.base_model, config.device or None, seed=config.seed)
+                if config.guardian:  # before Join: the rank it joins with is the guardian's choice
+                    config = self.cfg = self.sized(base, config)
+            shared = SharedModel(config, base, tokenizer)
+        elif shared.settings != shared_settings(config):
+            raise ValueError(f"the shared model was built for {shared.settings}, not {shared_settings(config)}")
         LORA_RANK.set(config.lora_r)
         TRAIN_BATCH_TOKENS.set(config.train_batch_tokens)
-        self.model = mdl.add_lora(base, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                                  target_modules=config.lora_targets(), seed=config.seed)
-        self.device = next(self.model.parameters()).device
-        self.precision = mdl.run_in(config.precision, self.model, self.device)
-        self.max_prompt_tokens = default_max_prompt_tokens(self.model)
-        # One tokenizer cache for the prompt format's window checks, the scorer and training: the
-        # prompt a window check tokenized is the one the scorer then scores.
-        self.tokenize = TokenCache(self.tokenizer)
-        self.fmt = make_format(self.model, self.tokenizer, config.max_history, self.max_prompt_tokens, self.tokenize)
-        # The format where the agent writes its own ReAct text (environments that list no actions).
-        self.react_fmt = self.fmt.as_react()
+        self.shared = shared
+        self.model, self.tokenizer, self.device = shared.model, shared.tokenizer, shared.device
+        self.precision, self.max_prompt_tokens = shared.precision, shared.max_prompt_tokens
+        self.tokenize, self.fmt, self.react_fmt = shared.tokenize, shared.fmt, shared.react_fmt
         self.writes: set[str] = set()  # the environments that list no actions (run() asks the env server)
         self.player = Player(config, self.model, self.tokenizer, self.precision, self.max_prompt_tokens, self.fmt,
                              self.react_fmt, self.tokenize)
@@ -146,6 +149,18 @@ class ClientAgent(RoundLoop, RoundPhases, AdapterExchange):
         self.progress: Progress | None = None
         self.loaded_round: int | None = None  # the global adapter the model holds unchanged, if any
 
+    @contextlib.contextmanager
+    def model_use(self) -> Iterator[None]:
+        """Exclusive use of the model for the block (SharedModel.use): a round's phases from loading the
+        global adapter to the trained adapter saved. Where another member of a client host used the model
+        since, its LoRA weights are not the ones this agent loaded: the global adapter is loaded again
+        (`loaded_round` forgotten) and the scorer's caches, computed under those weights, go."""
+        with self.shared.use(self) as changed:
+            if changed:
+                self.loaded_round = None
+                self.player.scorer.forget()
+            yield
+
     def sized(self, base, config: ClientConfig) -> ClientConfig:
         """The config with the guardian's rank, micro-batch and precision (sizing.choose_sizing): the largest
         that fit this machine, up to the run's maximum rank where the run takes mixed ranks, at the run's
@@ -159,9 +174,10 @@ class ClientAgent(RoundLoop, RoundPhases, AdapterExchange):
 
     # ---- environments ----------------------------------------------------------------------
     def env_tasks(self, env: EnvClient, info: EnvInfo | None = None) -> EnvTasks:
-        """The environment's training tasks, the test tasks evaluated (the first --eval-tasks) and
-        its capabilities (`info`, from ListEnvironments; an expert and listed actions if not given)."""
-        return env_tasks(env, self.cfg.eval_tasks, info)
+        """The environment's training tasks (this member's share, with --task-share), the test tasks
+        evaluated (the first --eval-tasks) and its capabilities (`info`, from ListEnvironments; an
+        expert and listed actions if not given)."""
+        return env_tasks(env, self.cfg.eval_tasks, info, self.cfg.task_share, self.cfg.task_split, self.cfg.seed)
 
     def capabilities(self) -> dict[str, EnvInfo]:
         """What each of this client's environments offers (tasks.capabilities); records the

@@ -7,6 +7,7 @@ import dataclasses
 from fedse.config import ALL, SCORINGS, ConfigError, Count, field, refuse_zero
 from fedse.security.admission import Security
 from fedse.model.pretrained import TINY_MODEL_NAME
+from fedse.splits import parse_share, split_for
 
 # What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
 KEEP_MODES = ("successes", "all")
@@ -64,7 +65,22 @@ class ClientConfig(Security):
     history: str = field("cumulative", "what round t trains on: 'cumulative' (D_t = D_{t-1} plus round t's kept "
                                        "trajectories, the paper) or 'round' (ablation 'no history': the expert "
                                        "demonstrations D_0 plus round t's kept trajectories only)")
+    explore_tries: int = field(1, "attempts at each exploration task per round, each drawn afresh at --temperature; "
+                                  "the first success of a task is kept (more tries find successes on tasks the "
+                                  "model rarely solves)")
+    round_lr: str = field("constant", "the rate each round trains at: 'constant' (--lr, the paper's), 'cosine' "
+                                      "(--lr falling to a tenth by the last round) or 'halving:K' (halved every K rounds)")
+    expert_share: float = field(0.0, "the least share of the training trajectories that the seed demonstrations "
+                                     "make up, repeated as needed once exploration has grown the buffer (0 = as "
+                                     "the buffer holds them, the paper's)")
     eval_tasks: Count = field(ALL, "held-out test tasks evaluated per round: a number, or 'all'")
+    task_share: str = field("", "'K/N': this client is member K (0-based) of N members sharing each of its "
+                                "environments' training tasks, each member a disjoint share (--task-split; the "
+                                "held-out test tasks are every member's); '' = all tasks")
+    task_split: str = field("iid", "with --task-share, how the members share the training tasks, computed from "
+                                   "--seed alike in every member: 'iid' (a seeded shuffle dealt round-robin) or "
+                                   "'dirichlet:ALPHA' (per task type, the members' proportions drawn from "
+                                   "Dirichlet(ALPHA): a small ALPHA, e.g. 0.1, gives each member few types)")
     concurrency: int = field(0, "episodes run at once, whose turns' prompts share the model's passes (0 = 16 for the "
                                 "tiny model and on GPUs; 4 for a real model on CPU, where each episode keeps its "
                                 "previous turn's KV cache, so that those caches stay in --score-cache-mb)")
@@ -156,6 +172,7 @@ class ClientConfig(Security):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         refuse_zero(self.eval_tasks, "--eval-tasks", "test task evaluated")
+        self._check_share()
         if not self.lr > 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if self.temperature <= 0:
@@ -196,9 +213,25 @@ class ClientConfig(Security):
         if self.keep not in KEEP_MODES:
             raise ConfigError(f"--keep must be 'successes' (the success filter) or 'all' (no filter), "
                               f"got {self.keep!r}")
+        if self.explore_tries < 1:
+            raise ConfigError(f"--explore-tries must be at least 1, got {self.explore_tries}")
+        if not 0 <= self.expert_share < 1:
+            raise ConfigError(f"--expert-share must be in [0, 1): the least share of the training trajectories, "
+                              f"got {self.expert_share}")
+        from services.client_agent.training.round_lr import round_lr_for
+        round_lr_for(self.round_lr)
         if self.history not in HISTORY_MODES:
             raise ConfigError(f"--history must be 'cumulative' (the paper) or 'round' (no history), "
                               f"got {self.history!r}")
+
+    def _check_share(self) -> None:
+        """--task-share and --task-split (fedse.splits), a ConfigError naming the flag where one is malformed."""
+        for flag, check, value in (("--task-share", parse_share, self.task_share),
+                                   ("--task-split", split_for, self.task_split)):
+            try:
+                check(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag}: {exc}") from None
 
     @property
     def signs_keys(self) -> bool:

@@ -93,6 +93,15 @@ for _phase in ("eval", "explore"):
         WRITTEN.labels(_phase, _outcome)
 
 
+# A client host (services.client_host) runs many clients in one process: the metrics above are then the
+# host's (counters add up its members' work; a gauge of one client shows the member that set it last).
+HOST_MEMBERS = prometheus_client.Gauge(
+    "fedse_client_host_members", "A client host's members by outcome: running (not ended yet), done (their run "
+                                 "finished) or failed (0 in a lone client agent).", ["outcome"])
+for _outcome in ("running", "done", "failed"):
+    HOST_MEMBERS.labels(_outcome)
+
+
 def init_client(client_id: str, env: str) -> None:
     """Records the client's identity. (The success gauge is not created at zero here: it appears with
     the first evaluation, so a dashboard never shows a success rate nobody measured.)"""

@@ -25,11 +25,16 @@ from services.client_agent.model import loading as mdl
 from services.client_agent.playing.prompts import is_tiny
 from services.client_agent.playing.tasks import EnvTasks
 from services.client_agent.resume import Phase, Progress
-from services.client_agent.training.buffer import to_keep, training_set
+from services.client_agent.training.buffer import to_keep, training_set, with_expert_share
+from services.client_agent.training.round_lr import round_lr_for
 from services.client_agent.training.seeding import count_demos
 from services.client_agent.training.trainer import train_lora, training_examples
 
 log = logging.getLogger("client_agent")
+
+# The phases that start from these use the model (evaluate and explore; train and save): they run
+# under the agent's `model_use`, which a client host's members take in turn.
+MODEL_PHASES = (Phase.START, Phase.EXPLORED)
 
 
 @dataclasses.dataclass
@@ -46,7 +51,8 @@ class _Round:
 class RoundPhases:
     """A round from the phase after the one recorded to "reported". Of the agent it uses the model (with
     its tokenizer, prompt formats and precision), its player, buffer, state and heartbeat, and its
-    `record`, `load_global`, `upload`, `finish_round`, `work_done`, `memory_left` and `checkpointing`."""
+    `record`, `load_global`, `upload`, `finish_round`, `work_done`, `memory_left`, `checkpointing` and
+    `model_use`."""
 
     def play_round(self, round_: int, done: str, final: bool, tasks: list[EnvTasks]) -> None:
         """Runs round `round_` on from the phase after `done` ("" = from the start) to "reported":
@@ -57,7 +63,12 @@ class RoundPhases:
                  Phase.TRAINED: self._upload_saved, Phase.UPLOADED: self._report}
         phase = Phase(done)
         while phase is not Phase.REPORTED:
-            phase = steps[phase](r)
+            if phase in MODEL_PHASES:  # the model is this client's alone from loading phi_t to the saved adapter
+                with self.model_use():
+                    while phase in MODEL_PHASES:
+                        phase = steps[phase](r)
+            else:
+                phase = steps[phase](r)
 
     def _evaluate_and_explore(self, r: _Round) -> Phase:
         self.heartbeat.set(RoundPhase.EVALUATING, r.round)
@@ -136,7 +147,8 @@ class RoundPhases:
         KEPT.inc(sum(t.success for t in kept))
         BUFFER.set(len(self.buffer))
         PHASE_SECONDS.labels("explore").observe(time.perf_counter() - t0)
-        metrics = {"kept": float(len(kept)), "buffer": float(len(self.buffer)), **count_demos(self.buffer, tasks),
+        metrics = {"explored": float(len(trajs)), "kept": float(len(kept)), "buffer": float(len(self.buffer)),
+                   **count_demos(self.buffer, tasks),
                    "explore_s": time.perf_counter() - t0}
         metrics.update(self.work_done(before, "explore", metrics["explore_s"]))
         if trajs:
@@ -151,7 +163,8 @@ class RoundPhases:
         cfg = self.cfg
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
-        trajectories = training_set(self.buffer.trajectories, cfg.history, round_)
+        trajectories = with_expert_share(training_set(self.buffer.trajectories, cfg.history, round_), cfg.expert_share)
+        lr = round_lr_for(cfg.round_lr).rate(cfg.lr, round_, self.run_config.num_rounds)
         examples = training_examples(trajectories, self.fmt, self.tokenize, self.max_prompt_tokens, self.react_fmt,
                                      self.writes)
         if not examples:
@@ -164,7 +177,7 @@ class RoundPhases:
         with torch.random.fork_rng(devices=devices), self.work.phase("train"), PhaseProgress(  # steps: at the first
                 log, RoundPhase.TRAINING.value, None, "steps", round=round_, tokens=self.work.totals) as progress:
             torch.manual_seed(seed)
-            result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr,
+            result = train_lora(self.model, self.tokenizer, examples, epochs=cfg.epochs, lr=lr,
                                 batch_size=cfg.batch_size, seed=seed, max_batch_tokens=cfg.train_batch_tokens or None,
                                 checkpointing=self.checkpointing(), precision=self.precision,
                                 release_memory=not is_tiny(self.model), work=self.work,
@@ -175,7 +188,7 @@ class RoundPhases:
         TRAIN_SECONDS.inc(t2 - t1)
         PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = ad.encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
-        metrics = {"examples": float(turns), "sequences": float(len(examples)), "train_s": t2 - t1,
+        metrics = {"examples": float(turns), "sequences": float(len(examples)), "train_s": t2 - t1, "train_lr": lr,
                    "upload_bytes": float(len(data)), "train_recomputed": result["recomputed"],
                    **self.work_done(before, "train", t2 - t1)}
         if math.isfinite(result["loss"]):  # no loss where nothing was trained (metrics are finite values)

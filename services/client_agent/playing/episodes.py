@@ -119,9 +119,10 @@ class Player:
 
     def evaluate(self, tasks: list[EnvTasks], round_: int) -> dict[str, float]:
         """Greedy success of the loaded adapter on each environment's test tasks (`test_success/<env>`
-        over `test_tasks/<env>` tasks) and over all of them (`test_success`); with --policy generate, also
-        the share of steps whose text named no admissible action (`eval_fallback_rate`); where the
-        agent writes its actions, the share of written turns that named one (`eval_parseable_action_rate`)."""
+        over `test_tasks/<env>` tasks; beside it the training tasks this client holds, `train_tasks/<env>`)
+        and over all of them (`test_success`); with --policy generate, also the share of steps whose text
+        named no admissible action (`eval_fallback_rate`); where the agent writes its actions, the share
+        of written turns that named one (`eval_parseable_action_rate`)."""
         metrics: dict[str, float] = {}
         successes = episodes = 0
         generated, fallbacks = self.writer.generated, self.writer.fallbacks
@@ -134,6 +135,7 @@ class Player:
             ok = sum(t.success for t in trajs)
             metrics[f"test_success/{task.name}"] = ok / max(1, len(trajs))
             metrics[f"test_tasks/{task.name}"] = float(len(trajs))
+            metrics[f"train_tasks/{task.name}"] = float(len(task.train_ids))  # this member's share (--task-share)
             TEST_SUCCESS.labels(task.name).set(metrics[f"test_success/{task.name}"])
             successes, episodes = successes + ok, episodes + len(trajs)
         metrics["test_success"] = successes / max(1, episodes)
@@ -144,11 +146,12 @@ class Player:
 
     def explore(self, tasks: list[EnvTasks], round_: int, seed: int) -> list[Trajectory]:
         """Episodes of --explore-tasks training tasks of every environment, sampled from `seed`, each
-        environment's actions drawn from the model at --temperature by a generator seeded from it."""
+        tried --explore-tries times, each environment's actions drawn from the model at --temperature
+        by a generator seeded from it."""
         trajs: list[Trajectory] = []
         for task in tasks:
             ids = random.Random(seed).sample(task.train_ids, min(self.cfg.explore_tasks, len(task.train_ids)))
-            trajs += self.episodes(task.env, ids,
+            trajs += self.episodes(task.env, ids * self.cfg.explore_tries,
                                    lambda t=task: self.model_policy(False, torch.Generator().manual_seed(seed),
                                                                     writes=not t.lists_actions, phase="explore"),
                                    round_, "explore")

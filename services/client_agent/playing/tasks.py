@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from fedse.splits import parse_share, split_for, task_types
 from fedse.transport.serving import log_fields
 
 from services.client_agent.playing.envclient import EnvClient, EnvInfo
@@ -29,14 +30,33 @@ class EnvTasks:
         return self.env.env
 
 
-def env_tasks(env: EnvClient, eval_tasks: int, info: EnvInfo | None = None) -> EnvTasks:
-    """The environment's training tasks, the test tasks evaluated (the first `eval_tasks`, all for ALL)
-    and its capabilities (`info`, from ListEnvironments; an expert and listed actions if not given)."""
+def env_tasks(env: EnvClient, eval_tasks: int, info: EnvInfo | None = None, share: str = "", split: str = "iid",
+              seed: int = 0) -> EnvTasks:
+    """The environment's training tasks (this member's share of them: `share` "K/N" of `split`, from
+    `seed`, as share_of; all of them for ''), the test tasks evaluated (the first `eval_tasks`, all for
+    ALL; every member's the same) and its capabilities (`info`, from ListEnvironments; an expert and
+    listed actions if not given)."""
     info = info or EnvInfo(env.env)
     train_ids, _ = env.tasks("train")
     test_ids, _ = env.tasks("test")
-    return EnvTasks(env, train_ids, test_ids[:eval_tasks] if eval_tasks else test_ids,
+    return EnvTasks(env, share_of(env.env, train_ids, share, split, seed),
+                    test_ids[:eval_tasks] if eval_tasks else test_ids,
                     has_expert=info.has_expert, lists_actions=info.lists_actions)
+
+
+def share_of(env: str, train_ids: list[int], share: str, split: str, seed: int) -> list[int]:
+    """Member K's share of environment `env`'s training tasks, where `share` is "K/N" (--task-share): the
+    `split` (--task-split) of them among N members by their types (fedse.splits), from `seed`, which every
+    member of the run has, so that the members' shares are disjoint and together all the tasks; logged.
+    All of them for share ''."""
+    member = parse_share(share)
+    if member is None:
+        return train_ids
+    k, n = member
+    mine = split_for(split).share(train_ids, task_types(env, train_ids), n, k, seed)
+    log.info("task share", extra=log_fields(env=env, member=k, members=n, split=split, seed=seed,
+                                            train_tasks=len(mine), of=len(train_ids)))
+    return mine
 
 
 def writing(infos: dict[str, EnvInfo]) -> set[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -69,8 +70,30 @@ class Trajectory:
 
 
 def to_keep(explored: list[Trajectory], keep: str) -> list[Trajectory]:
-    """The explored trajectories that go into the buffer: the successes ("successes") or all ("all")."""
-    return list(explored) if keep == "all" else [t for t in explored if t.success]
+    """The explored trajectories that go into the buffer: the successes, the first of each task where
+    it was tried several times (--explore-tries), so an easy task does not crowd the buffer
+    ("successes"); or all ("all")."""
+    if keep == "all":
+        return list(explored)
+    seen: set[tuple[str, int, int]] = set()
+    kept = []
+    for t in explored:
+        if t.success and (t.env, t.task_id, t.round) not in seen:
+            seen.add((t.env, t.task_id, t.round))
+            kept.append(t)
+    return kept
+
+
+def with_expert_share(trajectories: list[Trajectory], share: float) -> list[Trajectory]:
+    """The trajectories with the seed demonstrations repeated (whole copies, as few as do it) until
+    they make up at least `share` of them (--expert-share; 0: as they are), so that a buffer that
+    exploration grows keeps learning from the demonstrations as much as it did at first."""
+    demos = [t for t in trajectories if t.source in DEMO_SOURCES]
+    others = len(trajectories) - len(demos)
+    if share <= 0 or not demos or not others:
+        return list(trajectories)
+    copies = max(1, math.ceil(share * others / ((1 - share) * len(demos))))
+    return list(trajectories) + demos * (copies - 1)
 
 
 def training_set(trajectories: list[Trajectory], history: str, round_: int) -> list[Trajectory]:
