@@ -42,6 +42,7 @@ from apps.estimate import estimate_line, machine_speed, run_seconds
 from apps.logs import progress_texts
 from apps.planning import (Client, Federation, RunConfig, aggregator_config, client_config, client_settings,
                            env_server_config, plan)
+from apps.hosting import failed_members, host_config, host_plans
 from apps.processes import Proc, stop_all
 from services.aggregator.store import Store
 from apps.results import (POLL_S, Failure, RunWatch, closing_words, collect, describe_failure, env_rows,
@@ -208,12 +209,21 @@ class Launch:
         self.watch = RunWatch({name: f"127.0.0.1:{port}" for name, port in agg_ports.items()})
         for c in agg_cfgs.values():  # a resumed run's reports from before it was interrupted, from its state
             self.watch.add(Store(pathlib.Path(c.state_dir), c.run_id).metrics_reports())
-        # The clients share this machine's cores; each gets its share (at least one thread).
-        threads = max(1, available_cores() // len(members))
-        for f, c in members:
-            self.clients[c] = self.process(f"client_agent-{c.label}", "client", client_config(
-                self.cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}", self.state, threads))
-        self.say(f"{len(self.clients)} clients started ({', '.join(self.client_envs)}); logs in {self.logs}/")
+        hosts = [(f, h) for f in self.feds for h in host_plans(f, self.cfg.members_per_host)]
+        hosted = {c for _, h in hosts for c in h.clients}
+        singles = [(f, c) for f, c in members if c not in hosted]
+        # The client processes share this machine's cores; each gets its share (at least one thread).
+        threads = max(1, available_cores() // (len(singles) + len(hosts)))
+        config = {c: client_config(self.cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}",
+                                   self.state, threads) for f, c in members}
+        for _, c in singles:
+            self.clients[c] = self.process(f"client_agent-{c.label}", "client", config[c])
+        for _, h in hosts:
+            proc = self.process(h.name, "client-host", host_config(config[h.clients[0]], h))
+            self.clients.update({c: proc for c in h.clients})
+        in_hosts = f" ({len(hosted)} of them in {len(hosts)} client hosts)" if hosts else ""
+        shown = ", ".join(self.client_envs) if len(self.client_envs) <= 12 else f"{len(self.client_envs)} ids"
+        self.say(f"{len(self.clients)} clients started{in_hosts} ({shown}); logs in {self.logs}/")
 
     def reports(self) -> list[dict[str, Any]]:
         return self.watch.reports() if self.watch else []
@@ -222,6 +232,7 @@ class Launch:
         """The clients that exited non-zero since the last call, each reported as it is found."""
         known = {f.client_id for f in self.failed} | self.halted
         dead = [(c, p) for c, p in self.clients.items() if c.client_id not in known and p.popen.poll() not in (None, 0)]
+        dead = [(c, p) for c, p in dead if c.client_id in self.lost_members(p)]
         self.watch.refresh()  # after the polls: it shows every report a dead client had acknowledged
         new = [describe_failure(c, p, self.reports()) for c, p in dead]
         self.failed += new
@@ -230,6 +241,18 @@ class Launch:
             self.say(f"\n{failure_text(f)}\n" + (f"the run goes on with {', '.join(alive)}" if alive
                                                  else "no client is left"))
         return new
+
+    def lost_members(self, proc: Proc) -> list[str]:
+        """The clients an exited process took down: a client process its client, a host those members
+        it names as failed (hosting.failed_members)."""
+        mine = [c.client_id for c, p in self.clients.items() if p is proc]
+        if len(mine) == 1:
+            return mine
+        try:
+            text = proc.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        return failed_members(text, mine)
 
     def stop_unopenable(self) -> None:
         """Stops the live clients of a federation that can never open round 0."""
@@ -275,7 +298,7 @@ class Launch:
     def finish(self) -> dict[str, Any]:
         """Stops every process, then writes results.json and success.png and says how the run went.
         The clients stop first, so that the aggregators still show every report they acknowledged."""
-        clients = list(self.clients.values())
+        clients = list(dict.fromkeys(self.clients.values()))  # a host serves several
         stop_all(clients)
         if self.watch:
             self.watch.refresh()

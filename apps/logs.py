@@ -75,10 +75,12 @@ def log_summary(path: pathlib.Path, lines: int = 3, width: int = 160) -> tuple[t
 def progress_texts(clients: dict[Client, Proc]) -> dict[str, str]:
     """What each running client agent is doing, by client id, from the last progress line of its log
     (clients without one, or no longer running, are left out)."""
-    texts = {}
+    texts, serving = {}, {}
     for c, p in clients.items():
+        serving.setdefault(p, []).append(c)
+    for p, held in serving.items():  # a client host's one log: its line under the host's name
         entry = last_progress(p.log_path) if p.popen.poll() is None else None
         if entry:
-            texts[c.client_id] = describe(entry)
+            texts[held[0].client_id if len(held) == 1 else p.name] = describe(entry)
     return texts
 

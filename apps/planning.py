@@ -19,7 +19,7 @@ from typing import Any, Sequence, TypeVar
 from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse, plain
 from fedse.model.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
 from fedse.security.admission import Security
-from fedse.splits import split_members
+from fedse.splits import member_id, split_members
 from services.aggregator.server import AggregatorConfig
 from services.client_agent.config import ClientConfig
 from services.env_server.server import EnvServerConfig
@@ -68,6 +68,9 @@ class RunConfig:
                             "its training tasks (--task-split) and evaluating the same test tasks (0 = one client "
                             "per environment, or the :N of --envs)")
     task_split: str = setting(ClientConfig, "task_split")
+    members_per_host: int = field(0, "run the members of each environment (--clients, NAME:N) in client hosts "
+                                     "(fedse client-host: one process over one model) of at most this many "
+                                     "(0 = a process per member)")
     demos: str = field("", "demonstration files (AgentGym's AgentTraj JSON or JSONL) as ENV=PATH pairs, "
                            "comma-separated: the client holding ENV seeds its buffer from PATH (--demos)")
     rounds: int = setting(AggregatorConfig, "rounds")
@@ -268,6 +271,9 @@ class RunConfig:
         if (self.clients or given) and self.topology != "federated":
             raise ConfigError(f"--clients and the :N of --envs give environments several members, which needs "
                               f"--topology federated, not {self.topology}")
+        if self.members_per_host < 0 or (self.members_per_host and not (self.clients or given)):
+            raise ConfigError("--members-per-host needs members (--clients, or NAME:N in --envs) and must be at "
+                              f"least 1 (or 0: a process per member), got {self.members_per_host}")
         if self.clients and given:
             raise ConfigError("give environments their members either as NAME:N in --envs or with --clients, not "
                               "both")
@@ -330,8 +336,7 @@ def env_members(env: str, n: int) -> list[Client]:
     org-ENV-00 .. org-ENV-<n-1> (zero-padded), member K with share "K/n"."""
     if n == 1:
         return [Client(f"org-{env}", (env,))]
-    width = max(2, len(str(n - 1)))
-    return [Client(f"org-{env}-{k:0{width}d}", (env,), f"{k}/{n}") for k in range(n)]
+    return [Client(member_id(f"org-{env}", k, n), (env,), f"{k}/{n}") for k in range(n)]
 
 
 TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded tiny model (docs/results.md)

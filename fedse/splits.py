@@ -191,3 +191,9 @@ def split_members(part: str) -> tuple[str, int]:
     if int(found.group(2)) < 1:
         raise ConfigError(f"--envs {part.strip()!r}: an environment's :N (its members) must be at least 1")
     return found.group(1).strip(), int(found.group(2))
+
+
+def member_id(prefix: str, k: int, total: int) -> str:
+    """Member k's client id among `total` members: PREFIX-KK, zero-padded to two digits or the width
+    of total - 1 (org-babyai-00 .. org-babyai-39), the same in `fedse run` and a client host."""
+    return f"{prefix}-{k:0{max(2, len(str(total - 1)))}d}"

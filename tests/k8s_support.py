@@ -27,7 +27,10 @@ import yaml
 from support import K8S, KUBECTL, kustomize, service_module, write_scenario
 
 ENVS = ("maze", "wordle", "babyai", "textcraft", "webshop")
-COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos", "secure-aggregation")
+COMPONENTS = ("gpu", "network-policies", "mtls", "monitoring", "demos", "secure-aggregation", "client-hosts")
+# Components left out of the scenario of all of them: client-hosts refuses mtls and gpu
+# (tests/test_k8s_hosts.py checks it and the component with the ones it combines with).
+NOT_IN_ALL = ("client-hosts",)
 # Scenarios of several components that belong together, besides all of them at once.
 COMBINATIONS = {"secure-aggregation-over-mtls": ["mtls", "secure-aggregation"]}
 NAMESPACE = "fedse"
@@ -54,7 +57,7 @@ def scenario_dirs() -> dict[str, list[str]]:
     for c in COMPONENTS:
         out[c] = [c]
     out.update(COMBINATIONS)
-    out["all-components"] = list(COMPONENTS)
+    out["all-components"] = [c for c in COMPONENTS if c not in NOT_IN_ALL]
     return out
 
 
@@ -137,6 +140,9 @@ def config_class(module: str):
     if module == "services.client_agent":
         from services.client_agent.config import ClientConfig
         return ClientConfig
+    if module == "services.client_host":
+        from services.client_host.config import HostConfig
+        return HostConfig
     raise AssertionError(f"unknown service module {module!r}")
 
 
@@ -144,12 +150,18 @@ def module_of(c: dict) -> str:
     return service_module(c.get("command", []))
 
 
+# The one reference a value may come from: a StatefulSet pod's index (client hosts' first member), read
+# here as the first pod's.
+POD_INDEX = {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+
+
 def env_of(c: dict) -> dict[str, str]:
     out = {}
     for e in c.get("env", []):
-        assert "valueFrom" not in e, f"{c['name']}: {e['name']} from a reference; this test reads values only"
+        assert "valueFrom" not in e or e["valueFrom"] == POD_INDEX, \
+            f"{c['name']}: {e['name']} from a reference; this test reads values (and a pod's index) only"
         assert e["name"] not in out, f"{c['name']}: {e['name']} set twice"
-        out[e["name"]] = str(e.get("value", ""))
+        out[e["name"]] = "0" if "valueFrom" in e else str(e.get("value", ""))
     return out
 
 
@@ -175,6 +187,8 @@ def flags_of(args: list[str]) -> dict[str, str]:
 def mounts_of(w: dict, c: dict) -> list[tuple[str, dict, dict]]:
     """(mountPath, volumeMount, volume) of a container."""
     vols = {v["name"]: v for v in pod_spec(w).get("volumes", [])}
+    for t in w["spec"].get("volumeClaimTemplates", []):  # a StatefulSet pod's claim <template>-<pod>
+        vols[t["metadata"]["name"]] = {"name": t["metadata"]["name"], "persistentVolumeClaim": {"template": t}}
     out = []
     for m in c.get("volumeMounts", []):
         assert m["name"] in vols, f"{c['name']}: volumeMount {m['name']} has no volume"

@@ -29,6 +29,7 @@ import pytest
 
 from apps.processes import Proc, stop_all
 from fedse.config import ConfigError
+from fedse.splits import member_id
 from services.client_host.config import HostConfig
 from services.client_host.members import Member, tag_member_logs
 from support import wait_for
@@ -78,7 +79,7 @@ class Federation:
                                         *shares(k, self.members), *self.common]) for k in range(self.members)]
 
     def member_id(self, k: int) -> str:
-        return f"org-{k:0{len(str(self.members - 1))}d}"
+        return member_id("org", k, self.members)
 
     def member_dir(self, k: int) -> pathlib.Path:
         return self.root / "clients" / self.member_id(k)
@@ -194,7 +195,8 @@ def test_members_ids_shares_and_what_a_host_refuses():
     assert [c.client_id for c in pod.member_configs()] == ["org-01", "org-05", "org-09"]
     if shares(0, 1):  # clients take a task share: member k of the federation's members
         assert [c.task_share for c in pod.member_configs()] == ["1/12", "5/12", "9/12"]
-    assert HostConfig(members=10).member_id(9) == "client-9"
+    assert HostConfig(members=10).member_id(9) == "client-09"
+    assert HostConfig(members=101).member_id(9) == "client-009"
     for bad in (dict(members=0), dict(guardian=True, lora_r=0), dict(reset_privacy_ledger=True),
                 dict(members=3, members_total=2), dict(member_stride=0)):
         with pytest.raises(ConfigError):

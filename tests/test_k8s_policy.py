@@ -111,14 +111,16 @@ def test_every_claim_exists_and_state_is_persistent(scenario, configs):
             if "persistentVolumeClaim" in v:
                 used.add(v["persistentVolumeClaim"]["claimName"])
                 assert v["persistentVolumeClaim"]["claimName"] in claims, f"{name}: {v} has no claim"
-        assert not w["spec"].get("volumeClaimTemplates")
+        # A StatefulSet's pods each get a claim of their own (client hosts); no other workload makes claims.
+        assert w["kind"] == "StatefulSet" or not w["spec"].get("volumeClaimTemplates")
     assert used == set(claims), f"{name}: unused claims {set(claims) - used}"
     for w, c, cfg in configs:
         if hasattr(cfg, "state_dir"):
             m = mount_for(w, c, cfg.state_dir)
             assert m and "persistentVolumeClaim" in m[2] and not m[1].get("readOnly"), \
                 f"{name}: {w['metadata']['name']}'s state dir {cfg.state_dir} is not on a writable volume claim"
-            claim = claims[m[2]["persistentVolumeClaim"]["claimName"]]
+            pvc = m[2]["persistentVolumeClaim"]
+            claim = pvc["template"] if "template" in pvc else claims[pvc["claimName"]]
             assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
             if w["kind"] == "Deployment":  # one writer: the old pod lets go before the new one mounts
                 assert w["spec"]["replicas"] == 1 and w["spec"]["strategy"]["type"] == "Recreate"
@@ -142,9 +144,11 @@ def test_links_resolve_to_services(scenario, configs):
     name, docs = scenario
     services = by_name(docs, "Service")
     servers = {w["metadata"]["name"]: cfg for w, c, cfg in configs if module_of(c) != "services.client_agent"}
-    clients = [(w, cfg) for w, c, cfg in configs if module_of(c) == "services.client_agent"]
+    clients = [(w, cfg) for w, c, cfg in configs if module_of(c) in ("services.client_agent", "services.client_host")]
     assert clients, name
     assert len({cfg.client_id for _, cfg in clients}) == len(clients), "client ids must be unique"
+    # A client host's members are clients too (tests/test_k8s_hosts.py checks them).
+    joining = sum(cfg.members_total if hasattr(cfg, "members_total") else 1 for _, cfg in clients)
 
     def target(address: str) -> tuple[str, dict] | None:
         host, port = address.rsplit(":", 1)
@@ -158,7 +162,8 @@ def test_links_resolve_to_services(scenario, configs):
 
     for w, cfg in clients:
         who = f"{name}: {w['metadata']['name']}"
-        assert cfg.client_id == f"org-{cfg.env}" and w["metadata"]["name"] == f"client-agent-{cfg.env}", who
+        kind = "client-host" if w["kind"] == "StatefulSet" else "client-agent"
+        assert cfg.client_id == f"org-{cfg.env}" and w["metadata"]["name"] == f"{kind}-{cfg.env}", who
         env_server = target(cfg.env_server)
         assert env_server is not None, f"{who}: env server {cfg.env_server} is not a Service here"
         assert env_server[0] == f"env-server-{cfg.env}" and env_server[1].env_names == (cfg.env,), who
@@ -169,9 +174,9 @@ def test_links_resolve_to_services(scenario, configs):
             continue
         assert agg is not None and agg[0] == "aggregator", f"{who}: aggregator {cfg.aggregator}"
         aggregator = agg[1]
-        assert (aggregator.start_clients or aggregator.min_clients) == len(clients), \
+        assert (aggregator.start_clients or aggregator.min_clients) == joining, \
             "round 0 waits for every client of the federation"
-        assert aggregator.min_clients < len(clients), "a later round goes on without a client lost for good"
+        assert aggregator.min_clients < joining, "a later round goes on without a client lost for good"
         # TLS is all or nothing: a client talks TLS exactly when its servers serve it.
         assert bool(cfg.tls_cert) == bool(aggregator.tls_cert) == bool(env_server[1].tls_cert), who
         if cfg.tls_cert:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from fedse.config import ConfigError, field
+from fedse.splits import member_id
 
 from services.client_agent.config import ClientConfig
 
@@ -20,9 +21,11 @@ class HostConfig(ClientConfig):
     Each member is a client of its own (its id, state directory, buffer, adapter, gRPC session with the
     aggregator and the env server, privacy ledger); they share the base model and its LoRA wrapper, and
     every client setting below. Member k (k = --member-offset, --member-offset + --member-stride, ...,
-    --members of them) is client `<--client-id>-<k>`, k zero-padded to the width of --members-total."""
+    --members of them) is client `<--client-id>-<k>`, k zero-padded to two digits or the width of
+    --members-total."""
 
-    client_id: str = field("client", "the members' id prefix: member k is client '<prefix>-<k>' (k zero-padded)")
+    client_id: str = field("client", "the members' id prefix: member k is client '<prefix>-<k>' (k zero-padded to "
+                                     "two digits or more)")
     address: str = field("0.0.0.0:50070", "this host's gRPC health address (port 0 picks one)")
     state_dir: str = field("state/client", "directory holding each member's state directory (<state-dir>/<id>/)")
     members: int = field(1, "how many client agents this host runs")
@@ -66,7 +69,7 @@ class HostConfig(ClientConfig):
         return self.members_total or self.numbers()[-1] + 1
 
     def member_id(self, k: int) -> str:
-        return f"{self.client_id}-{k:0{len(str(self.total - 1))}d}"
+        return member_id(self.client_id, k, self.total)
 
     def member(self, k: int) -> ClientConfig:
         """Member k's client config: these settings, its id and, where clients take a task share, its share."""
