@@ -113,19 +113,32 @@ def all_test_tasks(envs: str) -> dict[str, int]:
     return counts
 
 
+def taking_share(cfg: RunConfig, clients: int) -> float:
+    """The share of the rounds a client takes part in: every one, unless a selector takes some of the
+    clients a round, or FedBuff folds some clients' uploads into each version."""
+    if cfg.mode == "async":
+        return min(1.0, (cfg.async_buffer or clients) / clients)
+    if cfg.selector == "all":
+        return 1.0
+    if cfg.clients_per_round:
+        return min(1.0, cfg.clients_per_round / clients)
+    return cfg.selection_fraction or 1.0
+
+
 def run_seconds(cfg: RunConfig, speed: float, cores: int | None = None) -> float:
     """The expected wall time of `cfg` on a machine of `speed` (machine_speed) and `cores` cores."""
     cost = model_cost(cfg.base_model)
     clients = [c for f in plan(cfg) for c in f.clients]
     counts = all_test_tasks(",".join(cfg.env_specs().values()))  # less the :N of members
     work = 0.0
+    played = cfg.rounds * taking_share(cfg, len(clients))  # the rounds a client takes part in
     for c in clients:
-        work += cost.start_s + cost.round_s * (cfg.rounds + 1)
+        work += cost.start_s + cost.round_s * (played + 1)
         for env in c.envs:
             tests = min(cfg.eval_tasks or counts.get(env, ALL_TEST_TASKS), counts.get(env, ALL_TEST_TASKS))
-            episodes = (cfg.rounds + 1) * tests + cfg.rounds * cfg.explore_tasks
+            episodes = (played + 1) * tests + played * cfg.explore_tasks
             # each trained round's set: the demonstrations and what exploration kept (--history cumulative)
-            trained = sum(cfg.expert_demos + KEPT * cfg.explore_tasks * r for r in range(cfg.rounds))
+            trained = sum(cfg.expert_demos + KEPT * cfg.explore_tasks * r for r in range(round(played)))
             work += (cost.episode_s * ENV_WEIGHT.get(env, OTHER_ENV) * episodes
                      + cost.demo_epoch_s * cfg.epochs * trained)
     at_once = min(len(clients), max(1, (cores or available_cores()) // REFERENCE_CORES))

@@ -53,8 +53,8 @@ from apps.experiment_progress import RunProgress, roster
 from apps.experiment_outputs import (  # noqa: F401 - re-exported: the files, where they always were
     plot_bytes, plot_curves, write_csv, write_outputs)
 from apps.experiment_scores import (  # noqa: F401 - re-exported: the scores and table, where they always were
-    WORK_PHASES, curves, mean_sd, micro_average, rows_at, summarise, table, upload_mb_per_round, work_rates,
-    work_table)
+    WORK_PHASES, curves, mean_sd, micro_average, round_seconds, rows_at, summarise, table, upload_mb_per_round,
+    work_rates, work_table)
 from apps.launcher import resumes, settings
 from apps.launcher import run as run_federation
 from apps.planning import RunConfig
@@ -82,7 +82,7 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     """Runs every (method, seed), then writes and returns the summary."""
     root = pathlib.Path(cfg.results)
     (root / "runs").mkdir(parents=True, exist_ok=True)
-    methods = [BY_KEY[k] for k in cfg.method_keys()]
+    methods = [cfg.labelled(BY_KEY[k]) for k in cfg.method_keys()]
     seeds = list(range(cfg.setting("seeds")))
     jobs = [(m, s) for s in seeds for m in methods]  # seed by seed: an early stop leaves whole seeds
     runs: dict[tuple[str, int], dict[str, Any]] = {}
@@ -116,14 +116,13 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
                 raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "
                                    f"{path / 'progress.log'} (the next fedse experiment runs it again)")
             forecast.done(time.monotonic() - t0)
+        results.setdefault("round_seconds", round_seconds(path))
         runs[(method.key, seed)] = results
         final = micro_average(results, rc.rounds)
         say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "
             + (f"{100 * final:.1f}%" if final is not None else "-"))
     summary = summarise(cfg, methods, seeds, runs)
-    write_outputs(summary, runs, root)
+    written = write_outputs(summary, runs, root)
     say("\n" + summary["table"])
-    say(f"\ndone in {time.monotonic() - started:.0f}s; wrote {root / 'table.md'}, {root / 'results.csv'}, "
-        f"{root / 'methods.png'}, {root / 'ablations.png'}, {root / 'bytes.png'}, "
-        f"{root / 'why.png'}, {root / 'rounds.csv'}")
+    say(f"\ndone in {time.monotonic() - started:.0f}s; wrote {', '.join(str(p) for p in written)}")
     return summary

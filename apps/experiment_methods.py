@@ -37,6 +37,8 @@ METHODS: tuple[Method, ...] = (
     Method("utility", "utility (Oort) half", "selection", {"selector": "utility", "selection_fraction": 0.5}),
     Method("agent-tools", "agent-tools half", "selection", {"selector": "agent-tools", "selection_fraction": 0.5}),
     Method("agent-llm", "agent-llm half", "selection", {"selector": "agent-llm", "selection_fraction": 0.5}),
+    # FedBuff: clients train when they can; each version folds half the clients' uploads (or --per-round's).
+    Method("async", "FedBuff (async) half", "selection", {"mode": "async"}),
     # Fed-SE with one part of its round changed, within the method (--methods variants).
     Method("tries3", "3 tries per task", "variants", {"explore_tries": 3}),
     Method("lr-cosine", "rate falling over rounds", "variants", {"round_lr": "cosine"}),
@@ -50,7 +52,9 @@ BY_KEY = {m.key: m for m in METHODS}
 # What --methods accepts besides method keys.
 GROUPS = {"all": [m.key for m in METHODS if m.group not in ("selection", "ranks", "variants")],
           "variants": ["fedse"] + [m.key for m in METHODS if m.group == "variants"],
-          "selectors": ["fedse"] + [m.key for m in METHODS if m.group == "selection"],
+          "selectors": ["fedse"] + [m.key for m in METHODS if m.group == "selection" and m.key != "async"],
+          # Many members, a few a round (--envs NAME:N, --per-round): who takes part, and rounds that do not wait.
+          "at-scale": ["sample", "agent-tools", "async"],
           "ranks": ["fedse", "hlora", "zero-pad"]}
 PRETRAINED = "Pre-trained"
 
@@ -88,7 +92,9 @@ class ExperimentConfig:
                                  "(GPU machine, real model: all five environments, all test tasks)")
     methods: str = field("", "comma-separated subset of: " + ", ".join(m.key for m in METHODS)
                              + " ('all' = the paper's methods and ablations; 'selectors' = fedse and the client "
-                               "selectors, each taking half the clients a round; 'ranks' = fedse at rank 8 beside "
+                               "selectors, each taking half the clients a round; 'at-scale' = sample, "
+                               "agent-tools and FedBuff (async) for many members, NAME:N in --envs, each "
+                               "taking --per-round a round; 'ranks' = fedse at rank 8 beside "
                                "hlora and zero-pad with clients at ranks 4, 16 and 8; 'variants' = fedse beside 3 "
                                "tries per exploration task, a rate falling over the rounds and the demonstrations "
                                "kept at half the training data; Pre-trained comes with fedse; "
@@ -104,6 +110,12 @@ class ExperimentConfig:
     explore_tasks: int = field(-1, "Fed-SE's exploration tasks per client and round (-1 = the budget's)")
     eval_tasks: Count = field(-1, "held-out test tasks per environment, or 'all' (-1 = the budget's)")
     epochs: int = field(-1, "training epochs per round (-1 = the budget's)")
+    per_round: int = field(0, "with the selectors and FedBuff: the clients a round takes (a selector's "
+                              "--clients-per-round; FedBuff's buffer, twice that training at once); 0 = half")
+    members_per_host: int = field(0, "with members (NAME:N in --envs): run them in client hosts of at most this many "
+                                     "(fedse run --members-per-host; 0 = a process each)")
+    task_split: str = field("iid", "with members: how they share each environment's training tasks, 'iid' or "
+                                   "'dirichlet:ALPHA'")
     fresh: bool = field(False, "run every method again even where a finished run with the same settings exists")
 
     def __post_init__(self) -> None:
@@ -150,5 +162,22 @@ class ExperimentConfig:
 
     def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
         common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}
-        return RunConfig(results=str(results), base_model=self.base_model, lr=self.setting("lr"), seed=seed,
-                         run_name=method.key, **{**common, **method.settings})
+        members = {"members_per_host": self.members_per_host, "task_split": self.task_split}
+        cfg = RunConfig(results=str(results), base_model=self.base_model, lr=self.setting("lr"), seed=seed,
+                        run_name=method.key, **{**common, **members, **method.settings})
+        return dataclasses.replace(cfg, **self.taking(method, sum(cfg.members().values())))
+
+    def labelled(self, method: Method) -> Method:
+        """The method as the table names it: a selector's or FedBuff's "half" is --per-round's count."""
+        if method.group == "selection" and self.per_round:
+            return dataclasses.replace(method, name=method.name.replace("half", f"{self.per_round} a round"))
+        return method
+
+    def taking(self, method: Method, clients: int) -> dict[str, Any]:
+        """How many of the run's `clients` a selector or FedBuff takes a round: --per-round's, else half."""
+        if method.group != "selection":
+            return {}
+        k = self.per_round or max(1, clients // 2)
+        if method.settings.get("mode") == "async":
+            return {"async_buffer": k, "async_concurrency": min(clients, 2 * k)}
+        return {"clients_per_round": k, "selection_fraction": 0.0} if self.per_round else {}

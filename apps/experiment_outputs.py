@@ -10,30 +10,29 @@ import math
 import pathlib
 from typing import Any
 
-from apps.experiment_methods import BY_KEY, METHODS, PRETRAINED
+from apps.experiment_methods import BY_KEY, PRETRAINED
 from apps.experiment_rounds import mean_band, write_rounds
 
 
 def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
-                  root: pathlib.Path) -> None:
+                  root: pathlib.Path) -> list[pathlib.Path]:
+    """Writes the table, the CSVs, the plots and summary.json; the files, less summary.json."""
     (root / "table.md").write_text(summary["table"] + "\n")
     write_csv(runs, root / "results.csv")
-    plot_curves(summary, [m.name for m in METHODS if m.group == "main"], root / "methods.png",
-                "Local, Centralized, FedIT and Fed-SE")
-    plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ablation"], root / "ablations.png",
-                "Fed-SE and its ablations")
-    if any(s["group"] == "selection" for s in summary["methods"].values()):
-        plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "selection"],
-                    root / "selectors.png", "Fed-SE (every client a round) and the selectors (half)")
-    if any(s["group"] == "variants" for s in summary["methods"].values()):
-        plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "variants"],
-                    root / "variants.png", "Fed-SE and its variants within the method")
-    if any(s["group"] == "ranks" for s in summary["methods"].values()):
-        plot_curves(summary, ["Fed-SE"] + [m.name for m in METHODS if m.group == "ranks"],
-                    root / "ranks.png", "Fed-SE (every client at rank 8) and mixed ranks 4/16/8")
+    of = lambda group: [n for n, s in summary["methods"].items() if s["group"] == group]  # noqa: E731
+    figures = (("methods.png", of("main"), "Local, Centralized, FedIT and Fed-SE"),
+               ("ablations.png", ["Fed-SE"] + of("ablation"), "Fed-SE and its ablations"),
+               ("selectors.png", ["Fed-SE"] + of("selection"), "Fed-SE (every client a round), the selectors and FedBuff"),
+               ("variants.png", ["Fed-SE"] + of("variants"), "Fed-SE and its variants within the method"),
+               ("ranks.png", ["Fed-SE"] + of("ranks"), "Fed-SE (every client at rank 8) and mixed ranks 4/16/8"))
+    drawn = [name for name, methods, _ in figures if any(m in summary["curves"] for m in methods)]
+    for name, methods, title in figures:  # each figure whose methods ran
+        if name in drawn:
+            plot_curves(summary, methods, root / name, title)
     plot_bytes(summary, root / "bytes.png")
     write_rounds(summary, runs, root)
     (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
+    return [root / name for name in ("table.md", "results.csv", *drawn, "bytes.png", "why.png", "rounds.csv")]
 
 
 def write_csv(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path) -> None:

@@ -4,7 +4,9 @@ paper-style markdown table of it (mean +- sd over seeds, gains as paired differe
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 import statistics
 from typing import Any, Iterable
 
@@ -73,7 +75,9 @@ def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
                         "avg": [micro_average(r, round_) for r in per_seed],
                         "mb_per_round": statistics.mean(upload_mb_per_round(r) for r in per_seed)
                         if round_ else 0.0,
-                        "work": [work_rates(r) for r in per_seed]}
+                        "work": [work_rates(r) for r in per_seed],
+                        "s_per_round": [statistics.mean(r["round_seconds"]) for r in per_seed
+                                        if r.get("round_seconds") and round_]}
 
     if "fedse" in cfg.method_keys():
         score(PRETRAINED, "main", "fedse", 0)
@@ -112,9 +116,10 @@ def table(summary: dict[str, Any]) -> str:
              f"Avg. micro-averaged over test tasks; Δ: paired difference per seed, ≈ where it is no larger "
              f"than its sd (noise); {summary['base_model']}, budget {summary['budget']}.", "", head, rule]
     base = scored.get(PRETRAINED)
-    for name, s in scored.items():
-        if s["group"] != "main":
-            continue
+    main = [(name, s) for name, s in scored.items() if s["group"] == "main"]
+    if not main:
+        lines = lines[:2]  # no method of the paper's table ran: only the other tables
+    for name, s in main:
         gain = _cell(*_paired_gain(s["avg"], base["avg"]), n, signed=True) if base and name != PRETRAINED else "-"
         lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                      + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
@@ -136,6 +141,10 @@ def table(summary: dict[str, Any]) -> str:
             label = fedse if name == "Fed-SE" else name
             lines.append(f"| {label} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
                          + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} | {s['mb_per_round']:.2f} |")
+        timed = [f"{name} {statistics.mean(scored[name]['s_per_round']):.1f} s" for name in variants
+                 if scored[name]["s_per_round"]]
+        if group == "selection" and timed:
+            lines += ["", "Seconds a round (FedBuff: a version) as the aggregator timed it: " + ", ".join(timed) + "."]
     return "\n".join(lines + work_table(scored))
 
 
@@ -169,4 +178,15 @@ def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], 
             by_env[e] = [[rows_at(r, t).get(e, {}).get("test_success") for r in per_seed] for t in range(last + 1)]
         by_env["Avg."] = [[micro_average(r, t) for r in per_seed] for t in range(last + 1)]
         out[m.name] = by_env
+    return out
+
+
+def round_seconds(folder: pathlib.Path) -> list[float]:
+    """A run's rounds (FedBuff's versions), each as long as its aggregator timed it (the state's run.json)."""
+    out: list[float] = []
+    for path in sorted(folder.glob("state/aggregator*/*/run.json")):
+        try:
+            out += [float(x) for x in json.loads(path.read_text()).get("round_seconds", [])]
+        except (OSError, ValueError, TypeError):
+            continue
     return out

@@ -2,9 +2,9 @@
 memory of a host whose N members (1, 20, 100 by default) have joined a run and wait for its first
 round, and of one plain `fedse client` that has joined and waits (N separate clients hold about N
 times that). Real processes: an env server and an aggregator whose round 0 never opens (it waits for
-more clients than join), the tiny model.
+more clients than join), the tiny model or --base-model.
 
-    python bench/client_host.py [--members 1,20,100] [--out DIR]
+    python bench/client_host.py [--members 1,20,100] [--base-model models/smollm2-135m-instruct] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def joined(proc: Proc) -> int:
     return proc.log_path.read_text(errors="replace").count('"msg": "joined"')
 
 
-def waiting(root: pathlib.Path, service: str, argv: list[str], members: int, timeout: float = 600.0) -> float:
+def waiting(root: pathlib.Path, service: str, argv: list[str], members: int, base_model: str,
+            timeout: float = 600.0) -> float:
     """Starts an env server, an aggregator that never opens round 0 and the service (`argv`); once all
     `members` joined and a few heartbeats passed, the service's peak RSS in MB."""
     logs = root / "logs"
@@ -49,7 +50,7 @@ def waiting(root: pathlib.Path, service: str, argv: list[str], members: int, tim
     try:
         common = ["--env", "maze", "--env-server", f"127.0.0.1:{env.port()}", "--aggregator", f"127.0.0.1:{agg.port()}",
                   "--address", "127.0.0.1:0", "--metrics-port", "-1", "--state-dir", str(root / "clients"),
-                  "--expert-demos", "2", "--torch-threads", "1", "--heartbeat-interval-s", "1"]
+                  "--expert-demos", "2", "--torch-threads", "1", "--heartbeat-interval-s", "1", "--base-model", base_model]
         proc = Proc(service, [f"services.{service}", *argv, *common], logs)
         procs.append(proc)
         deadline = time.monotonic() + timeout
@@ -69,17 +70,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", default="1,20,100", help="member counts of the hosts measured")
     parser.add_argument("--out", default="", help="where the runs' files go (default: a temporary directory)")
+    parser.add_argument("--base-model", default="fedse-tiny", help="'fedse-tiny' or a model directory "
+                                                                   "(models/smollm2-135m-instruct)")
     args = parser.parse_args()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="client-host-bench-"))
     cpu = next((line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    print(f"machine: {cpu}, {os.cpu_count()} cores; the tiny model (fedse-tiny), maze; files under {out}")
-    one = waiting(out / "client", "client_agent", ["--client-id", "org-0"], 1)
+    print(f"machine: {cpu}, {os.cpu_count()} cores; {args.base_model}, maze; files under {out}")
+    one = waiting(out / "client", "client_agent", ["--client-id", "org-0"], 1, args.base_model)
     print(f"one plain client process:  peak RSS {one:8.1f} MB")
     first: tuple[int, float] | None = None
     for n in sorted(int(x) for x in args.members.split(",")):
         t0 = time.monotonic()
-        rss = waiting(out / f"host-{n}", "client_host", ["--client-id", "org", "--members", str(n)], n)
+        rss = waiting(out / f"host-{n}", "client_host", ["--client-id", "org", "--members", str(n)], n, args.base_model)
         # What each member beyond the smallest host's adds (the model and the runtime are paid once).
         extra = f"; {(rss - first[1]) / (n - first[0]):.2f} MB a member more" if first and n > first[0] else ""
         first = first or (n, rss)

@@ -83,3 +83,13 @@ def test_an_experiment_says_its_total_before_its_first_run(tmp_path, monkeypatch
     assert lines[1:3] == ["runs done: 0", "runs to run: 2 (fedse-seed0, local-seed0)"]
     assert lines[3].startswith("2 of its 2 runs to run: about ") and "expected on this machine" in lines[3]
     assert "left in all" in lines[4] and said == ["first run"]
+
+
+def test_a_client_that_takes_part_in_fewer_rounds_costs_less():
+    """With a selector taking 2 of 8 members a round (or FedBuff folding 2 a version), each member plays
+    about a quarter of the rounds: the run costs far less than every member playing every one."""
+    every = RunConfig(envs="maze:8", rounds=8)
+    few = RunConfig(envs="maze:8", rounds=8, selector="sample", clients_per_round=2)
+    fedbuff = RunConfig(envs="maze:8", rounds=8, mode="async", async_buffer=2)
+    assert est.taking_share(few, 8) == est.taking_share(fedbuff, 8) == 0.25 and est.taking_share(every, 8) == 1.0
+    assert est.run_seconds(few, SPEED) < 0.5 * est.run_seconds(every, SPEED)

@@ -105,6 +105,15 @@ def test_settings_come_from_the_budget_unless_given():
     long = ex.ExperimentConfig(budget="long")  # the paper's T = 20 on all five environments; a test task is 5 points
     assert (long.setting("rounds"), long.setting("seeds"), long.setting("eval_tasks"), len(long.env_list())) == \
         (20, 3, 20, 5)
+    # Many members, a few a round: the selectors take --per-round of them, FedBuff folds as many a version.
+    scale = ex.ExperimentConfig(envs="babyai:4,maze:2", methods="at-scale", per_round=2, members_per_host=3)
+    assert scale.method_keys() == ["sample", "agent-tools", "async"] and scale.env_list() == ["babyai", "maze"]
+    taken = {m: scale.run_config(ex.BY_KEY[m], seed=0, results=pathlib.Path("x")) for m in scale.method_keys()}
+    assert [(c.clients_per_round, c.selection_fraction, c.members_per_host) for c in taken.values()][:2] == \
+        [(2, 0.0, 3), (2, 0.0, 3)]
+    assert (taken["async"].mode, taken["async"].async_buffer, taken["async"].async_concurrency) == ("async", 2, 4)
+    half = ex.ExperimentConfig(envs="maze:6", methods="async").run_config(ex.BY_KEY["async"], 0, pathlib.Path("x"))
+    assert (half.async_buffer, half.async_concurrency) == (3, 6)
     tries = long.run_config(ex.BY_KEY["tries3"], seed=1, results=pathlib.Path("x"))
     assert (tries.explore_tries, tries.round_lr, tries.rounds) == (3, "constant", 20)
     assert ex.ExperimentConfig(methods="selectors").method_keys() == ["fedse", "sample", "utility", "agent-tools",
