@@ -17,6 +17,7 @@ success of the final global adapter (every client evaluates it; micro-averaged o
 mean and spread over seeds. Written to --results: selection.json and selection.png.
 
     .venv/bin/python bench/selection.py [--rounds 2] [--seeds 2] [--settings all,sample,agent-tools,agent-llm,async]
+        [--envs babyai:40,maze:30,wordle:30 --per-round 5 --members-per-host 50]   # 100 members, 5 a round
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class SlowLaunch(launcher.Launch):
         return super().process(name, service, config)
 
 
+def taking(name: str, per_round: int) -> dict:
+    """--per-round K: a selector takes K clients a round; FedBuff folds K uploads a version, 2K training."""
+    if not per_round or name == "all":
+        return {}
+    if name == "async":
+        return {"async_buffer": per_round, "async_concurrency": 2 * per_round}
+    return {"clients_per_round": per_round, "selection_fraction": 0.0}
+
+
 def run_fresh(launch: launcher.Launch) -> dict:
     """Runs `launch` in its emptied results folder (a benchmark's run is never resumed): its results."""
     shutil.rmtree(launch.dir, ignore_errors=True)
@@ -90,16 +100,24 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--results", default="results/bench-selection")
+    ap.add_argument("--envs", default=ENVS, help="fedse run's --envs: many members with NAME:N, e.g. "
+                                                "babyai:40,maze:30,wordle:30 (the slow client is org-babyai2's only)")
+    ap.add_argument("--per-round", type=int, default=0, help="clients a round for the selectors, a version's "
+                                                             "uploads for async, twice that training at once "
+                                                             "(0 = half the clients, async's buffer of 3)")
+    ap.add_argument("--members-per-host", type=int, default=0, help="members in client hosts of at most this many")
     args = ap.parse_args()
     root = pathlib.Path(args.results)
     names = [n.strip() for n in args.settings.split(",") if n.strip()]
-    print(f"machine: {describe_cpu()}; 6 clients ({ENVS}), {SLOW} {FACTOR:g}x slower; R = {args.rounds}", flush=True)
+    print(f"machine: {describe_cpu()}; clients {args.envs}, {SLOW} (if there) {FACTOR:g}x slower; R = {args.rounds}",
+          flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for seed in range(args.seeds):
         for name in names:
             flags, per = SETTINGS[name]
-            cfg = RunConfig(envs=ENVS, rounds=args.rounds * per, results=str(root / f"{name}-seed{seed}"),
-                            seed=seed, expert_demos=4, explore_tasks=4, eval_tasks=10, epochs=1, **flags)
+            cfg = RunConfig(envs=args.envs, rounds=args.rounds * per, results=str(root / f"{name}-seed{seed}"),
+                            seed=seed, expert_demos=4, explore_tasks=4, eval_tasks=10, epochs=1,
+                            members_per_host=args.members_per_host, **{**flags, **taking(name, args.per_round)})
             t0 = time.monotonic()
             out = run_one(cfg)
             runs[name].append(out)
