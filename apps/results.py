@@ -76,20 +76,46 @@ class Failure:
     log: str  # its log's path
 
 
+# A round's metrics that add up over an environment's members (its data); the others are averaged.
+MEMBERS_SUM = ("kept", "buffer", "explored", "examples", "sequences", "train_tasks")
+
+
 def env_rows(reports: list[dict[str, Any]],
              client_envs: dict[str, tuple[str, ...]]) -> dict[str, list[dict[str, Any]]]:
     """Per environment, one row per round its client reported (the last report of a round counts):
     that environment's test_success and test_tasks (from test_success/<env>, test_tasks/<env>) and
     the client's other metrics (upload_bytes, train_loss, ...), which a Centralized client's
-    environments share."""
+    environments share. Where several members of an environment reported a round, one row for them
+    all (merge_members)."""
     latest = {(r["client_id"], r["round"]): r["metrics"] for r in reports if r["client_id"] in client_envs}
-    envs: dict[str, list[dict[str, Any]]] = {}
+    rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for (cid, rnd), m in sorted(latest.items()):
-        shared = {k: v for k, v in m.items() if not k.startswith(("test_success", "test_tasks/"))}
+        shared = {k: v for k, v in m.items() if not k.startswith(("test_success", "test_tasks/", "train_tasks/"))}
         for env in client_envs[cid]:
-            envs.setdefault(env, []).append({"round": rnd, **shared, "test_success": m[f"test_success/{env}"],
-                                             "test_tasks": m[f"test_tasks/{env}"]})
+            row = {"round": rnd, **shared, "test_success": m[f"test_success/{env}"], "test_tasks": m[f"test_tasks/{env}"]}
+            if f"train_tasks/{env}" in m:  # the training tasks this client holds (a member: its share)
+                row["train_tasks"] = m[f"train_tasks/{env}"]
+            rounds.setdefault((env, rnd), []).append(row)
+    envs: dict[str, list[dict[str, Any]]] = {}
+    for (env, _), rows in sorted(rounds.items()):
+        envs.setdefault(env, []).append(rows[0] if len(rows) == 1 else merge_members(rows))
     return envs
+
+
+def merge_members(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One environment's round as its members reported it: held-out success over every test episode
+    they played (in synchronous rounds each evaluated the same adapter on the same test tasks), the
+    test tasks of one member, their data added up (MEMBERS_SUM), their other metrics averaged, and
+    how many reported (`members`)."""
+    episodes = sum(r["test_tasks"] for r in rows)
+    merged: dict[str, Any] = {"round": rows[0]["round"], "members": len(rows),
+                              "test_success": sum(r["test_success"] * r["test_tasks"] for r in rows) / max(1, episodes),
+                              "test_tasks": episodes / len(rows)}
+    for key in sorted({k for r in rows for k in r} - set(merged)):
+        values = [r[key] for r in rows if key in r and isinstance(r[key], (int, float))]
+        if values:
+            merged[key] = sum(values) if key in MEMBERS_SUM else sum(values) / len(values)
+    return merged
 
 
 def round_mean(rows: dict[str, list[dict[str, Any]]], envs: list[str], rnd: int) -> float | None:

@@ -14,6 +14,7 @@ import pytest
 from apps.hosting import failed_members, host_config, host_plans
 from apps.launcher import run
 from apps.planning import RunConfig, client_config, plan
+from apps.results import env_rows, round_mean
 from fedse.config import ConfigError
 
 TINY = dict(rounds=1, expert_demos=2, explore_tasks=2, eval_tasks=2, epochs=1)
@@ -37,6 +38,24 @@ def test_a_host_names_the_members_it_lost_else_every_one_is_lost():
     log = "...\nmember org-maze-01 failed: RuntimeError: boom\nmember org-other-1 failed: x\n"
     assert failed_members(log, ["org-maze-00", "org-maze-01"]) == ["org-maze-01"]
     assert failed_members("Killed\n", ["org-maze-00", "org-maze-01"]) == ["org-maze-00", "org-maze-01"]
+
+
+def test_an_environments_members_make_one_row_a_round_and_a_round_counts_once_every_environment_is_in():
+    def report(cid, rnd, env, success, **more):
+        return {"client_id": cid, "round": rnd, "metrics": {f"test_success/{env}": success, f"test_tasks/{env}": 10.0,
+                                                            f"train_tasks/{env}": 50.0, **more}}
+    owners = {"org-maze-00": ("maze",), "org-maze-01": ("maze",), "org-wordle": ("wordle",)}
+    reports = [report("org-maze-00", 0, "maze", 0.2, kept=2.0, train_loss=1.0),
+               report("org-maze-01", 0, "maze", 0.4, kept=3.0, train_loss=3.0),
+               report("org-maze-00", 1, "maze", 0.5), report("org-maze-01", 1, "maze", 0.7),
+               report("org-wordle", 0, "wordle", 0.0, kept=1.0)]
+    rows = env_rows(reports, owners)
+    merged = rows["maze"][0]
+    assert (merged["members"], merged["kept"], merged["train_tasks"], merged["test_tasks"]) == (2, 5.0, 100.0, 10.0)
+    assert merged["test_success"] == pytest.approx(0.3) and merged["train_loss"] == pytest.approx(2.0)
+    assert rows["wordle"] == [{"round": 0, "kept": 1.0, "test_success": 0.0, "test_tasks": 10.0, "train_tasks": 50.0}]
+    assert round_mean(rows, ["maze", "wordle"], 0) == pytest.approx(3 / 20)  # micro over the two environments
+    assert round_mean(rows, ["maze", "wordle"], 1) is None  # two maze members are not the wordle's report
 
 
 def test_members_per_host_needs_members():
