@@ -27,18 +27,10 @@ def serve(config: ClientConfig) -> int:
     if config.reset_privacy_ledger:
         return reset_privacy_ledger(config)
     metrics_port = start_metrics(config.metrics_port)
-    try:
-        health = Service("client_agent", config.address, max_workers=2)
-    except ConfigError as exc:  # --address in use
-        return _config_error(exc)
-    health.start()
-    from services.client_agent.training.demos import load_demos  # every demonstration file is read and checked before the model loads
-
-    try:
-        demos = load_demos(config.demos, config.env_list())
-    except ConfigError as exc:
-        health.stop(0)
-        return _config_error(exc)
+    opened = open_health("client_agent", config)
+    if isinstance(opened, int):
+        return opened
+    health, demos = opened
     from services.client_agent.agent import ClientAgent  # heavy imports (torch, transformers) after the port is bound
 
     stop = threading.Event()
@@ -54,7 +46,7 @@ def serve(config: ClientConfig) -> int:
         agent = ClientAgent(config, demos)
     except ConfigError as exc:  # a --base-model that is no model directory shows only where it should load
         health.stop(0)
-        return _config_error(exc)
+        return config_error(exc)
     health.ready([])
     log.info("started", extra=log_fields(port=health.port, metrics_port=metrics_port, client_id=config.client_id,
                                          env=config.env, base_model=config.base_model, device=str(agent.device)))
@@ -78,6 +70,26 @@ def serve(config: ClientConfig) -> int:
     return 0
 
 
+def open_health(name: str, config: ClientConfig, check=None) -> tuple[Service, dict] | int:
+    """The health server at once, then every --demos file read and checked (and `check()` run) before
+    any model loads: (the started server, the demonstrations by environment), or exit status 2 with
+    one line on stderr for an --address in use or a setting that cannot work."""
+    try:
+        health = Service(name, config.address, max_workers=2)
+    except ConfigError as exc:  # --address in use
+        return config_error(exc)
+    health.start()
+    from services.client_agent.training.demos import load_demos
+
+    try:
+        if check is not None:
+            check()
+        return health, load_demos(config.demos, config.env_list())
+    except ConfigError as exc:
+        health.stop(0)
+        return config_error(exc)
+
+
 def reset_privacy_ledger(config: ClientConfig) -> int:
     """--reset-privacy-ledger: the organisation's reset of its privacy budget (privacy.py). Moves the
     client's ledger aside and exits without joining (exit status 0), so that the flag, left set, never
@@ -94,7 +106,7 @@ def reset_privacy_ledger(config: ClientConfig) -> int:
     return 0
 
 
-def _config_error(exc: ConfigError) -> int:
+def config_error(exc: ConfigError) -> int:
     """One line on stderr, as parse_or_exit writes a bad flag's; exit status 2."""
     print(f"configuration error: {exc}", file=sys.stderr)
     return 2

@@ -13,9 +13,10 @@ from fedse.config import ConfigError, parse_or_exit
 from fedse.machine import available_cores
 from fedse.progress import PhaseProgress
 from fedse.security.admission import shown_for
-from fedse.transport.serving import Service, log_fields, setup_logging, start_metrics
+from fedse.transport.serving import log_fields, setup_logging, start_metrics
 
 from services.client_agent.metrics import HOST_MEMBERS as MEMBERS
+from services.client_agent.server import config_error, open_health
 from services.client_host.config import HostConfig
 from services.client_host.members import MEMBER_ATTR, Member, tag_member_logs
 
@@ -34,19 +35,11 @@ def serve(config: HostConfig) -> int:
     tag_member_logs()
     log = logging.getLogger("client_host")
     metrics_port = start_metrics(config.metrics_port)
-    try:
-        health = Service("client_host", config.address, max_workers=2)
-    except ConfigError as exc:  # --address in use
-        return _config_error(exc)
-    health.start()
-    from services.client_agent.training.demos import load_demos  # read and checked before the model loads
-
-    try:
-        configs = config.member_configs()
-        demos = load_demos(config.demos, config.env_list())
-    except ConfigError as exc:
-        health.stop(0)
-        return _config_error(exc)
+    configs: list = []
+    opened = open_health("client_host", config, lambda: configs.extend(config.member_configs()))
+    if isinstance(opened, int):
+        return opened
+    health, demos = opened
     import torch  # heavy imports (torch, transformers) after the port is bound
 
     from services.client_agent.agent import ClientAgent
@@ -64,7 +57,7 @@ def serve(config: HostConfig) -> int:
             shared = SharedModel.load(configs[0])
     except ConfigError as exc:  # a --base-model that is no model directory
         health.stop(0)
-        return _config_error(exc)
+        return config_error(exc)
     members = [_member(ClientAgent, cfg, demos, shared) for cfg in configs]
     health.ready([])
     log.info("started", extra=log_fields(port=health.port, metrics_port=metrics_port, members=len(members),
@@ -117,12 +110,6 @@ def _wait(members: list[Member]) -> None:
         if not running:
             return
         time.sleep(0.5)
-
-
-def _config_error(exc: ConfigError) -> int:
-    """One line on stderr, as parse_or_exit writes a bad flag's; exit status 2."""
-    print(f"configuration error: {exc}", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
