@@ -11,8 +11,8 @@ import pytest
 
 # The files that take longest, in that order, run before the rest: with workers taking whole files
 # (--dist loadfile) in collection order, a long file started last would run alone at the end.
-LONGEST_FIRST = ("test_image.py", "test_docs.py", "test_experiment.py", "test_real_model.py", "test_resilience.py",
-                 "test_methods.py", "test_pretrained.py", "test_end_to_end.py", "test_manifests_run.py",
+LONGEST_FIRST = ("test_image.py", "test_docs.py", "test_experiment.py", "test_client_host.py", "test_real_model.py",
+                 "test_resilience.py", "test_methods.py", "test_pretrained.py", "test_end_to_end.py", "test_manifests_run.py",
                  "test_learning.py", "test_secure_processes.py", "test_client_failure.py", "test_secure_lying.py",
                  "test_reach.py", "test_plugins.py", "test_mixed_ranks.py")
 
