@@ -175,19 +175,20 @@ class Forecast:
     def __init__(self, configs: Iterable[RunConfig], speed: float | None = None):
         speed = speed or machine_speed()
         self.estimates = [run_seconds(cfg, speed) for cfg in configs]
-        self.spent: list[float] = []
+        self.spent: list[float | None] = []
 
     def line(self, what: str) -> str:
         return estimate_line(sum(self.estimates), what)
 
-    def done(self, seconds: float) -> None:
-        """The next run ended after `seconds`."""
+    def done(self, seconds: float | None) -> None:
+        """The next run ended after `seconds` (None: a resumed run, whose time covers only part of its
+        work, so it does not rescale the others)."""
         self.spent.append(seconds)
 
     def scale(self) -> float:
         """How the finished runs' times compared with their estimates (1 before any finished)."""
-        ran = len(self.spent)
-        return sum(self.spent) / max(1e-9, sum(self.estimates[:ran])) if ran else 1.0
+        timed = [(s, e) for s, e in zip(self.spent, self.estimates) if s is not None]
+        return sum(s for s, _ in timed) / max(1e-9, sum(e for _, e in timed)) if timed else 1.0
 
     def left_s(self) -> float:
         return self.scale() * sum(self.estimates[len(self.spent):])

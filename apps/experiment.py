@@ -108,14 +108,15 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
             t0 = time.monotonic()
             path.mkdir(parents=True, exist_ok=True)
             # An interrupted run with these settings goes on; any other earlier run is moved aside.
-            rc = dataclasses.replace(rc, replace=cfg.fresh or not resumes(rc))
+            resumed = not cfg.fresh and resumes(rc)
+            rc = dataclasses.replace(rc, replace=not resumed)
             with open(path / "progress.log", "w" if rc.replace else "a") as log:  # a resumed run's goes on
                 follow = RunProgress(run_name(method, seed), cfg.env_list(), rc.rounds, forecast, say)
                 results = run_federation(rc, out=log, on_rows=follow)
             if not results["complete"]:  # a table of runs that lost clients would compare unlike things
                 raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "
                                    f"{path / 'progress.log'} (the next fedse experiment runs it again)")
-            forecast.done(time.monotonic() - t0)
+            forecast.done(None if resumed else time.monotonic() - t0)
         results.setdefault("round_seconds", round_seconds(path))
         runs[(method.key, seed)] = results
         final = micro_average(results, rc.rounds)

@@ -65,6 +65,11 @@ def test_an_experiments_time_left_follows_how_its_finished_runs_compared_with_th
     assert f.left_s() == pytest.approx(sum(f.estimates))
     f.done(2 * f.estimates[0])  # the first run took twice its estimate: so will the others
     assert f.left_s() == pytest.approx(2 * sum(f.estimates[1:]))
+    resumed = est.Forecast(configs, speed=SPEED)
+    resumed.done(None)  # a resumed run did only its last rounds in this sitting: it rescales nothing
+    assert resumed.left_s() == pytest.approx(sum(resumed.estimates[1:]))
+    resumed.done(3 * resumed.estimates[1])
+    assert resumed.after_current_s() == pytest.approx(0.0) and resumed.left_s() == pytest.approx(3 * resumed.estimates[2])
 
 
 def test_an_experiment_says_its_total_before_its_first_run(tmp_path, monkeypatch):
