@@ -16,7 +16,8 @@ import json
 import pathlib
 from typing import Any, Sequence, TypeVar
 
-from fedse.config import SCORINGS, ConfigError, Count, field, flags, parse, plain
+from fedse.config import ConfigError, Count, field, flags, parse, plain
+from fedse.config import scoring_rules as rules_of
 from fedse.model.pretrained import TINY_MODEL_NAME, check_base_model, names_tiny_model
 from fedse.security.admission import Security
 from fedse.splits import member_id, split_members
@@ -343,30 +344,20 @@ TINY_SCORING = "babyai=calibrated"  # what --scoring auto means for the embedded
 
 
 def scoring_rules(spec: str, base_model: str = TINY_MODEL_NAME) -> dict[str, str]:
-    """--scoring as {environment: rule}; the key "" holds the rule of environments not named."""
+    """--scoring as {environment: rule} (fedse.config.scoring_rules), "auto" as the model's rules."""
     if spec.strip() == "auto":
         spec = TINY_SCORING if names_tiny_model(base_model) else "sum"
-    if "=" not in spec:
-        rules = {"": spec.strip()}
-    else:
-        rules = {"": "sum"}
-        for part in (p.strip() for p in spec.split(",") if p.strip()):
-            env, sep, rule = part.partition("=")
-            if not sep or not env.strip():
-                raise ConfigError(f"--scoring {spec!r}: write one rule (sum or calibrated) or env=rule pairs "
-                                  f"separated by commas, e.g. babyai=calibrated,webshop=calibrated")
-            rules[env.strip()] = rule.strip()
-    for env, rule in rules.items():
-        if rule not in SCORINGS:
-            raise ConfigError(f"--scoring {spec!r}: {rule!r} is not a rule; use one of {', '.join(SCORINGS)}")
-    return rules
+    return rules_of(spec)
 
 
 def scoring_for(spec: str, envs: Sequence[str], base_model: str = TINY_MODEL_NAME) -> str:
-    """The --scoring rule of a client holding `envs`: theirs where they all have the same, else sum."""
+    """The --scoring of a client holding `envs`: their rule where they all have the same, else each
+    environment's (ENV=RULE pairs: a Centralized client scores BabyAI as BabyAI's own client does)."""
     rules = scoring_rules(spec, base_model)
-    chosen = {rules.get(e, rules[""]) for e in envs}
-    return chosen.pop() if len(chosen) == 1 else "sum"
+    chosen = {e: rules.get(e, rules[""]) for e in envs}
+    if len(set(chosen.values())) == 1:
+        return chosen[envs[0]]
+    return ",".join(f"{e}={rule}" for e, rule in chosen.items())
 
 
 def service_config(service: type[T], **settings: Any) -> T:

@@ -27,6 +27,23 @@ T = TypeVar("T")
 SCORINGS = ("sum", "calibrated")
 
 
+def scoring_rules(spec: str, flag: str = "--scoring") -> dict[str, str]:
+    """A scoring spec as {environment: rule}: one rule for all ("sum"), or ENV=RULE pairs separated by
+    commas, with an optional bare rule for the environments not named ("sum,babyai=calibrated"); the
+    key "" holds that rule ("sum" unless given). ConfigError naming `flag` for anything else."""
+    rules = {"": "sum"}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        env, sep, rule = part.partition("=")
+        if sep and not env.strip():
+            raise ConfigError(f"{flag} {spec!r}: write one rule (sum or calibrated) or env=rule pairs "
+                              f"separated by commas, e.g. babyai=calibrated,webshop=calibrated")
+        rules[env.strip() if sep else ""] = (rule if sep else env).strip()
+    for rule in rules.values():
+        if rule not in SCORINGS:
+            raise ConfigError(f"{flag} {spec!r}: {rule!r} is not a rule; use one of {', '.join(SCORINGS)}")
+    return rules
+
+
 class ConfigError(ValueError):
     """A missing or malformed setting; the message says which and what is expected."""
 

@@ -66,7 +66,8 @@ def test_client_config_accepts_the_methods_settings():
     (dict(explore_tasks=-1), "--explore-tasks must not be negative"),
     (dict(env=" , "), "--env is empty"),
     (dict(env="maze,wordle,maze"), "names an environment twice"),
-    (dict(scoring="pmi"), "--scoring must be one of sum, calibrated"),
+    (dict(scoring="pmi"), "--scoring 'pmi': 'pmi' is not a rule; use one of sum, calibrated"),
+    (dict(scoring="sum,babyai=pmi"), "'pmi' is not a rule"),
 ])
 def test_client_config_says_what_to_fix(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -148,7 +149,14 @@ def test_scoring_is_set_per_environment_and_a_client_of_several_gets_theirs_when
     assert scoring_for("auto", ("babyai",), base_model=str(tmp_path / "other")) == "sum"
     assert scoring_for("calibrated", ("maze", "wordle")) == "calibrated"
     assert scoring_for("babyai=calibrated,webshop=calibrated", ("babyai", "webshop")) == "calibrated"
-    assert scoring_for("babyai=calibrated", ("maze", "babyai")) == "sum"
+    # A client of several environments that disagree scores each by its own rule (the Centralized client
+    # scores BabyAI as BabyAI's federated client does).
+    spec = scoring_for("babyai=calibrated", ("maze", "babyai"))
+    assert spec == "maze=sum,babyai=calibrated" and scoring_for("auto", ("maze", "babyai")) == spec
+    central = ClientConfig(env="maze,babyai", scoring=spec)
+    assert (central.scoring_of("maze"), central.scoring_of("babyai"), central.scoring_of("")) == ("sum", "calibrated",
+                                                                                                 "sum")
+    assert ClientConfig(scoring="calibrated,maze=sum").scoring_of("wordle") == "calibrated"
 
 
 def test_results_split_a_clients_report_per_environment_and_micro_average():

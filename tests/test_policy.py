@@ -162,6 +162,9 @@ def test_calibrated_scores_are_the_log_likelihood_less_that_after_the_content_fr
     prompts = _maze_prompts(12)
     assert scorer.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True) != \
         summed.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True)
+    # One scorer, each call by its environment's rule (a client of several environments).
+    assert summed.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True, scoring="calibrated") == \
+        scorer.choose(prompts, [MAZE_ACTIONS] * 12, greedy=True)
 
 
 def test_calibrated_baselines_follow_the_weights_after_forget():

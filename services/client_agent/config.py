@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fedse.config import ALL, SCORINGS, ConfigError, Count, field, refuse_zero
+from fedse.config import ALL, ConfigError, Count, field, refuse_zero, scoring_rules
 from fedse.security.admission import Security
 from fedse.model.pretrained import TINY_MODEL_NAME
 from fedse.splits import parse_share, split_for
@@ -92,7 +92,9 @@ class ClientConfig(Security):
                                      "environment that lists no actions): its thought and its action")
     scoring: str = field("sum", "with --policy score, what ranks the admissible actions: 'sum' (their "
                                 "log-likelihood) or 'calibrated' (less their log-likelihood after an empty prompt "
-                                "under the same weights: no preference for short actions)")
+                                "under the same weights: no preference for short actions); or ENV=RULE pairs, "
+                                "comma-separated, for a client of several environments (e.g. "
+                                "'sum,babyai=calibrated': the bare rule is the others')")
     seed: int = field(0, "seed for the base model (tiny), LoRA init, task sampling and training")
     torch_threads: int = field(0, "torch CPU threads (0 = the cores this process may run on: its CPU affinity "
                                   "and cgroup quota)")
@@ -183,8 +185,7 @@ class ClientConfig(Security):
             raise ConfigError(f"--precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.policy not in ("score", "generate"):
             raise ConfigError(f"--policy must be 'score' or 'generate', got {self.policy!r}")
-        if self.scoring not in SCORINGS:
-            raise ConfigError(f"--scoring must be one of {', '.join(SCORINGS)}, got {self.scoring!r}")
+        scoring_rules(self.scoring)  # a rule, or ENV=RULE pairs: ConfigError otherwise
         if self.transport_dtype not in ("", "bfloat16"):
             raise ConfigError(f"--transport-dtype must be '' (the schema's dtype) or 'bfloat16', "
                               f"got {self.transport_dtype!r}")
@@ -237,6 +238,11 @@ class ClientConfig(Security):
     def signs_keys(self) -> bool:
         """With its mTLS files this client signs its keys in secure rounds and requires everyone's signed."""
         return bool(self.tls_ca and self.tls_cert and self.tls_key)
+
+    def scoring_of(self, env: str) -> str:
+        """The rule --scoring gives environment `env` (its own, else the bare rule, else sum)."""
+        rules = scoring_rules(self.scoring)
+        return rules.get(env, rules[""])
 
     def env_list(self) -> list[str]:
         """The environments this client holds, in the order given."""

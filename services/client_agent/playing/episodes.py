@@ -56,12 +56,12 @@ class Player:
         self.write_tokens = write_tokens(model, max_prompt_tokens, cfg.max_new_tokens)
         self.scorer = ActionScorer(model, tokenizer, next(model.parameters()).device,
                                    max_prompt_tokens=max_prompt_tokens, fmt=fmt, precision=precision,
-                                   cache_bytes=cfg.score_cache_mb << 20, tokenize=tokenize, scoring=cfg.scoring)
+                                   cache_bytes=cfg.score_cache_mb << 20, tokenize=tokenize, scoring=cfg.scoring_of(""))
         self.writer = ActionWriter(self.scorer)
         self.concurrency = cfg.concurrency or self.scorer.layout.concurrency
 
     def model_policy(self, greedy: bool, generator: torch.Generator, writes: bool = False,
-                     phase: str = "eval") -> Policy:
+                     phase: str = "eval", env: str = "") -> Policy:
         """The model's policy: in an environment that lists actions, --policy's choice among them; in
         one that does not (`writes`), the ReAct text it writes (greedy, or sampled at --temperature)
         and the action parsed from it, counted by `phase` in fedse_client_written_actions."""
@@ -82,7 +82,7 @@ class Player:
             if self.cfg.policy == "generate":
                 return self.writer.generate_actions(prompts, candidates)
             picks = self.scorer.choose(prompts, candidates, greedy=greedy, generator=generator,
-                                       temperature=self.cfg.temperature)
+                                       temperature=self.cfg.temperature, scoring=self.cfg.scoring_of(env))
             return [c[i] for c, i in zip(candidates, picks)]
         return write if writes else choose
 
@@ -130,7 +130,8 @@ class Player:
         for task in tasks:
             trajs = self.episodes(task.env, task.test_ids,
                                   lambda t=task: self.model_policy(True, torch.Generator().manual_seed(0),
-                                                                   writes=not t.lists_actions, phase="eval"),
+                                                                   writes=not t.lists_actions, phase="eval",
+                                                                   env=t.name),
                                   round_, "eval")
             ok = sum(t.success for t in trajs)
             metrics[f"test_success/{task.name}"] = ok / max(1, len(trajs))
@@ -153,7 +154,8 @@ class Player:
             ids = random.Random(seed).sample(task.train_ids, min(self.cfg.explore_tasks, len(task.train_ids)))
             trajs += self.episodes(task.env, ids * self.cfg.explore_tries,
                                    lambda t=task: self.model_policy(False, torch.Generator().manual_seed(seed),
-                                                                    writes=not t.lists_actions, phase="explore"),
+                                                                    writes=not t.lists_actions, phase="explore",
+                                                                    env=t.name),
                                    round_, "explore")
         return trajs
 

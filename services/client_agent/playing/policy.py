@@ -107,7 +107,8 @@ class ActionScorer:
         return torch.tensor([self._baseline[c] for c in candidates], dtype=torch.float32)
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+    def score(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]],
+              scoring: str | None = None) -> list[torch.Tensor]:
         """What the agent acts on, for every candidate c of every prompt (CPU fp32 tensors):
         - "sum": log p(target(c) | prompt), summed over the target's tokens;
         - "calibrated": that less log p(target(c) | the content-free prompt) under the same weights
@@ -115,9 +116,10 @@ class ActionScorer:
           An untrained model's sum prefers short actions and those its random weights happen to like
           (the tiny model: about 7 nats per byte, so BabyAI's "turn left" beats "go to red ball 1" by
           ~50 nats wherever it is); calibration removes what does not depend on the prompt, and with
-          it what training taught regardless of the prompt (the Maze's "mostly right and down")."""
+          it what training taught regardless of the prompt (the Maze's "mostly right and down").
+        `scoring`: this call's rule (an environment's, for a client of several), else the scorer's."""
         out = self.loglik(prompts, candidates)
-        if self.scoring == "sum":
+        if (scoring or self.scoring) == "sum":
             return out
         return [s - self.baseline(cands) for s, cands in zip(out, candidates)]
 
@@ -144,13 +146,14 @@ class ActionScorer:
     # ---- choosing ------------------------------------------------------------------------------
 
     def choose(self, prompts: Sequence[str], candidates: Sequence[Sequence[str]], greedy: bool,
-               generator: torch.Generator | None = None, temperature: float = 1.0) -> list[int]:
+               generator: torch.Generator | None = None, temperature: float = 1.0,
+               scoring: str | None = None) -> list[int]:
         """Index of the chosen candidate for each prompt: argmax of the score (first on ties) when
-        greedy, else a sample from softmax(score / temperature)."""
+        greedy, else a sample from softmax(score / temperature); `scoring` as score's."""
         if not greedy and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         picks = []
-        for s in self.score(prompts, candidates):
+        for s in self.score(prompts, candidates, scoring):
             if greedy:
                 picks.append(int(torch.argmax(s)))
             else:
