@@ -25,7 +25,9 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
                ("selectors.png", ["Fed-SE"] + of("selection"), "Fed-SE (every client a round), the selectors and FedBuff"),
                ("variants.png", ["Fed-SE"] + of("variants"), "Fed-SE and its variants within the method"),
                ("ranks.png", ["Fed-SE"] + of("ranks"), "Fed-SE (every client at rank 8) and mixed ranks 4/16/8"))
-    drawn = [name for name, methods, _ in figures if any(m in summary["curves"] for m in methods)]
+    # Each figure whose own methods ran (Fed-SE, beside the others as their reference, is the main figure's).
+    drawn = [name for name, methods, _ in figures
+             if any(m in summary["curves"] for m in (methods if name == "methods.png" else methods[1:]))]
     for name, methods, title in figures:  # each figure whose methods ran
         if name in drawn:
             plot_curves(summary, methods, root / name, title)

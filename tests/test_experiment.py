@@ -69,7 +69,7 @@ def test_table_has_the_papers_layout_with_spread_and_paired_gains():
         "| w/o history | 70.0 ± 0.0 | 10.0 ± 14.1 | 40.0 ± 7.1 | +0.0 ± 7.1 ≈ | 2.00 |"]
 
 
-def test_the_selectors_have_their_own_table_beside_fedse():
+def test_the_selectors_have_their_own_table_beside_fedse(tmp_path):
     cfg = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse,sample")
     runs = {("fedse", 0): results_of({"maze": [(0.0, 10), (0.6, 10)]}),
             ("sample", 0): results_of({"maze": [(0.0, 10), (0.5, 10)]})}
@@ -78,6 +78,9 @@ def test_the_selectors_have_their_own_table_beside_fedse():
     at = lines.index("| Selector | maze | Avg. | Δ vs Fed-SE | MB sent / client / round |")
     assert lines[at + 2:] == ["| Fed-SE (all) | 60.0 | 60.0 | - | 2.00 |",
                               "| sample half | 50.0 | 50.0 | -10.0 | 2.00 |"]
+    # The figures of the methods that ran, and no empty one (Fed-SE alone is no ablation figure).
+    written = [p.name for p in ex.write_outputs(summary, runs, tmp_path)]
+    assert [n for n in written if n.endswith(".png")] == ["methods.png", "selectors.png", "bytes.png", "why.png"]
 
 
 def test_settings_come_from_the_budget_unless_given():
