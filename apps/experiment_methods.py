@@ -9,7 +9,7 @@ import pathlib
 from typing import Any
 
 from fedse.config import ALL, ConfigError, Count, field, refuse_zero
-from apps.planning import RunConfig
+from apps.planning import RunConfig, env_specs
 from fedse.model.pretrained import check_base_model
 
 
@@ -149,16 +149,8 @@ class ExperimentConfig:
         return BUDGETS[self.budget][name] if value in (-1, "") else value
 
     def env_list(self) -> list[str]:
-        """The environments' names (a spec's options are not part of its name)."""
-        from services.env_server.registry import RegistryError, parse_specs
-
-        from fedse.splits import split_members
-
-        try:  # an environment's :N (its members) is not part of its name
-            parts = [split_members(part)[0] for part in self.setting("envs").split(",") if part.strip()]
-            return [spec.name for spec in parse_specs(",".join(parts))]
-        except RegistryError as exc:
-            raise ConfigError(f"--envs: {exc}") from None
+        """The environments' names (a spec's options and members are not part of its name)."""
+        return list(env_specs(self.setting("envs")))
 
     def run_config(self, method: Method, seed: int, results: pathlib.Path) -> RunConfig:
         common = {name: self.setting(name) for name in BUDGET_FIELDS if name != "seeds"}

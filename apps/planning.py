@@ -51,6 +51,18 @@ def setting(service: type, name: str, help: str = "") -> Any:  # noqa: A002 - as
                                        **{k: v for k, v in own.metadata.items() if k == "sep"}})
 
 
+def env_specs(envs: str) -> dict[str, str]:
+    """--envs (of fedse run or fedse experiment) as {environment name: its spec as the env server takes
+    it}, less the :N of its members (split_members); ConfigError for a malformed spec."""
+    from services.env_server import registry
+
+    parts = [split_members(part)[0] for part in envs.split(",") if part.strip()]
+    try:
+        return {spec.name: spec.text for spec in registry.parse_specs(",".join(parts))}
+    except registry.RegistryError as exc:
+        raise ConfigError(f"--envs: {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Run a whole Fed-SE federation locally (the embedded tiny model unless --base-model is a path)."""
@@ -243,12 +255,7 @@ class RunConfig:
     def env_specs(self) -> dict[str, str]:
         """Each environment's name and its spec as the env server takes it, less the :N of its members
         (parsed only: __post_init__ checked that each can be served); ConfigError for a malformed spec."""
-        from services.env_server import registry
-
-        try:
-            return {spec.name: spec.text for spec in registry.parse_specs(",".join(s for s, _ in self.env_parts()))}
-        except registry.RegistryError as exc:
-            raise ConfigError(f"--envs: {exc}") from None
+        return env_specs(self.envs)
 
     def env_parts(self) -> list[tuple[str, int]]:
         """--envs as (spec, members given: N where it ends in :N, else 0), in order (split_members)."""

@@ -36,10 +36,8 @@ BUDGET = ["--expert-demos", "2", "--explore-tasks", "2", "--eval-tasks", "2", "-
 
 
 def shares(k: int, total: int) -> list[str]:
-    """The --task-share a host gives member k of `total`, where clients have the setting."""
-    from services.client_agent.config import ClientConfig
-
-    return ["--task-share", f"{k}/{total}"] if "task_share" in ClientConfig.__dataclass_fields__ else []
+    """The --task-share a host gives member k of `total`."""
+    return ["--task-share", f"{k}/{total}"]
 
 
 class Federation:
@@ -185,8 +183,7 @@ def test_members_ids_shares_and_what_a_host_refuses():
     pod = HostConfig(client_id="org", members=3, member_offset=1, member_stride=4, members_total=12)
     assert pod.numbers() == [1, 5, 9]
     assert [c.client_id for c in pod.member_configs()] == ["org-01", "org-05", "org-09"]
-    if shares(0, 1):  # clients take a task share: member k of the federation's members
-        assert [c.task_share for c in pod.member_configs()] == ["1/12", "5/12", "9/12"]
+    assert [c.task_share for c in pod.member_configs()] == ["1/12", "5/12", "9/12"]  # member k of all members
     assert HostConfig(members=10).member_id(9) == "client-09"
     assert HostConfig(members=101).member_id(9) == "client-009"
     for bad in (dict(members=0), dict(guardian=True, lora_r=0), dict(reset_privacy_ledger=True),

@@ -72,13 +72,10 @@ class HostConfig(ClientConfig):
         return member_id(self.client_id, k, self.total)
 
     def member(self, k: int) -> ClientConfig:
-        """Member k's client config: these settings, its id and, where clients take a task share, its share."""
-        names = {f.name for f in dataclasses.fields(ClientConfig)}
-        settings = {name: getattr(self, name) for name in names}
-        settings["client_id"] = self.member_id(k)
-        if "task_share" in names:  # a member's share of each environment's training tasks
-            settings["task_share"] = f"{k}/{self.total}"
-        return ClientConfig(**settings)
+        """Member k's client config: these settings, its id and its share of each environment's training
+        tasks (member k of --members-total)."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(ClientConfig)}
+        return ClientConfig(**{**settings, "client_id": self.member_id(k), "task_share": f"{k}/{self.total}"})
 
     def member_configs(self) -> list[ClientConfig]:
         return [self.member(k) for k in self.numbers()]
