@@ -195,9 +195,9 @@ class Launch:
         self.say(estimate_line(run_seconds(self.cfg, machine_speed())))
         members = [(f, c) for f in self.feds for c in f.clients]
         # One env server per set of environments: the members sharing an environment's tasks share its server.
-        hosts = {c.envs: c for _, c in members}
+        first = {c.envs: c for _, c in members}
         served = {envs: self.process(f"env_server-{'+'.join(envs)}", "env-server", env_server_config(self.cfg, c))
-                  for envs, c in hosts.items()}
+                  for envs, c in first.items()}
         agg_cfgs = {f.name: aggregator_config(self.cfg, f, self.state) for f in self.feds}
         aggregators = {name: self.process(name, "aggregator", c) for name, c in agg_cfgs.items()}
         ports = {envs: p.port() for envs, p in served.items()}
@@ -214,12 +214,12 @@ class Launch:
         singles = [(f, c) for f, c in members if c not in hosted]
         # The client processes share this machine's cores; each gets its share (at least one thread).
         threads = max(1, available_cores() // (len(singles) + len(hosts)))
-        config = {c: client_config(self.cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}",
-                                   self.state, threads) for f, c in members}
-        for _, c in singles:
-            self.clients[c] = self.process(f"client_agent-{c.label}", "client", config[c])
-        for _, h in hosts:
-            proc = self.process(h.name, "client-host", host_config(config[h.clients[0]], h))
+        config = lambda f, c: client_config(  # noqa: E731 - a host's from its first member's
+            self.cfg, c, f"127.0.0.1:{env_ports[c]}", f"127.0.0.1:{agg_ports[f.name]}", self.state, threads)
+        for f, c in singles:
+            self.clients[c] = self.process(f"client_agent-{c.label}", "client", config(f, c))
+        for f, h in hosts:
+            proc = self.process(h.name, "client-host", host_config(config(f, h.clients[0]), h))
             self.clients.update({c: proc for c in h.clients})
         in_hosts = f" ({len(hosted)} of them in {len(hosts)} client hosts)" if hosts else ""
         shown = ", ".join(self.client_envs) if len(self.client_envs) <= 12 else f"{len(self.client_envs)} ids"
