@@ -19,8 +19,8 @@ Mixed ranks (--methods ranks) are Fed-SE with the clients at LoRA ranks 4, 16 an
 2 x rank), combined by `hlora` (the exact sum of the products, each client taking its best rank) and
 by `zero-pad` (the zero-padded factors' mean, the naive baseline HetLoRA builds on), beside Fed-SE with every
 client at rank 8. The variants (--methods variants) are Fed-SE with one part of its round changed within
-the method: 3 tries per exploration task, a learning rate falling over the rounds, and the seed
-demonstrations kept at half of what each round trains on.
+the method: 3 tries per exploration task, a learning rate falling over the rounds, the seed
+demonstrations kept at half of what each round trains on, and exploration sampled at temperature 0.5.
 
 All methods share seeds, tasks and budgets: for each seed the runs start from the same base model
 and phi_0 and see the same training and test tasks. The score of a run is the held-out success of

@@ -118,6 +118,7 @@ class RunConfig:
     keep: str = setting(ClientConfig, "keep")
     history: str = setting(ClientConfig, "history")
     explore_tries: int = setting(ClientConfig, "explore_tries")
+    temperature: float = setting(ClientConfig, "temperature")
     round_lr: str = setting(ClientConfig, "round_lr")
     expert_share: float = setting(ClientConfig, "expert_share")
     lora_r: int = setting(ClientConfig, "lora_r")

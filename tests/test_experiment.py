@@ -12,6 +12,7 @@ import pytest
 
 from apps import experiment as ex
 from fedse.config import ConfigError
+from services.client_agent.config import ClientConfig
 
 
 def results_of(envs: dict[str, list[tuple[float, int]]], upload_bytes: float = 2e6) -> dict:
@@ -104,7 +105,8 @@ def test_settings_come_from_the_budget_unless_given():
     # quick: the paper's methods and ablations; the selectors when asked for, beside Fed-SE
     assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS
                                                    if m.group not in ("selection", "ranks", "variants")]
-    assert ex.ExperimentConfig(methods="variants").method_keys() == ["fedse", "tries3", "lr-cosine", "expert-half"]
+    assert ex.ExperimentConfig(methods="variants").method_keys() == ["fedse", "tries3", "lr-cosine", "expert-half",
+                                                                     "explore-cool"]
     long = ex.ExperimentConfig(budget="long")  # the paper's T = 20 on all five environments; a test task is 5 points
     assert (long.setting("rounds"), long.setting("seeds"), long.setting("eval_tasks"), len(long.env_list())) == \
         (20, 3, 20, 5)
@@ -119,6 +121,8 @@ def test_settings_come_from_the_budget_unless_given():
     assert (half.async_buffer, half.async_concurrency) == (3, 6)
     tries = long.run_config(ex.BY_KEY["tries3"], seed=1, results=pathlib.Path("x"))
     assert (tries.explore_tries, tries.round_lr, tries.rounds) == (3, "constant", 20)
+    cool = long.run_config(ex.BY_KEY["explore-cool"], seed=1, results=pathlib.Path("x"))
+    assert (cool.temperature, cool.passed_on(ClientConfig)["temperature"], tries.temperature) == (0.5, 0.5, 1.0)
     assert ex.ExperimentConfig(methods="selectors").method_keys() == ["fedse", "sample", "utility", "agent-tools",
                                                                       "agent-llm"]
     sampled = ex.ExperimentConfig(methods="selectors").run_config(ex.BY_KEY["agent-tools"], 0, pathlib.Path("x"))
