@@ -27,14 +27,15 @@ and phi_0 and see the same training and test tasks. The score of a run is the he
 its last global adapter phi_T; an environment's average is micro-averaged over test tasks. Each
 method runs once per seed and the table shows mean +- sample standard deviation over seeds.
 
-Output in --results: table.md (the paper's layout), results.csv (every run, environment and
+Output in --results: table.md (the paper's layout, then the average round by round), results.csv (every run, environment and
 round), methods.png, ablations.png, selectors.png, variants.png and ranks.png (success per round per environment), bytes.png (adapter
 bytes each client sends per round), and runs/<method>-seed<k>/ with each run's own results and
 logs. A run whose results.json exists with the same settings is not run again, and one it
 interrupted resumes, so an interrupted experiment picks up where it stopped (--fresh runs everything
 again; an earlier run's files are moved aside to runs/<method>-seed<k>.replaced-<time>, never deleted).
 As it goes it names the runs done and to run, and says each round that every environment reported,
-with the time left (apps.experiment_progress).
+with the time left (apps.experiment_progress). After each run it finishes it writes the table and
+figures of the runs finished so far, so an experiment interrupted for good still has them.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         final = micro_average(results, rc.rounds)
         say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "
             + (f"{100 * final:.1f}%" if final is not None else "-"))
+        if results is not kept.get((method.key, seed)) and i < len(jobs):  # so an interrupted one has its table
+            done = sorted({s for _, s in runs})
+            write_outputs(summarise(cfg, [m for m in methods if any((m.key, s) in runs for s in done)], done, runs),
+                          runs, root)
+            say(f"    the table and figures so far, from {len(runs)} of {len(jobs)} runs: {root / 'table.md'}")
     summary = summarise(cfg, methods, seeds, runs)
     written = write_outputs(summary, runs, root)
     say("\n" + summary["table"])

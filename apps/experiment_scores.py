@@ -70,9 +70,11 @@ def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
         per_seed = [runs[(key, s)] for s in seeds if (key, s) in runs]
         if not per_seed:
             return
-        env_values = {e: [rows_at(r, round_).get(e, {}).get("test_success") for r in per_seed] for e in envs}
+        by_seed = [runs.get((key, s)) for s in seeds]  # None where a seed did not run: pairs stay by seed
+        env_values = {e: [rows_at(r, round_).get(e, {}).get("test_success") if r else None for r in by_seed]
+                      for e in envs}
         scored[name] = {"group": group, "key": key, "round": round_, "env": env_values,
-                        "avg": [micro_average(r, round_) for r in per_seed],
+                        "avg": [micro_average(r, round_) if r else None for r in by_seed],
                         "mb_per_round": statistics.mean(upload_mb_per_round(r) for r in per_seed)
                         if round_ else 0.0,
                         "work": [work_rates(r) for r in per_seed],
@@ -89,18 +91,21 @@ def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
     return summary
 
 
-def _paired_gain(a: list[float | None], b: list[float | None]) -> tuple[float, float]:
-    return mean_sd(x - y for x, y in zip(a, b) if x is not None and y is not None)
+def _paired(a: list[float | None], b: list[float | None]) -> list[float]:
+    """a - b seed by seed, where both seeds have a value."""
+    return [x - y for x, y in zip(a, b) if x is not None and y is not None]
 
 
-def _cell(mean: float, sd: float, n: int, signed: bool = False) -> str:
-    """A percentage, ± the spread over seeds; a difference (signed) no larger than its spread is
-    marked "≈": the seeds cannot tell it from noise."""
-    if math.isnan(mean):
+def _cell(values: Iterable[float | None], signed: bool = False) -> str:
+    """The values' mean as a percentage, ± their spread where there are two or more (the seeds'); a
+    difference (signed) no larger than its spread is marked "≈": the seeds cannot tell it from noise."""
+    xs = [v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
         return "-"
+    mean, sd = mean_sd(xs)
     value = round(100 * mean, 1) + 0.0  # + 0.0: no "-0.0"
     text = f"{value:+.1f}" if signed else f"{value:.1f}"
-    if n < 2:
+    if len(xs) < 2:
         return text
     noise = " ≈" if signed and abs(mean) <= sd else ""
     return f"{text} ± {100 * sd:.1f}{noise}"
@@ -120,13 +125,14 @@ def table(summary: dict[str, Any]) -> str:
     if not main:
         lines = lines[:2]  # no method of the paper's table ran: only the other tables
     for name, s in main:
-        gain = _cell(*_paired_gain(s["avg"], base["avg"]), n, signed=True) if base and name != PRETRAINED else "-"
-        lines.append(f"| {name} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
-                     + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} |")
+        gain = _cell(_paired(s["avg"], base["avg"]), signed=True) if base and name != PRETRAINED else "-"
+        lines.append(f"| {name} | " + " | ".join(_cell(s["env"][e]) for e in envs)
+                     + f" | {_cell(s['avg'])} | {gain} |")
     ref = scored.get("Fed-SE")
     if ref and "FedIT" in scored:  # the paper's claim: self-evolution above static federated tuning
-        lines += ["", f"Fed-SE - FedIT: {_cell(*_paired_gain(ref['avg'], scored['FedIT']['avg']), n, signed=True)} "
+        lines += ["", f"Fed-SE - FedIT: {_cell(_paired(ref['avg'], scored['FedIT']['avg']), signed=True)} "
                       "points on the average (paired over seeds)."]
+    lines += round_table(summary)
     for group, head, fedse in (("ablation", "Variant", "Fed-SE (rank 8)"), ("selection", "Selector", "Fed-SE (all)"),
                                ("variants", "Within the method", "Fed-SE"),
                                ("ranks", "Mixed ranks", "Fed-SE (every client at rank 8)")):
@@ -137,15 +143,37 @@ def table(summary: dict[str, Any]) -> str:
                   "|---|" + "---:|" * (len(envs) + 3)]
         for name in (["Fed-SE"] if ref else []) + variants:
             s = scored[name]
-            gain = _cell(*_paired_gain(s["avg"], ref["avg"]), n, signed=True) if ref and name != "Fed-SE" else "-"
+            gain = _cell(_paired(s["avg"], ref["avg"]), signed=True) if ref and name != "Fed-SE" else "-"
             label = fedse if name == "Fed-SE" else name
-            lines.append(f"| {label} | " + " | ".join(_cell(*mean_sd(s["env"][e]), n) for e in envs)
-                         + f" | {_cell(*mean_sd(s['avg']), n)} | {gain} | {s['mb_per_round']:.2f} |")
+            lines.append(f"| {label} | " + " | ".join(_cell(s["env"][e]) for e in envs)
+                         + f" | {_cell(s['avg'])} | {gain} | {s['mb_per_round']:.2f} |")
         timed = [f"{name} {statistics.mean(scored[name]['s_per_round']):.1f} s" for name in variants
                  if scored[name]["s_per_round"]]
         if group == "selection" and timed:
             lines += ["", "Seconds a round (FedBuff: a version) as the aggregator timed it: " + ", ".join(timed) + "."]
     return "\n".join(lines + work_table(scored))
+
+
+def round_table(summary: dict[str, Any]) -> list[str]:
+    """The average's held-out success round by round (at most 11 rounds shown, the last always), per
+    method, and Fed-SE - FedIT paired over seeds where both ran; nothing for a run of one round."""
+    last, curves = summary["rounds"], summary["curves"]
+    if last < 2 or not curves:
+        return []
+    step = math.ceil(last / 10)
+    shown = sorted(set(range(0, last + 1, step)) | {last})
+
+    def cells(values_of: Any, signed: bool = False) -> str:
+        return " | ".join(_cell(values_of(t), signed) for t in shown)
+
+    lines = ["", f"Avg. held-out success (%) by round, mean ± sd over {len(summary['seeds'])} seed(s); round 0 is "
+                 "the base model:", "", "| Method | " + " | ".join(str(t) for t in shown) + " |",
+             "|---|" + "---:|" * len(shown)]
+    lines += [f"| {name} | {cells(lambda t: by_env['Avg.'][t])} |" for name, by_env in curves.items()]
+    if "Fed-SE" in curves and "FedIT" in curves:
+        se, it = curves["Fed-SE"]["Avg."], curves["FedIT"]["Avg."]
+        lines.append(f"| Fed-SE - FedIT | {cells(lambda t: _paired(se[t], it[t]), signed=True)} |")
+    return lines
 
 
 def work_table(scored: dict[str, Any]) -> list[str]:
@@ -169,14 +197,17 @@ def work_table(scored: dict[str, Any]) -> list[str]:
 
 def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], dict[str, Any]],
            envs: list[str], last: int) -> dict[str, dict[str, list[list[float | None]]]]:
-    """method name -> env (and "Avg.") -> per round, the values over seeds."""
+    """method name -> env (and "Avg.") -> per round, the values over seeds (None where a seed has none)."""
     out: dict[str, dict[str, list[list[float | None]]]] = {}
     for m in methods:
-        per_seed = [runs[(m.key, s)] for s in seeds if (m.key, s) in runs]
+        per_seed = [runs.get((m.key, s)) for s in seeds]  # None where a seed did not run: pairs stay by seed
+        if not any(per_seed):
+            continue
         by_env: dict[str, list[list[float | None]]] = {}
         for e in envs:
-            by_env[e] = [[rows_at(r, t).get(e, {}).get("test_success") for r in per_seed] for t in range(last + 1)]
-        by_env["Avg."] = [[micro_average(r, t) for r in per_seed] for t in range(last + 1)]
+            by_env[e] = [[rows_at(r, t).get(e, {}).get("test_success") if r else None for r in per_seed]
+                         for t in range(last + 1)]
+        by_env["Avg."] = [[micro_average(r, t) if r else None for r in per_seed] for t in range(last + 1)]
         out[m.name] = by_env
     return out
 

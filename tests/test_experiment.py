@@ -70,6 +70,29 @@ def test_table_has_the_papers_layout_with_spread_and_paired_gains():
         "| w/o history | 70.0 ± 0.0 | 10.0 ± 14.1 | 40.0 ± 7.1 | +0.0 ± 7.1 ≈ | 2.00 |"]
 
 
+def test_the_table_gives_the_average_round_by_round_and_fedse_less_fedit_paired_by_seed():
+    cfg = ex.ExperimentConfig(envs="maze", seeds=2, rounds=3, methods="fedit,fedse")
+    runs = {("fedse", 0): results_of({"maze": [(0.0, 10), (0.1, 10), (0.3, 10), (0.5, 10)]}),
+            ("fedse", 1): results_of({"maze": [(0.2, 10), (0.2, 10), (0.4, 10), (0.6, 10)]}),
+            ("fedit", 1): results_of({"maze": [(0.2, 10), (0.4, 10), (0.4, 10), (0.4, 10)]})}  # seed 0 never ran
+    lines = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)["table"].splitlines()
+    at = lines.index("| Method | 0 | 1 | 2 | 3 |")
+    assert lines[at + 2:at + 5] == ["| FedIT | 20.0 | 40.0 | 40.0 | 40.0 |",
+                                    "| Fed-SE | 10.0 ± 14.1 | 15.0 ± 7.1 | 35.0 ± 7.1 | 55.0 ± 7.1 |",
+                                    "| Fed-SE - FedIT | +0.0 | -20.0 | +0.0 | +20.0 |"]  # seed 1 against seed 1 only
+    # The final table pairs by seed too: FedIT's seed 1 against Fed-SE's seed 1.
+    assert "Fed-SE - FedIT: +20.0 points on the average (paired over seeds)." in lines
+    # Twenty rounds show every second one; a single round has no such table.
+    long = ex.ExperimentConfig(envs="maze", seeds=1, rounds=20, methods="fedse")
+    run = {("fedse", 0): results_of({"maze": [(t / 40, 20) for t in range(21)]})}
+    table = ex.summarise(long, [ex.BY_KEY["fedse"]], [0], run)["table"]
+    assert "| Method | 0 | 2 | 4 | 6 | 8 | 10 | 12 | 14 | 16 | 18 | 20 |" in table
+    assert "| Fed-SE | 0.0 | 5.0 | 10.0 | 15.0 | 20.0 | 25.0 | 30.0 | 35.0 | 40.0 | 45.0 | 50.0 |" in table
+    one = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse")
+    assert "by round" not in ex.summarise(one, [ex.BY_KEY["fedse"]], [0], {("fedse", 0): results_of(
+        {"maze": [(0.0, 10), (0.5, 10)]})})["table"]
+
+
 def test_the_selectors_have_their_own_table_beside_fedse(tmp_path):
     cfg = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse,sample")
     runs = {("fedse", 0): results_of({"maze": [(0.0, 10), (0.6, 10)]}),
