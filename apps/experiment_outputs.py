@@ -1,6 +1,6 @@
 """`fedse experiment`'s files in --results: table.md, results.csv, summary.json and the plots
 (success per round per environment for each group of methods, and adapter bytes per round); the
-round-by-round why.png and rounds.csv come from experiment_rounds."""
+round-by-round why.png, why-envs.png and rounds.csv come from experiment_rounds."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
     plot_bytes(summary, root / "bytes.png")
     write_rounds(summary, runs, root)
     (root / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1))
-    return [root / name for name in ("table.md", "results.csv", *drawn, "bytes.png", "why.png", "rounds.csv")]
+    return [root / name for name in ("table.md", "results.csv", *drawn, "bytes.png", "why.png", "why-envs.png",
+                                           "rounds.csv")]
 
 
 def write_csv(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path) -> None:

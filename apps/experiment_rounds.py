@@ -1,7 +1,7 @@
 """`fedse experiment`'s "why, round by round" files: rounds.csv (per method, seed, environment and
 round: held-out success, exploration's success rate and what it kept, the buffer, the training loss,
-as each run's client reported them) and why.png (those per round and method, mean over seeds with
-the seeds' min..max as a band), to show where Fed-SE's data advantage comes from, or why it does not."""
+as each run's client reported them), why.png (those per round and method, mean over seeds with
+the seeds' min..max as a band) and why-envs.png (the same for each environment), to show where Fed-SE's data advantage comes from, or why it does not."""
 
 from __future__ import annotations
 
@@ -40,64 +40,87 @@ def write_rounds_csv(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.
                     w.writerow([BY_KEY[key].name, seed, env, r["round"], *(r.get(f, "") for f in FIELDS)])
 
 
-def run_value(results: dict[str, Any], metric: str, round_: int) -> float | None:
+def run_value(results: dict[str, Any], metric: str, round_: int, env: str | None = None) -> float | None:
     """One run's value of `metric` for `round_`: held-out success micro-averaged over every
-    environment's test tasks, any other metric the mean over the environments reporting it."""
+    environment's test tasks, any other metric the mean over the environments reporting it; or, given
+    `env`, that environment's own value."""
+    if env is not None:
+        found = [r[metric] for r in results["envs"].get(env, []) if r["round"] == round_ and metric in r]
+        return found[0] if found else None
     if metric == "test_success":
         return micro_average(results, round_)
     found = [r[metric] for rows in results["envs"].values() for r in rows if r["round"] == round_ and metric in r]
     return statistics.mean(found) if found else None
 
 
-def series(runs: dict[tuple[str, int], dict[str, Any]], metric: str) -> dict[str, dict[int, list[float]]]:
-    """Method name -> round -> the seeds' values of `metric` (rounds no seed reported are left out)."""
+def series(runs: dict[tuple[str, int], dict[str, Any]], metric: str,
+           env: str | None = None) -> dict[str, dict[int, list[float]]]:
+    """Method name -> round -> the seeds' values of `metric` (rounds no seed reported are left out);
+    over every environment, or `env`'s alone."""
     out: dict[str, dict[int, list[float]]] = {}
     for key, seed in _ordered(runs):
         results = runs[key, seed]
         rounds = sorted({r["round"] for rows in results["envs"].values() for r in rows})
         per_round = out.setdefault(BY_KEY[key].name, {})
         for t in rounds:
-            value = run_value(results, metric, t)
+            value = run_value(results, metric, t, env)
             if value is not None:
                 per_round.setdefault(t, []).append(value)
     return out
 
 
-def plot_why(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path,
-             subtitle: str = "") -> dict[str, list[str]]:
-    """The 2x2 panels of PANELS, one line per method (mean over seeds, band = min..max). Returns per
-    panel's metric the methods it drew a line for."""
+def plot_why(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path, subtitle: str = "",
+             by_env: bool = False) -> dict[str, list[str]]:
+    """The panels of PANELS, one line per method (mean over seeds, band = min..max): 2x2 over every
+    environment, or (by_env) a row of them per environment. Returns per panel ("env/metric" by
+    environment) the methods it drew a line for."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     names = list(dict.fromkeys(BY_KEY[key].name for key, _ in _ordered(runs)))
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
     colours = {name: cmap(i % cmap.N) for i, name in enumerate(names)}
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7.2), squeeze=False)
+    envs = sorted({env for results in runs.values() for env in results["envs"]}) if by_env else [None]
+    shape = (len(envs), len(PANELS)) if by_env else (2, 2)
+    fig, axes = plt.subplots(*shape, figsize=(3.4 * shape[1], 2.6 * shape[0]) if by_env else (10, 7.2),
+                             squeeze=False)
     drawn: dict[str, list[str]] = {}
-    for ax, (metric, label, scale) in zip(axes.flat, PANELS):
-        for name, per_round in series(runs, metric).items():
-            if not per_round:
-                continue
-            xs = sorted(per_round)
-            mean_band(ax, xs, [[scale * v for v in per_round[t]] for t in xs], name, colours[name])
-        drawn[metric] = ax.get_legend_handles_labels()[1]
-        ax.set_ylabel(label)
-        ax.set_xlabel("round (0 = base model)" if metric == "test_success" else "round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
+    for row, env in enumerate(envs):
+        for col, panel in enumerate(PANELS):
+            ax = axes[row, col] if by_env else axes.flat[col]
+            drawn[f"{env}/{panel[0]}" if env else panel[0]] = _panel(ax, series(runs, panel[0], env), panel, colours)
+            if env:
+                ax.set_title(f"{env}: {panel[1]}", fontsize=9)
+                ax.set_ylabel("")
     handles = [plt.Line2D([], [], color=colours[n], marker="o", markersize=3) for n in names]
     fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), frameon=False)
-    fig.suptitle("Why, round by round: mean over seeds, band = min..max; client metrics averaged over "
-                 "environments" + (f" ({subtitle})" if subtitle else ""), fontsize=10)
+    fig.suptitle("Why, round by round: mean over seeds, band = min..max; "
+                 + ("each environment's own" if by_env else "client metrics averaged over environments")
+                 + (f" ({subtitle})" if subtitle else ""), fontsize=10)
     legend_rows = -(-len(names) // 4)
-    fig.tight_layout(rect=(0, 0.02 + 0.03 * legend_rows, 1, 0.97))
+    fig.tight_layout(rect=(0, (0.02 + 0.03 * legend_rows) * (2 / shape[0]), 1, 1 - 0.03 * 2 / shape[0]))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
+
+
+def _panel(ax: Any, per_method: dict[str, dict[int, list[float]]], panel: tuple[str, str, float],
+           colours: dict[str, Any]) -> list[str]:
+    """One panel: each method's mean over seeds per round with its band; the methods drawn."""
+    from matplotlib.ticker import MaxNLocator
+
+    metric, label, scale = panel
+    for name, per_round in per_method.items():
+        if per_round:
+            xs = sorted(per_round)
+            mean_band(ax, xs, [[scale * v for v in per_round[t]] for t in xs], name, colours[name])
+    ax.set_ylabel(label)
+    ax.set_xlabel("round (0 = base model)" if metric == "test_success" else "round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    return ax.get_legend_handles_labels()[1]
 
 
 def mean_band(ax: Any, xs: list[int], vals: list[list[float]], label: str, color: Any = None) -> None:
@@ -110,6 +133,8 @@ def mean_band(ax: Any, xs: list[int], vals: list[list[float]], label: str, color
 
 def write_rounds(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
                  root: pathlib.Path) -> None:
-    """rounds.csv and why.png in `root`."""
+    """rounds.csv, why.png and why-envs.png in `root`."""
     write_rounds_csv(runs, root / "rounds.csv")
-    plot_why(runs, root / "why.png", f"{summary['base_model']}, budget {summary['budget']}")
+    subtitle = f"{summary['base_model']}, budget {summary['budget']}"
+    plot_why(runs, root / "why.png", subtitle)
+    plot_why(runs, root / "why-envs.png", subtitle, by_env=True)

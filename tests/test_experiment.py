@@ -104,7 +104,8 @@ def test_the_selectors_have_their_own_table_beside_fedse(tmp_path):
                               "| sample half | 50.0 | 50.0 | -10.0 | 2.00 |"]
     # The figures of the methods that ran, and no empty one (Fed-SE alone is no ablation figure).
     written = [p.name for p in ex.write_outputs(summary, runs, tmp_path)]
-    assert [n for n in written if n.endswith(".png")] == ["methods.png", "selectors.png", "bytes.png", "why.png"]
+    assert [n for n in written if n.endswith(".png")] == ["methods.png", "selectors.png", "bytes.png", "why.png",
+                                                            "why-envs.png"]
 
 
 def test_settings_come_from_the_budget_unless_given():

@@ -60,6 +60,10 @@ def test_a_runs_value_averages_client_metrics_over_environments_and_micro_averag
     s = er.series(two_methods(), "train_loss")
     assert s["Fed-SE"] == {1: [pytest.approx(1.5), pytest.approx(1.5)], 2: [pytest.approx(1.0), pytest.approx(1.15)]}
     assert er.series(two_methods(), "kept")["FedIT"] == {}  # it explored nothing
+    # One environment's own values, not the mean: the Maze kept 4 and 6 in round 1 (Wordle 2 and 0).
+    assert er.series(two_methods(), "kept", "maze")["Fed-SE"] == {1: [4.0, 6.0], 2: [8.0, 10.0]}
+    assert er.series(two_methods(), "test_success", "wordle")["FedIT"] == {0: [0.0], 1: [0.0], 2: [0.1]}
+    assert er.run_value(run, "kept", 1, "nowhere") is None
 
 
 def test_why_png_has_a_curve_per_method_in_every_panel_it_can_and_write_outputs_writes_it(tmp_path):
@@ -67,12 +71,15 @@ def test_why_png_has_a_curve_per_method_in_every_panel_it_can_and_write_outputs_
     drawn = er.plot_why(runs, tmp_path / "alone.png")
     assert drawn == {"test_success": ["FedIT", "Fed-SE"], "kept": ["Fed-SE"],  # FedIT kept nothing to plot
                      "buffer": ["FedIT", "Fed-SE"], "train_loss": ["FedIT", "Fed-SE"]}
+    by_env = er.plot_why(runs, tmp_path / "envs.png", by_env=True)  # a row of the same panels per environment
+    assert sorted(by_env) == sorted(f"{env}/{metric}" for env in ("maze", "wordle") for metric in drawn)
+    assert by_env["maze/kept"] == ["Fed-SE"] and by_env["wordle/buffer"] == ["FedIT", "Fed-SE"]
     cfg = ex.ExperimentConfig(envs="maze,wordle", seeds=2, rounds=2, methods="fedit,fedse")
     summary = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)
     ex.write_outputs(summary, runs, tmp_path)
     import matplotlib.image
 
-    for png in ("alone.png", "why.png"):
+    for png in ("alone.png", "why.png", "envs.png", "why-envs.png"):
         assert (tmp_path / png).stat().st_size > 0
         image = matplotlib.image.imread(tmp_path / png)  # a real PNG, not just a name
         assert image.shape[0] > 100 and image.shape[1] > 100
