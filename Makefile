@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run experiment model test proto bench bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels bench-attention package-check cli-reference images clean
+.PHONY: install run experiment model test proto bench bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels bench-attention bench-contention package-check cli-reference images clean
 
 $(STAMP): requirements.txt requirements-test.txt requirements-track.txt pyproject.toml fedse/__init__.py
 	python3 -m venv $(VENV)
@@ -45,7 +45,7 @@ package-check:
 proto: $(STAMP)
 	$(PY) -m fedse.protogen
 
-bench: bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels bench-attention
+bench: bench-model bench-env bench-aggregation bench-transfer bench-secure bench-selection bench-ranks bench-kernels bench-attention bench-contention
 
 ## The model's tokens/s and share of the matmul peak, per phase (ARGS="--base-model DIR" for a real model).
 bench-model: $(STAMP)
@@ -77,6 +77,10 @@ bench-kernels: $(STAMP)
 ## Attention's GFLOP/s and share of the matmul peak, causal (training) and masked (scoring).
 bench-attention: $(STAMP)
 	$(PY) bench/attention_rate.py $(ARGS)
+
+## A client's training tokens/s alone and beside a busy process, by torch threads and OpenMP wait policy.
+bench-contention: $(STAMP)
+	$(PY) bench/contention.py $(ARGS)
 
 ## Container images (docker/Dockerfile): fedse (CPU) and fedse-gpu (CUDA torch, for client agents),
 ## built with Docker where a daemon answers, else with podman (scripts/build-image.sh says what each
