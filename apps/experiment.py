@@ -35,7 +35,8 @@ interrupted resumes, so an interrupted experiment picks up where it stopped (--f
 again; an earlier run's files are moved aside to runs/<method>-seed<k>.replaced-<time>, never deleted).
 As it goes it names the runs done and to run, and says each round that every environment reported,
 with the time left (apps.experiment_progress). After each run it finishes it writes the table and
-figures of the runs finished so far, so an experiment interrupted for good still has them.
+figures of the runs finished so far, so an experiment interrupted for good still has them; --report
+writes them from the runs finished, running none.
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def _finished(path: pathlib.Path, cfg: RunConfig) -> dict[str, Any] | None:
     return results if done else None
 
 
+def report(cfg: ExperimentConfig, methods: list[Method], done: list[tuple[Method, int]],
+           kept: dict[tuple[str, int], dict[str, Any]], root: pathlib.Path, say: Any) -> dict[str, Any]:
+    """--report: the table and figures of the runs finished (`done`), none run."""
+    if not done:
+        raise RuntimeError(f"--report: no run in {root / 'runs'} has finished with these settings; give the "
+                           "experiment's own flags (--budget, --methods, ...)")
+    runs = {(m.key, s): dict(kept[m.key, s], round_seconds=kept[m.key, s].get("round_seconds")
+                             or round_seconds(root / "runs" / run_name(m, s))) for m, s in done}
+    seeds = sorted({s for _, s in done})
+    summary = summarise(cfg, [m for m in methods if any((m.key, s) in runs for s in seeds)], seeds, runs)
+    written = write_outputs(summary, runs, root)
+    say("\n" + summary["table"])
+    say(f"\nfrom {len(done)} finished runs; wrote {', '.join(str(p) for p in written)}")
+    return summary
+
+
 def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     """Runs every (method, seed), then writes and returns the summary."""
     root = pathlib.Path(cfg.results)
@@ -97,6 +114,8 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
     for line in roster([run_name(m, s) for m, s in jobs if (m.key, s) in kept],
                        [run_name(m, s) for m, s in jobs if (m.key, s) not in kept]):
         say(line)
+    if cfg.report:
+        return report(cfg, methods, [(m, s) for m, s in jobs if (m.key, s) in kept], kept, root, say)
     say(forecast.line(f"{len(jobs) - len(kept)} of its {len(jobs)} runs to run"))
     for i, (method, seed) in enumerate(jobs, 1):
         rc = configs[method.key, seed]
@@ -124,9 +143,7 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "
             + (f"{100 * final:.1f}%" if final is not None else "-"))
         if results is not kept.get((method.key, seed)) and i < len(jobs):  # so an interrupted one has its table
-            done = sorted({s for _, s in runs})
-            write_outputs(summarise(cfg, [m for m in methods if any((m.key, s) in runs for s in done)], done, runs),
-                          runs, root)
+            report(cfg, methods, [(m, s) for m, s in jobs if (m.key, s) in runs], runs, root, lambda _: None)
             say(f"    the table and figures so far, from {len(runs)} of {len(jobs)} runs: {root / 'table.md'}")
     summary = summarise(cfg, methods, seeds, runs)
     written = write_outputs(summary, runs, root)

@@ -118,6 +118,8 @@ class ExperimentConfig:
     task_split: str = field("iid", "with members: how they share each environment's training tasks, 'iid' or "
                                    "'dirichlet:ALPHA'")
     fresh: bool = field(False, "run every method again even where a finished run with the same settings exists")
+    report: bool = field(False, "run nothing: write the table and figures from the runs already finished with these "
+                                "settings (an experiment under way elsewhere, or stopped for good)")
 
     def __post_init__(self) -> None:
         if self.budget not in BUDGETS:
@@ -138,6 +140,8 @@ class ExperimentConfig:
         if self.setting("seeds") < 1 or self.setting("rounds") < 1:
             raise ConfigError("--seeds and --rounds must be at least 1")
         check_base_model(self.base_model)
+        if self.report and self.fresh:
+            raise ConfigError("--report runs nothing and --fresh runs everything again: give one of them")
 
     def method_keys(self) -> list[str]:
         methods = self.setting("methods").strip()

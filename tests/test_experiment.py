@@ -159,6 +159,15 @@ def test_settings_come_from_the_budget_unless_given():
     assert [hlora.client_lora([e]) for e in ("maze", "wordle", "babyai")] == [(4, 8), (16, 32), (8, 16)]
     with pytest.raises(ConfigError, match="--lr must be positive"):
         ex.ExperimentConfig(lr=0.0)
+    with pytest.raises(ConfigError, match="--report runs nothing"):
+        ex.ExperimentConfig(report=True, fresh=True)
+
+
+def test_report_with_no_finished_run_says_which_flags_to_give(tmp_path):
+    cfg = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse", report=True, results=str(tmp_path))
+    with pytest.raises(RuntimeError, match="no run in .* has finished with these settings"):
+        ex.run(cfg, out=io.StringIO())
+    assert not (tmp_path / "table.md").exists() and not (tmp_path / "runs" / "fedse-seed0").exists()
 
 
 @pytest.mark.slow

@@ -106,3 +106,8 @@ def test_killed_inside_a_round_the_experiment_keeps_finished_runs_and_resumes(tm
     assert "runs done: 1 (fedse-seed0)\nruns to run: 1 (fedit-seed0)\n" in said
     assert "resuming the interrupted run" in (out / "runs" / "fedit-seed0" / "progress.log").read_text()
     assert outcome(out) == uninterrupted
+    # --report runs nothing and writes the same table from the finished runs.
+    (out / "table.md").unlink()
+    done = subprocess.run(argv(out) + ["--report"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 0 and "running" not in done.stdout, done.stdout + done.stderr
+    assert outcome(out) == uninterrupted
