@@ -126,9 +126,9 @@ def _panel(ax: Any, per_method: dict[str, dict[int, list[float]]], panel: tuple[
 def mean_band(ax: Any, xs: list[int], vals: list[list[float]], label: str, color: Any = None) -> None:
     """One method's line on `ax`: the mean of each x's values, and their min..max as a band where an x
     has more than one (the seeds')."""
-    ax.plot(xs, [statistics.mean(v) for v in vals], marker="o", markersize=3, label=label, color=color)
-    if any(len(v) > 1 for v in vals):
-        ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15, color=color)
+    line, = ax.plot(xs, [statistics.mean(v) for v in vals], marker="o", markersize=3, label=label, color=color)
+    if any(len(v) > 1 for v in vals):  # in the line's colour, whichever the axes gave it
+        ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15, color=line.get_color())
 
 
 def write_rounds(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],

@@ -84,3 +84,21 @@ def test_why_png_has_a_curve_per_method_in_every_panel_it_can_and_write_outputs_
         image = matplotlib.image.imread(tmp_path / png)  # a real PNG, not just a name
         assert image.shape[0] > 100 and image.shape[1] > 100
     assert (tmp_path / "rounds.csv").read_text().startswith("method,seed,env,round,test_success")
+
+
+def test_each_methods_band_takes_its_lines_colour():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    for name in ("FedIT", "Fed-SE"):  # no colour given: the axes' cycle picks one for each line
+        er.mean_band(ax, [0, 1], [[0.1, 0.3], [0.2, 0.6]], name)
+    lines, bands = ax.get_lines(), ax.collections
+    assert len(bands) == 2 and lines[0].get_color() != lines[1].get_color()
+    for line, band in zip(lines, bands):
+        assert matplotlib.colors.to_hex(band.get_facecolor()[0], keep_alpha=False) == \
+            matplotlib.colors.to_hex(line.get_color())
+    plt.close(fig)
