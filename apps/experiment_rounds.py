@@ -56,10 +56,14 @@ def run_value(results: dict[str, Any], metric: str, round_: int, env: str | None
 def series(runs: dict[tuple[str, int], dict[str, Any]], metric: str,
            env: str | None = None) -> dict[str, dict[int, list[float]]]:
     """Method name -> round -> the seeds' values of `metric` (rounds no seed reported are left out);
-    over every environment, or `env`'s alone."""
+    over every environment, or `env`'s alone (there, a Centralized client's own metrics are left out:
+    its one client reports them for every environment together)."""
     out: dict[str, dict[int, list[float]]] = {}
     for key, seed in _ordered(runs):
         results = runs[key, seed]
+        if env is not None and metric != "test_success" and results.get("topology") == "centralized":
+            out.setdefault(BY_KEY[key].name, {})
+            continue
         rounds = sorted({r["round"] for rows in results["envs"].values() for r in rows})
         per_round = out.setdefault(BY_KEY[key].name, {})
         for t in rounds:
@@ -97,7 +101,8 @@ def plot_why(runs: dict[tuple[str, int], dict[str, Any]], path: pathlib.Path, su
     handles = [plt.Line2D([], [], color=colours[n], marker="o", markersize=3) for n in names]
     fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), frameon=False)
     fig.suptitle("Why, round by round: mean over seeds, band = min..max; "
-                 + ("each environment's own" if by_env else "client metrics averaged over environments")
+                 + ("each environment's own (Centralized: held-out success only)" if by_env
+                    else "client metrics averaged over environments")
                  + (f" ({subtitle})" if subtitle else ""), fontsize=10)
     legend_rows = -(-len(names) // 4)
     fig.tight_layout(rect=(0, (0.02 + 0.03 * legend_rows) * (2 / shape[0]), 1, 1 - 0.03 * 2 / shape[0]))

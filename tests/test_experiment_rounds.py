@@ -64,6 +64,11 @@ def test_a_runs_value_averages_client_metrics_over_environments_and_micro_averag
     assert er.series(two_methods(), "kept", "maze")["Fed-SE"] == {1: [4.0, 6.0], 2: [8.0, 10.0]}
     assert er.series(two_methods(), "test_success", "wordle")["FedIT"] == {0: [0.0], 1: [0.0], 2: [0.1]}
     assert er.run_value(run, "kept", 1, "nowhere") is None
+    # A Centralized client reports its buffer and loss for all its environments at once: not one's own.
+    central = {("centralized", 0): dict(two_methods()["fedse", 0], topology="centralized")}
+    assert er.series(central, "buffer", "maze") == {"Centralized": {}}
+    assert er.series(central, "test_success", "maze")["Centralized"][2] == [0.5]
+    assert er.series(central, "buffer")["Centralized"][1] == [15.0]  # the figure over every environment keeps it
 
 
 def test_why_png_has_a_curve_per_method_in_every_panel_it_can_and_write_outputs_writes_it(tmp_path):
