@@ -77,23 +77,22 @@ def _finished(path: pathlib.Path, cfg: RunConfig) -> dict[str, Any] | None:
     # Launchers before "complete" wrote results.json only for finished runs.
     # Compared as JSON holds them (a list setting is a tuple here, a list there), less --replace.
     done = settings(results.get("config") or {}) == settings(dataclasses.asdict(cfg)) and results.get("complete", True)
-    return results if done else None
-
-
-def report(cfg: ExperimentConfig, methods: list[Method], done: list[tuple[Method, int]],
-           kept: dict[tuple[str, int], dict[str, Any]], root: pathlib.Path, say: Any) -> dict[str, Any]:
-    """--report: the table and figures of the runs finished (`done`), none run."""
     if not done:
+        return None
+    results.setdefault("round_seconds", round_seconds(path))
+    return results
+
+
+def report(cfg: ExperimentConfig, methods: list[Method], runs: dict[tuple[str, int], dict[str, Any]],
+           root: pathlib.Path) -> tuple[dict[str, Any], list[pathlib.Path]]:
+    """The summary of the finished `runs` ((method key, seed) -> results), over the seeds and methods
+    they hold, written to `root`: the summary and the files written."""
+    if not runs:
         raise RuntimeError(f"--report: no run in {root / 'runs'} has finished with these settings; give the "
                            "experiment's own flags (--budget, --methods, ...)")
-    runs = {(m.key, s): dict(kept[m.key, s], round_seconds=kept[m.key, s].get("round_seconds")
-                             or round_seconds(root / "runs" / run_name(m, s))) for m, s in done}
-    seeds = sorted({s for _, s in done})
+    seeds = sorted({s for _, s in runs})
     summary = summarise(cfg, [m for m in methods if any((m.key, s) in runs for s in seeds)], seeds, runs)
-    written = write_outputs(summary, runs, root)
-    say("\n" + summary["table"])
-    say(f"\nfrom {len(done)} finished runs; wrote {', '.join(str(p) for p in written)}")
-    return summary
+    return summary, write_outputs(summary, runs, root)
 
 
 def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
@@ -115,12 +114,16 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
                        [run_name(m, s) for m, s in jobs if (m.key, s) not in kept]):
         say(line)
     if cfg.report:
-        return report(cfg, methods, [(m, s) for m, s in jobs if (m.key, s) in kept], kept, root, say)
+        summary, written = report(cfg, methods, kept, root)
+        say("\n" + summary["table"])
+        say(f"\nfrom {len(kept)} finished runs; wrote {', '.join(str(p) for p in written)}")
+        return summary
     say(forecast.line(f"{len(jobs) - len(kept)} of its {len(jobs)} runs to run"))
     for i, (method, seed) in enumerate(jobs, 1):
         rc = configs[method.key, seed]
         path, results = pathlib.Path(rc.results), kept.get((method.key, seed))
-        if results is not None:
+        ran = results is None
+        if not ran:
             say(f"[{i}/{len(jobs)}] {method.name}, seed {seed}: kept from an earlier run")
         else:
             eta = f", {words(forecast.left_s())} left in all"
@@ -137,16 +140,15 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
                 raise RuntimeError(f"{method.name}, seed {seed} did not finish: {shortfall(results)}; see "
                                    f"{path / 'progress.log'} (the next fedse experiment runs it again)")
             forecast.done(None if resumed else time.monotonic() - t0)
-        results.setdefault("round_seconds", round_seconds(path))
+            results.setdefault("round_seconds", round_seconds(path))
         runs[(method.key, seed)] = results
         final = micro_average(results, rc.rounds)
         say(f"    {time.monotonic() - started:6.0f}s  held-out success after round {rc.rounds}: "
             + (f"{100 * final:.1f}%" if final is not None else "-"))
-        if results is not kept.get((method.key, seed)) and i < len(jobs):  # so an interrupted one has its table
-            report(cfg, methods, [(m, s) for m, s in jobs if (m.key, s) in runs], runs, root, lambda _: None)
+        if ran and i < len(jobs):  # so an experiment interrupted for good has the table of what it finished
+            report(cfg, methods, runs, root)
             say(f"    the table and figures so far, from {len(runs)} of {len(jobs)} runs: {root / 'table.md'}")
-    summary = summarise(cfg, methods, seeds, runs)
-    written = write_outputs(summary, runs, root)
+    summary, written = report(cfg, methods, runs, root)  # every run finished: every method and seed
     say("\n" + summary["table"])
     say(f"\ndone in {time.monotonic() - started:.0f}s; wrote {', '.join(str(p) for p in written)}")
     return summary

@@ -61,11 +61,10 @@ def series(runs: dict[tuple[str, int], dict[str, Any]], metric: str,
     out: dict[str, dict[int, list[float]]] = {}
     for key, seed in _ordered(runs):
         results = runs[key, seed]
+        per_round = out.setdefault(BY_KEY[key].name, {})
         if env is not None and metric != "test_success" and results.get("topology") == "centralized":
-            out.setdefault(BY_KEY[key].name, {})
             continue
         rounds = sorted({r["round"] for rows in results["envs"].values() for r in rows})
-        per_round = out.setdefault(BY_KEY[key].name, {})
         for t in rounds:
             value = run_value(results, metric, t, env)
             if value is not None:

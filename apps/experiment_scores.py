@@ -67,10 +67,10 @@ def summarise(cfg: ExperimentConfig, methods: list[Method], seeds: list[int],
     scored: dict[str, dict[str, Any]] = {}
 
     def score(name: str, group: str, key: str, round_: int) -> None:
-        per_seed = [runs[(key, s)] for s in seeds if (key, s) in runs]
+        by_seed = [runs.get((key, s)) for s in seeds]  # None where a seed did not run: pairs stay by seed
+        per_seed = [r for r in by_seed if r]
         if not per_seed:
             return
-        by_seed = [runs.get((key, s)) for s in seeds]  # None where a seed did not run: pairs stay by seed
         env_values = {e: [rows_at(r, round_).get(e, {}).get("test_success") if r else None for r in by_seed]
                       for e in envs}
         scored[name] = {"group": group, "key": key, "round": round_, "env": env_values,
