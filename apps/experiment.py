@@ -111,7 +111,8 @@ def run(cfg: ExperimentConfig, out: IO[str] = sys.stdout) -> dict[str, Any]:
         f"{cfg.setting('rounds')} rounds, budget {cfg.budget}; runs in {root / 'runs'}/")
     forecast = Forecast(rc for job, rc in configs.items() if job not in kept)
     for line in roster([run_name(m, s) for m, s in jobs if (m.key, s) in kept],
-                       [run_name(m, s) for m, s in jobs if (m.key, s) not in kept]):
+                       [run_name(m, s) for m, s in jobs if (m.key, s) not in kept],
+                       "runs not finished, left out of the report" if cfg.report else "runs to run"):
         say(line)
     if cfg.report:
         summary, written = report(cfg, methods, kept, root)

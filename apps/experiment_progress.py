@@ -19,10 +19,11 @@ from apps.results import round_mean
 QUIET_S = 300.0  # the longest a run under way goes unmentioned
 
 
-def roster(done: Sequence[str], to_run: Sequence[str]) -> list[str]:
-    """The lines that name the runs kept from an earlier sitting and those still to run."""
+def roster(done: Sequence[str], to_run: Sequence[str], pending: str = "runs to run") -> list[str]:
+    """The lines that name the runs kept from an earlier sitting and those still to run (`pending`
+    names them: `fedse experiment --report` runs none of them)."""
     lines = [f"runs done: {len(done)}" + (f" ({', '.join(done)})" if done else "")]
-    lines.append(f"runs to run: {len(to_run)}" + (f" ({', '.join(to_run)})" if to_run else ""))
+    lines.append(f"{pending}: {len(to_run)}" + (f" ({', '.join(to_run)})" if to_run else ""))
     return lines
 
 

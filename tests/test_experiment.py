@@ -165,8 +165,11 @@ def test_settings_come_from_the_budget_unless_given():
 
 def test_report_with_no_finished_run_says_which_flags_to_give(tmp_path):
     cfg = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse", report=True, results=str(tmp_path))
+    out = io.StringIO()
     with pytest.raises(RuntimeError, match="no run in .* has finished with these settings"):
-        ex.run(cfg, out=io.StringIO())
+        ex.run(cfg, out=out)
+    assert "runs not finished, left out of the report: 1 (fedse-seed0)" in out.getvalue()
+    assert "to run" not in out.getvalue()  # --report runs none of them
     assert not (tmp_path / "table.md").exists() and not (tmp_path / "runs" / "fedse-seed0").exists()
 
 

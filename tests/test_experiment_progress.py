@@ -33,6 +33,7 @@ def test_roster_names_runs_done_and_to_run():
     assert roster(["local-seed0"], ["fedse-seed0", "fedit-seed1"]) == [
         "runs done: 1 (local-seed0)", "runs to run: 2 (fedse-seed0, fedit-seed1)"]
     assert roster([], ["a"])[0] == "runs done: 0"
+    assert roster([], ["a"], "runs not finished")[1] == "runs not finished: 1 (a)"
 
 
 def test_a_round_counts_once_every_environment_reported_it():
