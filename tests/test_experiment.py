@@ -108,6 +108,27 @@ def test_the_selectors_have_their_own_table_beside_fedse(tmp_path):
                                                             "why-envs.png"]
 
 
+def test_the_variants_table_gives_each_change_against_fedit_too():
+    cfg = ex.ExperimentConfig(envs="maze", seeds=2, rounds=1, methods="fedit,fedse,expert-half")
+    runs = {("fedse", 0): results_of({"maze": [(0.0, 10), (0.4, 10)]}),
+            ("fedse", 1): results_of({"maze": [(0.0, 10), (0.6, 10)]}),
+            ("fedit", 0): results_of({"maze": [(0.0, 10), (0.5, 10)]}),
+            ("fedit", 1): results_of({"maze": [(0.0, 10), (0.5, 10)]}),
+            ("expert-half", 0): results_of({"maze": [(0.0, 10), (0.7, 10)]}),
+            ("expert-half", 1): results_of({"maze": [(0.0, 10), (0.9, 10)]})}
+    lines = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)["table"].splitlines()
+    at = lines.index("| Within the method | maze | Avg. | Δ vs Fed-SE | Δ vs FedIT | MB sent / client / round |")
+    assert lines[at + 1] == "|---|---:|---:|---:|---:|---:|"
+    # Fed-SE: -10 and +10 against FedIT (noise); the change: +20 and +40, beyond its spread.
+    assert lines[at + 2:at + 4] == ["| Fed-SE | 50.0 ± 14.1 | 50.0 ± 14.1 | - | +0.0 ± 14.1 ≈ | 2.00 |",
+                                    "| demonstrations kept at half | 80.0 ± 14.1 | 80.0 ± 14.1 | +30.0 ± 0.0 "
+                                    "| +30.0 ± 14.1 | 2.00 |"]
+    # Without FedIT the table has no such column.
+    alone = ex.ExperimentConfig(envs="maze", seeds=2, rounds=1, methods="fedse,expert-half")
+    table = ex.summarise(alone, [ex.BY_KEY[k] for k in alone.method_keys()], [0, 1], runs)["table"]
+    assert "| Within the method | maze | Avg. | Δ vs Fed-SE | MB sent / client / round |" in table
+
+
 def test_settings_come_from_the_budget_unless_given():
     cfg = ex.ExperimentConfig(budget="quick", rounds=7, eval_tasks=5)
     assert cfg.setting("rounds") == 7 and cfg.setting("eval_tasks") == 5
