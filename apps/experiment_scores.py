@@ -141,8 +141,8 @@ def table(summary: dict[str, Any]) -> str:
             continue
         # A change within Fed-SE is after the paper's claim too: above FedIT by more than the seeds' spread.
         fedit = scored.get("FedIT") if group == "variants" else None
-        lines += ["", f"| {head} | " + " | ".join(envs) + " | Avg. | Δ vs Fed-SE |" + (" Δ vs FedIT |" if fedit else "")
-                  + " MB sent / client / round |", "|---|" + "---:|" * (len(envs) + 3 + bool(fedit))]
+        columns = " | Avg. | Δ vs Fed-SE |" + (" Δ vs FedIT |" if fedit else "") + " MB sent / client / round |"
+        lines += ["", f"| {head} | " + " | ".join(envs) + columns, "|---|" + "---:|" * (len(envs) + 3 + bool(fedit))]
         for name in (["Fed-SE"] if ref else []) + variants:
             s = scored[name]
             gain = _cell(_paired(s["avg"], ref["avg"]), signed=True) if ref and name != "Fed-SE" else "-"

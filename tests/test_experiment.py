@@ -151,7 +151,7 @@ def test_settings_come_from_the_budget_unless_given():
     assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS
                                                    if m.group not in ("selection", "ranks", "variants")]
     assert ex.ExperimentConfig(methods="variants").method_keys() == ["fedse", "tries3", "lr-cosine", "expert-half",
-                                                                     "explore-cool"]
+                                                                     "explore-cool", "shortest"]
     long = ex.ExperimentConfig(budget="long")  # the paper's T = 20 on all five environments; a test task is 5 points
     assert (long.setting("rounds"), long.setting("seeds"), long.setting("eval_tasks"), len(long.env_list())) == \
         (20, 3, 20, 5)
@@ -168,6 +168,9 @@ def test_settings_come_from_the_budget_unless_given():
     assert (tries.explore_tries, tries.round_lr, tries.rounds) == (3, "constant", 20)
     cool = long.run_config(ex.BY_KEY["explore-cool"], seed=1, results=pathlib.Path("x"))
     assert (cool.temperature, cool.passed_on(ClientConfig)["temperature"], tries.temperature) == (0.5, 0.5, 1.0)
+    shortest = long.run_config(ex.BY_KEY["shortest"], seed=1, results=pathlib.Path("x"))
+    assert (shortest.history, shortest.passed_on(ClientConfig)["history"], tries.history) == \
+        ("shortest", "shortest", "cumulative")
     assert ex.ExperimentConfig(methods="selectors").method_keys() == ["fedse", "sample", "utility", "agent-tools",
                                                                       "agent-llm"]
     sampled = ex.ExperimentConfig(methods="selectors").run_config(ex.BY_KEY["agent-tools"], 0, pathlib.Path("x"))

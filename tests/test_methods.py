@@ -53,6 +53,23 @@ def test_training_set_per_history(history, round_, trained):
     assert [t.task_id for t in training_set(BUFFER, history, round_)] == trained
 
 
+def test_shortest_history_trains_on_each_tasks_shortest_success_so_far():
+    def walk(task_id: int, round_: int, steps: int, source: str = "explore", env: str = "maze") -> Trajectory:
+        return Trajectory(env=env, task_id=task_id, instruction="go", turns=(("at", "move up"),) * steps,
+                          success=True, reward=1.0, source=source, round=round_)
+    demo, detour, short, other_env = walk(1, -1, 9, source="expert"), walk(1, 0, 12), walk(1, 1, 8), walk(1, 1, 3, env="wordle")
+    tie, longer, later = walk(2, 0, 5), walk(2, 1, 5), walk(2, 2, 4)
+    buffer = [demo, walk(2, -1, 20, source="file"), detour, tie, short, other_env, longer, later]
+    ids = lambda ts: [buffer.index(t) for t in ts]  # noqa: E731
+    assert ids(training_set(buffer, "shortest", 0)) == [0, 1, 2, 3]  # the only successes so far, demos all kept
+    # Round 1: task 1's 8 steps replace its 12; task 2's equal 5 keeps the earlier; tasks count per environment.
+    assert ids(training_set(buffer, "shortest", 1)) == [0, 1, 3, 4, 5]
+    assert ids(training_set(buffer, "shortest", 2)) == [0, 1, 4, 5, 7]
+    assert ids(training_set(buffer, "cumulative", 2)) == list(range(8))
+    with pytest.raises(ConfigError, match="--history must be .*'shortest'"):
+        ClientConfig(history="best")
+
+
 # ---- configuration ---------------------------------------------------------------------------------
 def test_client_config_accepts_the_methods_settings():
     cfg = ClientConfig(env=" maze, wordle ", keep="all", history="round", explore_tasks=0)

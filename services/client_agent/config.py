@@ -11,7 +11,7 @@ from fedse.splits import parse_share, split_for
 
 # What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
 KEEP_MODES = ("successes", "all")
-HISTORY_MODES = ("cumulative", "round")
+HISTORY_MODES = ("cumulative", "round", "shortest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,9 @@ class ClientConfig(Security):
     keep: str = field("successes", "explored trajectories added to the buffer: 'successes' (the paper's success "
                                    "filter) or 'all' (ablation 'no filter': failures too)")
     history: str = field("cumulative", "what round t trains on: 'cumulative' (D_t = D_{t-1} plus round t's kept "
-                                       "trajectories, the paper) or 'round' (ablation 'no history': the expert "
-                                       "demonstrations D_0 plus round t's kept trajectories only)")
+                                       "trajectories, the paper), 'round' (ablation 'no history': the expert "
+                                       "demonstrations D_0 plus round t's kept trajectories only) or 'shortest' "
+                                       "(D_0 plus each explored task's shortest success so far)")
     explore_tries: int = field(1, "attempts at each exploration task per round, each drawn afresh at --temperature; "
                                   "the first success of a task is kept (more tries find successes on tasks the "
                                   "model rarely solves)")
@@ -222,8 +223,8 @@ class ClientConfig(Security):
         from services.client_agent.training.round_lr import round_lr_for
         round_lr_for(self.round_lr)
         if self.history not in HISTORY_MODES:
-            raise ConfigError(f"--history must be 'cumulative' (the paper) or 'round' (no history), "
-                              f"got {self.history!r}")
+            raise ConfigError(f"--history must be 'cumulative' (the paper), 'round' (no history) or 'shortest' "
+                              f"(each task's shortest success), got {self.history!r}")
 
     def _check_share(self) -> None:
         """--task-share and --task-split (fedse.splits), a ConfigError naming the flag where one is malformed."""

@@ -6,9 +6,10 @@ from demonstration files (source "file", demos.py); explored trajectories have s
 What goes in and what a round trains on are the parts the paper's ablations change (`to_keep`,
 `training_set`): exploration keeps its successes (`--keep successes`, the paper's filter) or every
 trajectory, failures too (`--keep all`, "no filter"); round t trains on the whole buffer,
-D_t = D_{t-1} ∪ kept_t (`--history cumulative`, the paper), or on the seed demonstrations D_0
+D_t = D_{t-1} ∪ kept_t (`--history cumulative`, the paper), on the seed demonstrations D_0
 plus round t's kept trajectories only (`--history round`, "no history": earlier rounds' explored
-trajectories stay in the file but are not trained on).
+trajectories stay in the file but are not trained on), or on D_0 plus the shortest success of each
+task explored so far (`--history shortest`).
 
 Trajectories never leave the client. The buffer is an append-only JSON-lines file; each append
 is flushed and fsynced before it counts, so a crash loses no trajectory that was recorded. The one
@@ -96,13 +97,37 @@ def with_expert_share(trajectories: list[Trajectory], share: float) -> list[Traj
     return list(trajectories) + demos * (copies - 1)
 
 
+def _cumulative(trajectories: list[Trajectory], round_: int) -> list[Trajectory]:
+    return [t for t in trajectories if t.round <= round_]
+
+
+def _this_round(trajectories: list[Trajectory], round_: int) -> list[Trajectory]:
+    return [t for t in trajectories if t.source in DEMO_SOURCES or t.round == round_]
+
+
+def _shortest(trajectories: list[Trajectory], round_: int) -> list[Trajectory]:
+    """The cumulative buffer with one explored success per task: its fewest turns so far, the earliest
+    of equals. A success found by a long way round teaches the detour; a shorter one replaces it."""
+    best: dict[tuple[str, int], Trajectory] = {}
+    for t in _cumulative(trajectories, round_):
+        if t.source not in DEMO_SOURCES and t.success:
+            key = (t.env, t.task_id)
+            if key not in best or len(t.turns) < len(best[key].turns):
+                best[key] = t
+    chosen = {id(t) for t in best.values()}
+    return [t for t in _cumulative(trajectories, round_) if t.source in DEMO_SOURCES or id(t) in chosen]
+
+
+# What round t trains on, by --history (config.HISTORY_MODES names the same).
+HISTORIES = {"cumulative": _cumulative, "round": _this_round, "shortest": _shortest}
+
+
 def training_set(trajectories: list[Trajectory], history: str, round_: int) -> list[Trajectory]:
     """The trajectories round `round_` trains on, in buffer order: every seed demonstration and
-    kept trajectory up to this round ("cumulative"), or the seed demonstrations (the expert's and
-    the files') and this round's kept trajectories only ("round")."""
-    if history == "round":
-        return [t for t in trajectories if t.source in DEMO_SOURCES or t.round == round_]
-    return [t for t in trajectories if t.round <= round_]
+    kept trajectory up to this round ("cumulative"), the seed demonstrations (the expert's and the
+    files') and this round's kept trajectories only ("round"), or the seed demonstrations and, for
+    each task exploration solved so far, its shortest success ("shortest")."""
+    return HISTORIES[history](trajectories, round_)
 
 
 class Buffer:
