@@ -51,9 +51,11 @@ def per_byte(fmt, scores, candidates) -> list[torch.Tensor]:
 
 def tiny_client(a: argparse.Namespace) -> tuple:
     """One tiny-model client as a's --env, --overrides, --seed, --window and --scoring ask: (the
-    environment, the tokenizer, the model with a fresh LoRA, the client's prompt format, its scorer)."""
-    env = make_environment(a.env, seed=0)
-    base, tok = build_tiny_model(0, **(json.loads(a.overrides) if a.overrides else {}))
+    environment, the tokenizer, the model with a fresh LoRA, the client's prompt format, its scorer).
+    a.model_seed, where given, is a run's --seed: its tiny model and its environment's task splits."""
+    run_seed = getattr(a, "model_seed", 0)
+    env = make_environment(a.env, seed=run_seed)
+    base, tok = build_tiny_model(run_seed, **(json.loads(a.overrides) if a.overrides else {}))
     for p in base.parameters():
         p.requires_grad_(False)
     model = add_lora(base, seed=a.seed)
