@@ -108,14 +108,15 @@ def _this_round(trajectories: list[Trajectory], round_: int) -> list[Trajectory]
 def _shortest(trajectories: list[Trajectory], round_: int) -> list[Trajectory]:
     """The cumulative buffer with one explored success per task: its fewest turns so far, the earliest
     of equals. A success found by a long way round teaches the detour; a shorter one replaces it."""
+    so_far = _cumulative(trajectories, round_)
     best: dict[tuple[str, int], Trajectory] = {}
-    for t in _cumulative(trajectories, round_):
+    for t in so_far:
         if t.source not in DEMO_SOURCES and t.success:
             key = (t.env, t.task_id)
             if key not in best or len(t.turns) < len(best[key].turns):
                 best[key] = t
     chosen = {id(t) for t in best.values()}
-    return [t for t in _cumulative(trajectories, round_) if t.source in DEMO_SOURCES or id(t) in chosen]
+    return [t for t in so_far if t.source in DEMO_SOURCES or id(t) in chosen]
 
 
 # What round t trains on, by --history (config.HISTORY_MODES names the same).
