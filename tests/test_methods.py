@@ -57,7 +57,8 @@ def test_shortest_history_trains_on_each_tasks_shortest_success_so_far():
     def walk(task_id: int, round_: int, steps: int, source: str = "explore", env: str = "maze") -> Trajectory:
         return Trajectory(env=env, task_id=task_id, instruction="go", turns=(("at", "move up"),) * steps,
                           success=True, reward=1.0, source=source, round=round_)
-    demo, detour, short, other_env = walk(1, -1, 9, source="expert"), walk(1, 0, 12), walk(1, 1, 8), walk(1, 1, 3, env="wordle")
+    demo, detour, short = walk(1, -1, 9, source="expert"), walk(1, 0, 12), walk(1, 1, 8)
+    other_env = walk(1, 1, 3, env="wordle")
     tie, longer, later = walk(2, 0, 5), walk(2, 1, 5), walk(2, 2, 4)
     buffer = [demo, walk(2, -1, 20, source="file"), detour, tie, short, other_env, longer, later]
     ids = lambda ts: [buffer.index(t) for t in ts]  # noqa: E731

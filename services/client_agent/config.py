@@ -9,9 +9,8 @@ from fedse.security.admission import Security
 from fedse.model.pretrained import TINY_MODEL_NAME
 from fedse.splits import parse_share, split_for
 
-# What exploration adds to the buffer, and what a round trains on (buffer.to_keep, buffer.training_set).
+# What exploration adds to the buffer (buffer.to_keep); what a round trains on is buffer.HISTORIES.
 KEEP_MODES = ("successes", "all")
-HISTORY_MODES = ("cumulative", "round", "shortest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +221,8 @@ class ClientConfig(Security):
                               f"got {self.expert_share}")
         from services.client_agent.training.round_lr import round_lr_for
         round_lr_for(self.round_lr)
-        if self.history not in HISTORY_MODES:
+        from services.client_agent.training.buffer import HISTORIES
+        if self.history not in HISTORIES:
             raise ConfigError(f"--history must be 'cumulative' (the paper), 'round' (no history) or 'shortest' "
                               f"(each task's shortest success), got {self.history!r}")
 

@@ -119,7 +119,7 @@ def _shortest(trajectories: list[Trajectory], round_: int) -> list[Trajectory]:
     return [t for t in so_far if t.source in DEMO_SOURCES or id(t) in chosen]
 
 
-# What round t trains on, by --history (config.HISTORY_MODES names the same).
+# What round t trains on, by --history (ClientConfig checks the name against these).
 HISTORIES = {"cumulative": _cumulative, "round": _this_round, "shortest": _shortest}
 
 
