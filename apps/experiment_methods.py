@@ -45,6 +45,7 @@ METHODS: tuple[Method, ...] = (
     Method("expert-half", "demonstrations kept at half", "variants", {"expert_share": 0.5}),
     Method("explore-cool", "exploring at temperature 0.5", "variants", {"temperature": 0.5}),
     Method("shortest", "shortest success per task", "variants", {"history": "shortest"}),
+    Method("cap40", "at most 40 trajectories a round", "variants", {"round_trajectories": 40}),
     # Fed-SE with clients at mixed LoRA ranks (4, 16, 8 in turn; Fed-SE itself: every client at rank 8).
     Method("hlora", "hlora, ranks 4/16/8", "ranks", {"strategy": "hlora", "lora_ranks": "4,16,8"}),
     Method("zero-pad", "zero-pad, ranks 4/16/8", "ranks", {"strategy": "zero-pad", "lora_ranks": "4,16,8"}),
@@ -99,8 +100,8 @@ class ExperimentConfig:
                                "taking --per-round a round; 'ranks' = fedse at rank 8 beside "
                                "hlora and zero-pad with clients at ranks 4, 16 and 8; 'variants' = fedse beside 3 "
                                "tries per exploration task, a rate falling over the rounds, the demonstrations "
-                               "kept at half the training data, exploration at temperature 0.5 and training on "
-                               "each task's shortest success; Pre-trained comes with fedse; '' = the budget's)")
+                               "kept at half the training data, exploration at temperature 0.5, training on "
+                               "each task's shortest success and on at most 40 trajectories a round; Pre-trained comes with fedse; '' = the budget's)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
                                           "(`make model` writes models/smollm2-135m-instruct)")

@@ -121,6 +121,7 @@ class RunConfig:
     temperature: float = setting(ClientConfig, "temperature")
     round_lr: str = setting(ClientConfig, "round_lr")
     expert_share: float = setting(ClientConfig, "expert_share")
+    round_trajectories: int = setting(ClientConfig, "round_trajectories")
     lora_r: int = setting(ClientConfig, "lora_r")
     lora_alpha: int = setting(ClientConfig, "lora_alpha")
     guardian: bool = setting(ClientConfig, "guardian")

@@ -77,7 +77,7 @@ class Failure:
 
 
 # A round's metrics that add up over an environment's members (its data); the others are averaged.
-MEMBERS_SUM = ("kept", "buffer", "explored", "examples", "sequences", "train_tasks")
+MEMBERS_SUM = ("kept", "buffer", "explored", "examples", "sequences", "train_trajectories", "train_tasks")
 
 
 def env_rows(reports: list[dict[str, Any]],

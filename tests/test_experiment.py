@@ -151,7 +151,7 @@ def test_settings_come_from_the_budget_unless_given():
     assert ex.ExperimentConfig().method_keys() == [m.key for m in ex.METHODS
                                                    if m.group not in ("selection", "ranks", "variants")]
     assert ex.ExperimentConfig(methods="variants").method_keys() == ["fedse", "tries3", "lr-cosine", "expert-half",
-                                                                     "explore-cool", "shortest"]
+                                                                     "explore-cool", "shortest", "cap40"]
     long = ex.ExperimentConfig(budget="long")  # the paper's T = 20 on all five environments; a test task is 5 points
     assert (long.setting("rounds"), long.setting("seeds"), long.setting("eval_tasks"), len(long.env_list())) == \
         (20, 3, 20, 5)

@@ -1,6 +1,7 @@
 """The variants of Fed-SE's round that stay within the method (issue: does self-evolution act): more
 tries per exploration task (--explore-tries), a learning rate per round (--round-lr) and a kept share
-of the seed demonstrations (--expert-share); each checked on its own, then all three in a real client
+of the seed demonstrations (--expert-share), a bound on what a round trains on
+(--round-trajectories); each checked on its own, then all three in a real client
 agent's rounds against an in-process env server."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 
 from fedse.config import ConfigError
 from services.client_agent.config import ClientConfig
-from services.client_agent.training.buffer import Buffer, Trajectory, to_keep, with_expert_share
+from services.client_agent.training.buffer import Buffer, Trajectory, capped, to_keep, with_expert_share
 from services.client_agent.training.round_lr import round_lr_for
 from support import FakeAggregator, env_server_in_process, serve_fake
 
@@ -52,18 +53,31 @@ def test_the_seed_demonstrations_keep_their_share():
     assert len(small) == 20
 
 
+def test_a_capped_round_keeps_every_demonstration_and_samples_the_rest():
+    demos = [traj(i, True, "expert") for i in range(3)]
+    explored = [traj(10 + i, True, round_=i % 4) for i in range(30)]
+    buffer = demos[:1] + explored[:15] + demos[1:] + explored[15:]
+    assert capped(buffer, 0, seed=1) == buffer and capped(buffer, 40, seed=1) == buffer  # 0: all; room for all
+    first, again, other = capped(buffer, 10, seed=1), capped(buffer, 10, seed=1), capped(buffer, 10, seed=2)
+    assert len(first) == 10 and all(d in first for d in demos)
+    assert first == again and first != other  # a round's own sample: the same when retrained
+    assert first == [t for t in buffer if any(t is c for c in first)]  # in buffer order
+    assert capped(buffer, 2, seed=1) == demos  # no room left: the demonstrations, all of them
+
+
 @pytest.mark.parametrize("kw,message", [({"explore_tries": 0}, "--explore-tries must be at least 1"),
                                         ({"expert_share": 1.0}, "--expert-share must be in"),
-                                        ({"round_lr": "step"}, "--round-lr must be")])
+                                        ({"round_lr": "step"}, "--round-lr must be"),
+                                        ({"round_trajectories": -1}, "--round-trajectories must be 0")])
 def test_bad_settings_say_what_to_fix(kw, message):
     with pytest.raises(ConfigError, match=message):
         ClientConfig(**kw)
 
 
-def test_a_client_with_all_three_variants_tries_each_task_keeps_first_successes_and_steps_its_rate(tmp_path):
+def test_a_client_with_the_variants_tries_each_task_keeps_first_successes_steps_its_rate_and_caps_its_round(tmp_path):
     """Two rounds of a real client (tiny model, the Maze) against a fake aggregator: its exploration
     plays each task 3 times, the buffer holds at most one success per task and round, and each
-    round reports the rate the cosine schedule gives it."""
+    round reports the rate the cosine schedule gives it and trains on at most 3 trajectories."""
     from services.client_agent.agent import ClientAgent
 
     agg = FakeAggregator(round_=0, num_rounds=2, advance=True)
@@ -72,7 +86,7 @@ def test_a_client_with_all_three_variants_tries_each_task_keeps_first_successes_
         cfg = ClientConfig(client_id="org-a", env="maze", env_server=env_target, aggregator=target,
                            state_dir=str(tmp_path), metrics_port=-1, expert_demos=2, explore_tasks=4, eval_tasks=2,
                            epochs=1, concurrency=6, torch_threads=1, round_timeout_s=60.0, lr=1e-2,
-                           explore_tries=3, round_lr="cosine", expert_share=0.5)
+                           explore_tries=3, round_lr="cosine", expert_share=0.5, round_trajectories=3)
         agent = ClientAgent(cfg)
         try:
             history = agent.run()
@@ -86,3 +100,6 @@ def test_a_client_with_all_three_variants_tries_each_task_keeps_first_successes_
     assert len(keys) == len(set(keys)) and all(t.success for t in explored)
     assert [h["explored"] for h in trained] == [12.0, 12.0]  # 4 tasks, 3 times each, a round
     assert all(h["kept"] <= 4 for h in trained)
+    # At most 3 trajectories a round: the 2 demonstrations and what room is left of those kept so far.
+    kept_so_far = [sum(h["kept"] for h in trained[:i + 1]) for i in range(len(trained))]
+    assert [h["train_trajectories"] for h in trained] == [min(3.0, 2 + k) for k in kept_so_far]

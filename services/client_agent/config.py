@@ -73,6 +73,9 @@ class ClientConfig(Security):
     expert_share: float = field(0.0, "the least share of the training trajectories that the seed demonstrations "
                                      "make up, repeated as needed once exploration has grown the buffer (0 = as "
                                      "the buffer holds them, the paper's)")
+    round_trajectories: int = field(0, "the most trajectories a round trains on: every seed demonstration and, for the "
+                                       "rest, a sample of the explored ones drawn afresh each round, so a round's "
+                                       "training steps stop growing with the buffer (0 = all, the paper's)")
     eval_tasks: Count = field(ALL, "held-out test tasks evaluated per round: a number, or 'all'")
     task_share: str = field("", "'K/N': this client is member K (0-based) of N members sharing each of its "
                                 "environments' training tasks, each member a disjoint share (--task-split; the "
@@ -219,6 +222,9 @@ class ClientConfig(Security):
         if not 0 <= self.expert_share < 1:
             raise ConfigError(f"--expert-share must be in [0, 1): the least share of the training trajectories, "
                               f"got {self.expert_share}")
+        if self.round_trajectories < 0:
+            raise ConfigError(f"--round-trajectories must be 0 (all, the paper's) or a count, got "
+                              f"{self.round_trajectories}")
         from services.client_agent.training.round_lr import round_lr_for
         round_lr_for(self.round_lr)
         from services.client_agent.training.buffer import HISTORIES

@@ -25,7 +25,7 @@ from services.client_agent.model import loading as mdl
 from services.client_agent.playing.prompts import is_tiny
 from services.client_agent.playing.tasks import EnvTasks
 from services.client_agent.resume import Phase, Progress
-from services.client_agent.training.buffer import to_keep, training_set, with_expert_share
+from services.client_agent.training.buffer import capped, to_keep, training_set, with_expert_share
 from services.client_agent.training.round_lr import round_lr_for
 from services.client_agent.training.seeding import count_demos
 from services.client_agent.training.trainer import train_lora, training_examples
@@ -163,7 +163,8 @@ class RoundPhases:
         cfg = self.cfg
         seed = cfg.seed * 100_003 + round_
         t1 = time.perf_counter()
-        trajectories = with_expert_share(training_set(self.buffer.trajectories, cfg.history, round_), cfg.expert_share)
+        chosen = capped(training_set(self.buffer.trajectories, cfg.history, round_), cfg.round_trajectories, seed)
+        trajectories = with_expert_share(chosen, cfg.expert_share)
         lr = round_lr_for(cfg.round_lr).rate(cfg.lr, round_, self.run_config.num_rounds)
         examples = training_examples(trajectories, self.fmt, self.tokenize, self.max_prompt_tokens, self.react_fmt,
                                      self.writes)
@@ -188,7 +189,8 @@ class RoundPhases:
         TRAIN_SECONDS.inc(t2 - t1)
         PHASE_SECONDS.labels("train").observe(t2 - t1)
         data = ad.encode_transport(mdl.get_adapter_state(self.model), cfg.transport_dtype)
-        metrics = {"examples": float(turns), "sequences": float(len(examples)), "train_s": t2 - t1, "train_lr": lr,
+        metrics = {"examples": float(turns), "sequences": float(len(examples)),
+                   "train_trajectories": float(len(trajectories)), "train_s": t2 - t1, "train_lr": lr,
                    "upload_bytes": float(len(data)), "train_recomputed": result["recomputed"],
                    **self.work_done(before, "train", t2 - t1)}
         if math.isfinite(result["loss"]):  # no loss where nothing was trained (metrics are finite values)

@@ -9,7 +9,9 @@ trajectory, failures too (`--keep all`, "no filter"); round t trains on the whol
 D_t = D_{t-1} ∪ kept_t (`--history cumulative`, the paper), on the seed demonstrations D_0
 plus round t's kept trajectories only (`--history round`, "no history": earlier rounds' explored
 trajectories stay in the file but are not trained on), or on D_0 plus the shortest success of each
-task explored so far (`--history shortest`).
+task explored so far (`--history shortest`). `--round-trajectories` bounds what a round trains on
+(`capped`): the seed demonstrations and a sample of the rest, so the round's training steps stop
+growing with the buffer.
 
 Trajectories never leave the client. The buffer is an append-only JSON-lines file; each append
 is flushed and fsynced before it counts, so a crash loses no trajectory that was recorded. The one
@@ -24,6 +26,7 @@ import json
 import math
 import os
 import pathlib
+import random
 
 from fedse.files import atomic_write
 
@@ -95,6 +98,19 @@ def with_expert_share(trajectories: list[Trajectory], share: float) -> list[Traj
         return list(trajectories)
     copies = max(1, math.ceil(share * others / ((1 - share) * len(demos))))
     return list(trajectories) + demos * (copies - 1)
+
+
+def capped(trajectories: list[Trajectory], most: int, seed: int) -> list[Trajectory]:
+    """At most `most` of the trajectories, in buffer order (--round-trajectories; 0: all): every seed
+    demonstration, and for the room left a sample of the others drawn with `seed` (a round's own, so
+    each round sees another sample of the buffer and a retrained round the same one)."""
+    demos = [i for i, t in enumerate(trajectories) if t.source in DEMO_SOURCES]
+    others = [i for i, t in enumerate(trajectories) if t.source not in DEMO_SOURCES]
+    room = max(0, most - len(demos))
+    if most <= 0 or len(others) <= room:
+        return list(trajectories)
+    chosen = set(demos) | set(random.Random(seed).sample(others, room))
+    return [t for i, t in enumerate(trajectories) if i in chosen]
 
 
 def _cumulative(trajectories: list[Trajectory], round_: int) -> list[Trajectory]:
