@@ -6,7 +6,11 @@ A run of `fedse run` or `fedse experiment` with the tiny model keeps both: each 
 global adapters under state/aggregator/local/. Where the client's own adapter is good and the
 global one is not, averaging loses the update; where the client's own is bad too, its data or its
 training does. Plays the first `--test` test tasks greedily, as the client evaluates (one process,
-no gRPC, the run's seed for the model and the tasks); `--norms` adds each client's update norm:
+no gRPC, the run's seed for the model and the tasks). `--alone` also plays the client's update
+alone at the strength the mean gives it, phi_t + (phi_k - phi_t) / K: bad too, the short step is
+what fails; good, the others' updates undo it. `--norms` adds each client's update norm, and
+`--kept` the share of the client's weight update dW = B'A' - BA that the global step keeps (the
+mean of K clients whose updates share nothing keeps 1/K; the others' updates undoing it, less):
 
     .venv/bin/python bench/own_vs_global.py results/long/runs/fedse-seed0 results/long/runs/fedit-seed0
 """
@@ -32,16 +36,46 @@ from services.client_agent.model.loading import set_adapter_state  # noqa: E402
 from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS  # noqa: E402
 
 
-def success(env, fmt, scorer, model, test: list[int], adapter: pathlib.Path) -> float:
-    """Greedy held-out success of `adapter` on the test tasks."""
-    set_adapter_state(model, load_file(str(adapter)))
+def success(env, fmt, scorer, model, test: list[int], adapter: dict[str, torch.Tensor]) -> float:
+    """Greedy held-out success of the adapter's tensors on the test tasks."""
+    set_adapter_state(model, adapter)
     scorer.forget()
     played = learning_curve.rollout(env, test, lambda p, c: scorer.choose(p, c, greedy=True), 1, fmt=fmt)
     return learning_curve.success_rate(played)
 
 
+def alone(state: pathlib.Path, round_: int, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """phi_t + (phi_k - phi_t) / K: the client's update at the strength the mean of the round's K
+    uploads gives it, as if the others had sent phi_t back."""
+    start = load_file(str(state / "global" / f"round_{round_:04d}" / "adapter_model.safetensors"))
+    k = len(list((state / "uploads" / f"round_{round_:04d}").glob("*.safetensors")))
+    return {name: start[name] + (w - start[name]) / k for name, w in own.items()}
+
+
+def without_each(run: pathlib.Path, a: argparse.Namespace, rounds: list[int]) -> None:
+    """For each round and each other client j: held-out success of the global step without j's
+    update, phi_t + (sum of the others' dphi_i) / K (the client's own at the mean's strength): which
+    client's update, taken out, lets the client's own through."""
+    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
+    env, _, model, fmt, scorer = tiny_client(argparse.Namespace(
+        env=a.env, overrides="", seed=seed, window=TINY_MAX_PROMPT_TOKENS, scoring=a.scoring, model_seed=seed))
+    test = env.tasks("test")[:a.test]
+    state = run / "state" / "aggregator" / "local"
+    for r in rounds:
+        folder = state / "uploads" / f"round_{r:04d}"
+        uploads = {u.stem: load_file(str(u)) for u in sorted(folder.glob("*.safetensors"))}
+        if f"org-{a.env}" not in uploads:
+            continue
+        start = load_file(str(state / "global" / f"round_{r:04d}" / "adapter_model.safetensors"))
+        total = {n: sum(t[n] - w for t in uploads.values()) for n, w in start.items()}
+        cells = [f"{name}: " + f"{100 * success(env, fmt, scorer, model, test, {n: w + (total[n] - t[n] + w) / len(uploads) for n, w in start.items()}):.0f}"
+                 for name, t in uploads.items() if name != f"org-{a.env}"]
+        print(f"| {run.name} | {r} | " + " | ".join(cells) + " |", flush=True)
+
+
 def success_row(run: pathlib.Path, a: argparse.Namespace, rounds: list[int]) -> list[str]:
-    """"own / global" held-out success for each round, "-" where the run kept no such adapters."""
+    """"own / global" (--alone: "own / alone / global") held-out success for each round, "-" where the
+    run kept no such adapters."""
     seed = json.loads((run / "run.json").read_text())["config"]["seed"]
     client = argparse.Namespace(env=a.env, overrides="", seed=seed, window=TINY_MAX_PROMPT_TOKENS,
                                 scoring=a.scoring, model_seed=seed)
@@ -55,8 +89,9 @@ def success_row(run: pathlib.Path, a: argparse.Namespace, rounds: list[int]) -> 
         if not own.exists() or not averaged.exists():
             cells.append("-")
             continue
-        cells.append(f"{100 * success(env, fmt, scorer, model, test, own):.0f} / "
-                     f"{100 * success(env, fmt, scorer, model, test, averaged):.0f}")
+        played = [load_file(str(own))] + ([alone(state, r, load_file(str(own)))] if a.alone else []) + \
+            [load_file(str(averaged))]
+        cells.append(" / ".join(f"{100 * success(env, fmt, scorer, model, test, t):.0f}" for t in played))
     return cells
 
 
@@ -69,6 +104,44 @@ def update_norms(state: pathlib.Path, round_: int) -> dict[str, float]:
         tensors = load_file(str(upload))
         norms[upload.stem] = sum(float((tensors[k].float() - v.float()).pow(2).sum()) for k, v in start.items()) ** 0.5
     return norms
+
+
+def products(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each LoRA module's B @ A (its weight update, less the constant alpha / r)."""
+    return {k[:-len("lora_A.weight")]: tensors[k[:-len("lora_A.weight")] + "lora_B.weight"].float() @ v.float()
+            for k, v in tensors.items() if k.endswith("lora_A.weight")}
+
+
+def kept_shares(state: pathlib.Path, round_: int, env: str) -> tuple[float, float] | None:
+    """Of client org-`env`'s weight update in round t (dW_env, summed over modules), the share
+    <dW_global, dW_env> / ||dW_env||^2 that the global step phi_t -> phi_t+1 keeps, and the share the
+    exact mean of the clients' dW would keep; None where the round's files are missing."""
+    paths = [state / "global" / f"round_{r:04d}" / "adapter_model.safetensors" for r in (round_, round_ + 1)]
+    uploads = sorted((state / "uploads" / f"round_{round_:04d}").glob("*.safetensors"))
+    own = [u for u in uploads if u.stem == f"org-{env}"]
+    if not own or not all(p.exists() for p in paths):
+        return None
+    start, after = (products(load_file(str(p))) for p in paths)
+    deltas = {u.stem: {m: w - start[m] for m, w in products(load_file(str(u))).items()} for u in uploads}
+    mine = deltas[own[0].stem]
+    dot = lambda a, b: sum(float((a[m] * b[m]).sum()) for m in a)  # noqa: E731
+    norm2 = dot(mine, mine) or float("nan")
+    kept = dot({m: after[m] - start[m] for m in mine}, mine) / norm2
+    exact = sum(dot(d, mine) for d in deltas.values()) / len(deltas) / norm2
+    return kept, exact
+
+
+def print_kept(runs: list[pathlib.Path], rounds: list[int], env: str) -> None:
+    """The share of the `env` client's weight update each round's global step keeps, per run."""
+    print(f"\nshare of org-{env}'s weight update dW = B'A' - BA that the global step keeps (the averaged A and B / "
+          "the exact mean of the clients' dW; 1/K if the others' updates share nothing with it)")
+    print("| run | " + " | ".join(str(r) for r in rounds) + " |")
+    print("|---|" + "---:|" * len(rounds))
+    for run in runs:
+        state = run / "state" / "aggregator" / "local"
+        shares = [kept_shares(state, r, env) for r in rounds]
+        print(f"| {run.name} | " + " | ".join("-" if s is None else f"{s[0]:.2f} / {s[1]:.2f}" for s in shares)
+              + " |", flush=True)
 
 
 def print_norms(runs: list[pathlib.Path], rounds: list[int]) -> None:
@@ -92,18 +165,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--test", type=int, default=20, help="held-out test tasks (the first N; 0: update norms only)")
     ap.add_argument("--scoring", choices=SCORINGS, default="sum", help="the client's --scoring (BabyAI: calibrated)")
     ap.add_argument("--norms", action="store_true", help="also print each client's update norm per round")
+    ap.add_argument("--alone", action="store_true", help="also play the client's update alone at the mean's "
+                                                          "strength, phi_t + (phi_k - phi_t) / K")
+    ap.add_argument("--without-each", action="store_true", help="also play the global step without each other "
+                                                                 "client's update in turn")
+    ap.add_argument("--kept", action="store_true", help="also print the share of the client's weight update that "
+                                                         "the global step keeps")
     a = ap.parse_args(argv)
+    if a.without_each and a.test <= 0:
+        ap.error("--without-each plays test tasks: give --test 1 or more")
     torch.set_num_threads(1)
     rounds = [int(r) for r in a.rounds.split(",")]
     if a.test > 0:
-        print(f"{a.env}: held-out success (%) of the client's own upload in round t / the global adapter averaged "
-              "from that round's uploads")
+        print(f"{a.env}: held-out success (%) of the client's own upload in round t / "
+              + ("its update alone at 1/K / " if a.alone else "")
+              + "the global adapter averaged from that round's uploads")
         print("| run | " + " | ".join(str(r) for r in rounds) + " |")
         print("|---|" + "---:|" * len(rounds))
         for run in a.runs:
             print(f"| {run.name} | " + " | ".join(success_row(run, a, rounds)) + " |", flush=True)
-    if a.norms or a.test <= 0:
+    if a.norms or (a.test <= 0 and not a.kept):
         print_norms(a.runs, rounds)
+    if a.kept:
+        print_kept(a.runs, rounds, a.env)
+    if a.without_each:
+        print(f"\n{a.env}: held-out success (%) of the global step without client j's update, for each j")
+        for run in a.runs:
+            without_each(run, a, rounds)
 
 
 if __name__ == "__main__":
