@@ -101,7 +101,8 @@ class ExperimentConfig:
                                "hlora and zero-pad with clients at ranks 4, 16 and 8; 'variants' = fedse beside 3 "
                                "tries per exploration task, a rate falling over the rounds, the demonstrations "
                                "kept at half the training data, exploration at temperature 0.5, training on "
-                               "each task's shortest success and on at most 40 trajectories a round; Pre-trained comes with fedse; '' = the budget's)")
+                               "each task's shortest success and on at most 40 trajectories a round; "
+                               "Pre-trained comes with fedse; '' = the budget's)")
     results: str = field("results/experiment", "folder for table.md, results.csv, the plots and each run")
     base_model: str = field("fedse-tiny", "'fedse-tiny' (built in code) or a local Hugging Face model directory "
                                           "(`make model` writes models/smollm2-135m-instruct)")

@@ -68,8 +68,10 @@ def without_each(run: pathlib.Path, a: argparse.Namespace, rounds: list[int]) ->
             continue
         start = load_file(str(state / "global" / f"round_{r:04d}" / "adapter_model.safetensors"))
         total = {n: sum(t[n] - w for t in uploads.values()) for n, w in start.items()}
-        cells = [f"{name}: " + f"{100 * success(env, fmt, scorer, model, test, {n: w + (total[n] - t[n] + w) / len(uploads) for n, w in start.items()}):.0f}"
-                 for name, t in uploads.items() if name != f"org-{a.env}"]
+        without = {name: {n: w + (total[n] - t[n] + w) / len(uploads) for n, w in start.items()}
+                   for name, t in uploads.items() if name != f"org-{a.env}"}
+        cells = [f"{name}: {100 * success(env, fmt, scorer, model, test, tensors):.0f}"
+                 for name, tensors in without.items()]
         print(f"| {run.name} | {r} | " + " | ".join(cells) + " |", flush=True)
 
 
