@@ -36,73 +36,79 @@ from services.client_agent.model.loading import set_adapter_state  # noqa: E402
 from services.client_agent.playing.prompts import TINY_MAX_PROMPT_TOKENS  # noqa: E402
 
 
-def success(env, fmt, scorer, model, test: list[int], adapter: dict[str, torch.Tensor]) -> float:
-    """Greedy held-out success of the adapter's tensors on the test tasks."""
-    set_adapter_state(model, adapter)
-    scorer.forget()
-    played = learning_curve.rollout(env, test, lambda p, c: scorer.choose(p, c, greedy=True), 1, fmt=fmt)
-    return learning_curve.success_rate(played)
+def global_file(state: pathlib.Path, round_: int) -> pathlib.Path:
+    """phi_round, the global adapter round `round_` started from."""
+    return state / "global" / f"round_{round_:04d}" / "adapter_model.safetensors"
 
 
-def alone(state: pathlib.Path, round_: int, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """phi_t + (phi_k - phi_t) / K: the client's update at the strength the mean of the round's K
-    uploads gives it, as if the others had sent phi_t back."""
-    start = load_file(str(state / "global" / f"round_{round_:04d}" / "adapter_model.safetensors"))
-    k = len(list((state / "uploads" / f"round_{round_:04d}").glob("*.safetensors")))
-    return {name: start[name] + (w - start[name]) / k for name, w in own.items()}
+def upload_files(state: pathlib.Path, round_: int) -> list[pathlib.Path]:
+    """The clients' uploads of round `round_`, by name (org-ENV.safetensors)."""
+    return sorted((state / "uploads" / f"round_{round_:04d}").glob("*.safetensors"))
+
+
+class Player:
+    """A run's tiny model and environment, as its client built them: plays adapters on the test tasks."""
+
+    def __init__(self, run: pathlib.Path, a: argparse.Namespace):
+        seed = json.loads((run / "run.json").read_text())["config"]["seed"]
+        self.env, _, self.model, self.fmt, self.scorer = tiny_client(argparse.Namespace(
+            env=a.env, overrides="", seed=seed, window=TINY_MAX_PROMPT_TOKENS, scoring=a.scoring, model_seed=seed))
+        self.test = self.env.tasks("test")[:a.test]
+
+    def success(self, adapter: dict[str, torch.Tensor]) -> float:
+        """Greedy held-out success (%) of the adapter's tensors on the test tasks."""
+        set_adapter_state(self.model, adapter)
+        self.scorer.forget()
+        played = learning_curve.rollout(self.env, self.test, lambda p, c: self.scorer.choose(p, c, greedy=True), 1,
+                                        fmt=self.fmt)
+        return 100 * learning_curve.success_rate(played)
+
+
+def step(start: dict[str, torch.Tensor], updates: list[dict[str, torch.Tensor]], k: int) -> dict[str, torch.Tensor]:
+    """phi_t + (sum of the given clients' phi_i - phi_t) / K: the global step had the round's other
+    clients sent phi_t back."""
+    return {n: w + sum(u[n] - w for u in updates) / k for n, w in start.items()}
 
 
 def without_each(run: pathlib.Path, a: argparse.Namespace, rounds: list[int]) -> None:
     """For each round and each other client j: held-out success of the global step without j's
     update, phi_t + (sum of the others' dphi_i) / K (the client's own at the mean's strength): which
     client's update, taken out, lets the client's own through."""
-    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
-    env, _, model, fmt, scorer = tiny_client(argparse.Namespace(
-        env=a.env, overrides="", seed=seed, window=TINY_MAX_PROMPT_TOKENS, scoring=a.scoring, model_seed=seed))
-    test = env.tasks("test")[:a.test]
-    state = run / "state" / "aggregator" / "local"
+    player, state = Player(run, a), run / "state" / "aggregator" / "local"
     for r in rounds:
-        folder = state / "uploads" / f"round_{r:04d}"
-        uploads = {u.stem: load_file(str(u)) for u in sorted(folder.glob("*.safetensors"))}
+        uploads = {u.stem: load_file(str(u)) for u in upload_files(state, r)}
         if f"org-{a.env}" not in uploads:
             continue
-        start = load_file(str(state / "global" / f"round_{r:04d}" / "adapter_model.safetensors"))
-        total = {n: sum(t[n] - w for t in uploads.values()) for n, w in start.items()}
-        without = {name: {n: w + (total[n] - t[n] + w) / len(uploads) for n, w in start.items()}
-                   for name, t in uploads.items() if name != f"org-{a.env}"}
-        cells = [f"{name}: {100 * success(env, fmt, scorer, model, test, tensors):.0f}"
-                 for name, tensors in without.items()]
+        start = load_file(str(global_file(state, r)))
+        others = [name for name in uploads if name != f"org-{a.env}"]
+        cells = [f"{j}: {player.success(step(start, [t for n, t in uploads.items() if n != j], len(uploads))):.0f}"
+                 for j in others]
         print(f"| {run.name} | {r} | " + " | ".join(cells) + " |", flush=True)
 
 
 def success_row(run: pathlib.Path, a: argparse.Namespace, rounds: list[int]) -> list[str]:
     """"own / global" (--alone: "own / alone / global") held-out success for each round, "-" where the
-    run kept no such adapters."""
-    seed = json.loads((run / "run.json").read_text())["config"]["seed"]
-    client = argparse.Namespace(env=a.env, overrides="", seed=seed, window=TINY_MAX_PROMPT_TOKENS,
-                                scoring=a.scoring, model_seed=seed)
-    env, _, model, fmt, scorer = tiny_client(client)
-    test = env.tasks("test")[:a.test]
-    state = run / "state" / "aggregator" / "local"
+    run kept no such adapters; alone is the client's update at the strength the mean gives it."""
+    player, state = Player(run, a), run / "state" / "aggregator" / "local"
     cells = []
     for r in rounds:
         own = state / "uploads" / f"round_{r:04d}" / f"org-{a.env}.safetensors"
-        averaged = state / "global" / f"round_{r + 1:04d}" / "adapter_model.safetensors"
+        averaged = global_file(state, r + 1)
         if not own.exists() or not averaged.exists():
             cells.append("-")
             continue
-        played = [load_file(str(own))] + ([alone(state, r, load_file(str(own)))] if a.alone else []) + \
-            [load_file(str(averaged))]
-        cells.append(" / ".join(f"{100 * success(env, fmt, scorer, model, test, t):.0f}" for t in played))
+        mine = load_file(str(own))
+        alone = [step(load_file(str(global_file(state, r))), [mine], len(upload_files(state, r)))] if a.alone else []
+        cells.append(" / ".join(f"{player.success(t):.0f}" for t in [mine, *alone, load_file(str(averaged))]))
     return cells
 
 
 def update_norms(state: pathlib.Path, round_: int) -> dict[str, float]:
     """Each client's update in round t, ||phi_k - phi_t|| over all its tensors (phi_t: the global
     adapter the round started from)."""
-    start = load_file(str(state / "global" / f"round_{round_:04d}" / "adapter_model.safetensors"))
+    start = load_file(str(global_file(state, round_)))
     norms = {}
-    for upload in sorted((state / "uploads" / f"round_{round_:04d}").glob("*.safetensors")):
+    for upload in upload_files(state, round_):
         tensors = load_file(str(upload))
         norms[upload.stem] = sum(float((tensors[k].float() - v.float()).pow(2).sum()) for k, v in start.items()) ** 0.5
     return norms
@@ -118,8 +124,8 @@ def kept_shares(state: pathlib.Path, round_: int, env: str) -> tuple[float, floa
     """Of client org-`env`'s weight update in round t (dW_env, summed over modules), the share
     <dW_global, dW_env> / ||dW_env||^2 that the global step phi_t -> phi_t+1 keeps, and the share the
     exact mean of the clients' dW would keep; None where the round's files are missing."""
-    paths = [state / "global" / f"round_{r:04d}" / "adapter_model.safetensors" for r in (round_, round_ + 1)]
-    uploads = sorted((state / "uploads" / f"round_{round_:04d}").glob("*.safetensors"))
+    paths = [global_file(state, r) for r in (round_, round_ + 1)]
+    uploads = upload_files(state, round_)
     own = [u for u in uploads if u.stem == f"org-{env}"]
     if not own or not all(p.exists() for p in paths):
         return None
@@ -164,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", type=pathlib.Path, help="run folders (each with run.json and state/)")
     ap.add_argument("--env", default="maze", help="the environment, and so the client (org-ENV)")
     ap.add_argument("--rounds", default="2,4,6,8,10,12,14,16,18", help="the rounds whose uploads to play")
-    ap.add_argument("--test", type=int, default=20, help="held-out test tasks (the first N; 0: update norms only)")
+    ap.add_argument("--test", type=int, default=20, help="held-out test tasks (the first N; 0: play none, "
+                                                             "print the weight tables only)")
     ap.add_argument("--scoring", choices=SCORINGS, default="sum", help="the client's --scoring (BabyAI: calibrated)")
     ap.add_argument("--norms", action="store_true", help="also print each client's update norm per round")
     ap.add_argument("--alone", action="store_true", help="also play the client's update alone at the mean's "
