@@ -1,8 +1,8 @@
 """The variants of Fed-SE's round that stay within the method (issue: does self-evolution act): more
 tries per exploration task (--explore-tries), a learning rate per round (--round-lr) and a kept share
-of the seed demonstrations (--expert-share), a bound on what a round trains on
-(--round-trajectories); each checked on its own, then all three in a real client
-agent's rounds against an in-process env server."""
+of the seed demonstrations (--expert-share) and a bound on what a round trains on
+(--round-trajectories); each checked on its own, then together in a real client agent's rounds
+against an in-process env server."""
 
 from __future__ import annotations
 
