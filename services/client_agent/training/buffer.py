@@ -104,10 +104,12 @@ def capped(trajectories: list[Trajectory], most: int, seed: int) -> list[Traject
     """At most `most` of the trajectories, in buffer order (--round-trajectories; 0: all): every seed
     demonstration, and for the room left a sample of the others drawn with `seed` (a round's own, so
     each round sees another sample of the buffer and a retrained round the same one)."""
+    if most <= 0:
+        return list(trajectories)
     demos = [i for i, t in enumerate(trajectories) if t.source in DEMO_SOURCES]
     others = [i for i, t in enumerate(trajectories) if t.source not in DEMO_SOURCES]
     room = max(0, most - len(demos))
-    if most <= 0 or len(others) <= room:
+    if len(others) <= room:
         return list(trajectories)
     chosen = set(demos) | set(random.Random(seed).sample(others, room))
     return [t for i, t in enumerate(trajectories) if i in chosen]
