@@ -134,7 +134,8 @@ class ExperimentConfig:
         if not self.method_keys():
             raise ConfigError("--methods is empty: name at least one method, or 'all'")
         if self.lr != -1 and not self.lr > 0:
-            raise ConfigError(f"--lr must be positive (or -1: the budget's, {BUDGETS[self.budget]['lr']}), got {self.lr}")
+            raise ConfigError(f"--lr must be positive (or -1: the budget's, {BUDGETS[self.budget]['lr']}), "
+                              f"got {self.lr}")
         for name in BUDGET_FIELDS:
             value = getattr(self, name)
             if name != "envs" and value < -1:

@@ -80,7 +80,7 @@ def test_client_config_accepts_the_methods_settings():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(keep="failures"), "--keep must be 'successes'"),
-    (dict(history="none"), "--history must be 'cumulative'"),
+    (dict(history="none"), "--history must be one of 'cumulative', 'round', 'shortest'"),
     (dict(explore_tasks=-1), "--explore-tasks must not be negative"),
     (dict(env=" , "), "--env is empty"),
     (dict(env="maze,wordle,maze"), "names an environment twice"),

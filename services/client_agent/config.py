@@ -229,8 +229,9 @@ class ClientConfig(Security):
         round_lr_for(self.round_lr)
         from services.client_agent.training.buffer import HISTORIES
         if self.history not in HISTORIES:
-            raise ConfigError(f"--history must be 'cumulative' (the paper), 'round' (no history) or 'shortest' "
-                              f"(each task's shortest success), got {self.history!r}")
+            names = ", ".join(repr(name) for name in HISTORIES)
+            raise ConfigError(f"--history must be one of {names} ('cumulative' is the paper's; --help says what "
+                              f"each trains on), got {self.history!r}")
 
     def _check_share(self) -> None:
         """--task-share and --task-split (fedse.splits), a ConfigError naming the flag where one is malformed."""
