@@ -16,9 +16,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from apps.processes import Proc
 from fedse.transport.serving import insecure_channel
@@ -64,7 +66,14 @@ class Federation:
 
     def start_env_server(self, port: str) -> Proc:
         return self._start("env_server", ["services.env_server", "--address", f"127.0.0.1:{port}", "--envs", "maze",
-                                          "--metrics-port", "-1"])
+                                          "--metrics-port", "0"])
+
+    def env_open_sessions(self) -> float:
+        """The env server's fedse_env_open_sessions, read from its /metrics as Prometheus would."""
+        port = next(e["metrics_port"] for e in log_entries(self.env) if "metrics_port" in e)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "fedse_env_open_sessions" for sample in family.samples)
 
     def restart_env_server(self) -> None:
         self.env = self.start_env_server(str(self.env_port))
@@ -227,8 +236,21 @@ def test_env_server_killed_mid_exploration_and_restarted_the_agent_finishes_with
                 return any(c.phase == "exploring" for c in clients)
 
             wait_for("org-a to explore", exploring, procs=[fed.clients["org-a"]])
+        # The kill lands inside an episode, not before the first Reset: org-a is stopped (SIGSTOP) at a
+        # moment the env server holds its session open, and goes on only once the server is dead.
+        agent = fed.clients["org-a"].popen
+
+        def stopped_inside_an_episode() -> bool:
+            os.kill(agent.pid, signal.SIGSTOP)
+            if fed.env_open_sessions() > 0:
+                return True
+            os.kill(agent.pid, signal.SIGCONT)
+            return False
+
+        wait_for("an exploration episode under way", stopped_inside_an_episode, procs=[fed.clients["org-a"]])
         os.kill(fed.env.popen.pid, signal.SIGKILL)
         fed.env.popen.wait()
+        os.kill(agent.pid, signal.SIGCONT)
         time.sleep(3.0)
         fed.restart_env_server()
         fed.wait_clients(timeout=120)
@@ -237,8 +259,11 @@ def test_env_server_killed_mid_exploration_and_restarted_the_agent_finishes_with
         entries = log_entries(fed.clients["org-a"])
         retried = [e for e in entries if e.get("msg") == "env server unavailable, retrying"]
         restarted = [e for e in entries if e.get("msg") == "env server lost our sessions; the episodes start again"]
-        assert retried and {e["call"] for e in retried} <= {"Reset", "Step", "Close"}
-        assert [e["phase"] for e in restarted] == ["explore"], restarted
+        calls = {e["call"] for e in retried}
+        assert calls and calls <= {"Reset", "Step", "Close"} and calls != {"Reset"}, calls  # inside an episode
+        # A Step the restarted server cannot place plays the phase's episodes again; a Close alone (the
+        # episode had ended when the server died) finds its session closed already, which it is.
+        assert [e["phase"] for e in restarted] == (["explore"] if "Step" in calls else []), (calls, restarted)
         # Each task was kept once, as explored after the restart: nothing of the lost attempt was kept.
         got = round_metrics(fed, 0)
         assert {k: got[k] for k in ("kept", "buffer", "explore_success", "examples", "test_success")} == \
