@@ -183,6 +183,34 @@ def round_table(summary: dict[str, Any]) -> list[str]:
     if "Fed-SE" in curves and "FedIT" in curves:
         se, it = curves["Fed-SE"]["Avg."], curves["FedIT"]["Avg."]
         lines.append(f"| Fed-SE - FedIT | {cells(lambda t: _paired(se[t], it[t]), signed=True)} |")
+    return lines + late_table(summary)
+
+
+LATE_ROUNDS = 5  # the rounds late_table averages: a final round alone moves by a few tasks from one to the next
+
+
+def late_table(summary: dict[str, Any]) -> list[str]:
+    """Each method's average over the last LATE_ROUNDS rounds (a mean per seed, then mean ± sd over
+    seeds) and its difference from FedIT's, paired by seed: a less noisy reading of where the methods
+    end than the final round alone; nothing for runs of fewer than twice as many rounds."""
+    last, curves, seeds = summary["rounds"], summary["curves"], summary["seeds"]
+    if last < 2 * LATE_ROUNDS or not curves:
+        return []
+    window = range(last - LATE_ROUNDS + 1, last + 1)
+
+    def per_seed(name: str) -> list[float | None]:  # None where a round of the window has no value
+        avg = curves[name]["Avg."]
+        values = [[avg[t][i] for t in window] for i in range(len(seeds))]
+        return [None if None in v else statistics.mean(v) for v in values]
+
+    late = {name: per_seed(name) for name in curves}
+    fedit = late.get("FedIT")
+    lines = ["", f"Avg. held-out success (%) over rounds {window[0]}-{last}: each seed's mean of the last "
+                 f"{LATE_ROUNDS} rounds, then mean ± sd over seeds" + ("; Δ paired by seed:" if fedit else ":"),
+             "", "| Method | Avg. |" + (" Δ vs FedIT |" if fedit else ""), "|---|---:|" + ("---:|" if fedit else "")]
+    for name, values in late.items():
+        over = "-" if name == "FedIT" else _cell(_paired(values, fedit), signed=True) if fedit else ""
+        lines.append(f"| {_label(name, {'avg': values}, seeds)} | {_cell(values)} |" + (f" {over} |" if fedit else ""))
     return lines
 
 

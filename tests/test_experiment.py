@@ -75,7 +75,7 @@ def test_the_table_gives_the_average_round_by_round_and_fedse_less_fedit_paired_
     runs = {("fedse", 0): results_of({"maze": [(0.0, 10), (0.1, 10), (0.3, 10), (0.5, 10)]}),
             ("fedse", 1): results_of({"maze": [(0.2, 10), (0.2, 10), (0.4, 10), (0.6, 10)]}),
             ("fedit", 1): results_of({"maze": [(0.2, 10), (0.4, 10), (0.4, 10), (0.4, 10)]})}  # seed 0 never ran
-    lines = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)["table"].splitlines()
+    lines = short = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)["table"].splitlines()
     at = lines.index("| Method | 0 | 1 | 2 | 3 |")
     assert lines[at + 2:at + 5] == ["| FedIT | 20.0 | 40.0 | 40.0 | 40.0 |",
                                     "| Fed-SE | 10.0 ± 14.1 | 15.0 ± 7.1 | 35.0 ± 7.1 | 55.0 ± 7.1 |",
@@ -88,6 +88,18 @@ def test_the_table_gives_the_average_round_by_round_and_fedse_less_fedit_paired_
     table = ex.summarise(long, [ex.BY_KEY["fedse"]], [0], run)["table"]
     assert "| Method | 0 | 2 | 4 | 6 | 8 | 10 | 12 | 14 | 16 | 18 | 20 |" in table
     assert "| Fed-SE | 0.0 | 5.0 | 10.0 | 15.0 | 20.0 | 25.0 | 30.0 | 35.0 | 40.0 | 45.0 | 50.0 |" in table
+    # Then the last five rounds' mean, per seed and paired against FedIT's (seed 0 of FedIT: one round short).
+    late = ex.ExperimentConfig(envs="maze", seeds=2, rounds=10, methods="fedit,fedse")
+    runs = {("fedse", 0): results_of({"maze": [(t / 20, 20) for t in range(11)]}),  # rounds 6-10: 40.0
+            ("fedse", 1): results_of({"maze": [(0.5, 20)] * 11}),
+            ("fedit", 0): results_of({"maze": [(0.3, 20)] * 10}),
+            ("fedit", 1): results_of({"maze": [(0.3, 20)] * 10 + [(0.8, 20)]})}  # rounds 6-10: 40.0
+    lines = ex.summarise(late, [ex.BY_KEY[k] for k in late.method_keys()], [0, 1], runs)["table"].splitlines()
+    at = lines.index("| Method | Avg. | Δ vs FedIT |")
+    assert lines[at - 2].startswith("Avg. held-out success (%) over rounds 6-10: each seed's mean of the last 5")
+    assert lines[at + 2:at + 4] == ["| FedIT (seed 1) | 40.0 | - |", "| Fed-SE | 45.0 ± 7.1 | +10.0 |"]
+    assert "| Method | Avg. |\n|---|---:|\n| Fed-SE | 45.0 |" in table  # without FedIT, no Δ column
+    assert not any("over rounds" in line for line in short)  # 3 rounds: too few for the last five
     one = ex.ExperimentConfig(envs="maze", seeds=1, rounds=1, methods="fedse")
     assert "by round" not in ex.summarise(one, [ex.BY_KEY["fedse"]], [0], {("fedse", 0): results_of(
         {"maze": [(0.0, 10), (0.5, 10)]})})["table"]
