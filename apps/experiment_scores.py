@@ -111,10 +111,10 @@ def _cell(values: Iterable[float | None], signed: bool = False) -> str:
     return f"{text} ± {100 * sd:.1f}{noise}"
 
 
-def _label(name: str, s: dict[str, Any], seeds: list[int]) -> str:
-    """A row's name, with the seeds it ran on where that is fewer than the table's: its mean and spread
-    are over those alone (its differences are paired by seed, so over those too)."""
-    ran = [seed for seed, v in zip(seeds, s["avg"]) if v is not None]
+def _label(name: str, per_seed: list[float | None], seeds: list[int]) -> str:
+    """A row's name, with the seeds it ran on (a value in `per_seed`) where that is fewer than the
+    table's: its mean and spread are over those alone (its differences are paired by seed, so over those too)."""
+    ran = [seed for seed, v in zip(seeds, per_seed) if v is not None]
     return name if len(ran) == len(seeds) else f"{name} (seed{'s' * (len(ran) > 1)} {', '.join(map(str, ran))})"
 
 
@@ -133,7 +133,7 @@ def table(summary: dict[str, Any]) -> str:
         lines = lines[:2]  # no method of the paper's table ran: only the other tables
     for name, s in main:
         gain = _cell(_paired(s["avg"], base["avg"]), signed=True) if base and name != PRETRAINED else "-"
-        lines.append(f"| {_label(name, s, summary['seeds'])} | " + " | ".join(_cell(s["env"][e]) for e in envs)
+        lines.append(f"| {_label(name, s['avg'], summary['seeds'])} | " + " | ".join(_cell(s["env"][e]) for e in envs)
                      + f" | {_cell(s['avg'])} | {gain} |")
     ref = scored.get("Fed-SE")
     if ref and "FedIT" in scored:  # the paper's claim: self-evolution above static federated tuning
@@ -154,7 +154,7 @@ def table(summary: dict[str, Any]) -> str:
             s = scored[name]
             gain = _cell(_paired(s["avg"], ref["avg"]), signed=True) if ref and name != "Fed-SE" else "-"
             over = f" {_cell(_paired(s['avg'], fedit['avg']), signed=True)} |" if fedit else ""
-            label = _label(fedse if name == "Fed-SE" else name, s, summary["seeds"])
+            label = _label(fedse if name == "Fed-SE" else name, s["avg"], summary["seeds"])
             lines.append(f"| {label} | " + " | ".join(_cell(s["env"][e]) for e in envs)
                          + f" | {_cell(s['avg'])} | {gain} |{over} {s['mb_per_round']:.2f} |")
         timed = [f"{name} {statistics.mean(scored[name]['s_per_round']):.1f} s" for name in variants
@@ -210,7 +210,7 @@ def late_table(summary: dict[str, Any]) -> list[str]:
              "", "| Method | Avg. |" + (" Δ vs FedIT |" if fedit else ""), "|---|---:|" + ("---:|" if fedit else "")]
     for name, values in late.items():
         over = "-" if name == "FedIT" else _cell(_paired(values, fedit), signed=True) if fedit else ""
-        lines.append(f"| {_label(name, {'avg': values}, seeds)} | {_cell(values)} |" + (f" {over} |" if fedit else ""))
+        lines.append(f"| {_label(name, values, seeds)} | {_cell(values)} |" + (f" {over} |" if fedit else ""))
     return lines
 
 

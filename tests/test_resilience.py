@@ -68,12 +68,9 @@ class Federation:
         return self._start("env_server", ["services.env_server", "--address", f"127.0.0.1:{port}", "--envs", "maze",
                                           "--metrics-port", "0"])
 
-    def env_open_sessions(self) -> float:
-        """The env server's fedse_env_open_sessions, read from its /metrics as Prometheus would."""
-        port = next(e["metrics_port"] for e in log_entries(self.env) if "metrics_port" in e)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   if family.name == "fedse_env_open_sessions" for sample in family.samples)
+    def env_metrics_port(self) -> int:
+        """The /metrics port the env server logged once serving (it binds port 0 here)."""
+        return next(e["metrics_port"] for e in log_entries(self.env) if "metrics_port" in e)
 
     def restart_env_server(self) -> None:
         self.env = self.start_env_server(str(self.env_port))
@@ -120,6 +117,13 @@ def log_entries(proc: Proc) -> list[dict]:
         except ValueError:
             pass
     return out
+
+
+def open_sessions(metrics_port: int) -> float:
+    """An env server's fedse_env_open_sessions, read from its /metrics as Prometheus would."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "fedse_env_open_sessions" for sample in family.samples)
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +242,11 @@ def test_env_server_killed_mid_exploration_and_restarted_the_agent_finishes_with
             wait_for("org-a to explore", exploring, procs=[fed.clients["org-a"]])
         # The kill lands inside an episode, not before the first Reset: org-a is stopped (SIGSTOP) at a
         # moment the env server holds its session open, and goes on only once the server is dead.
-        agent = fed.clients["org-a"].popen
+        agent, metrics_port = fed.clients["org-a"].popen, fed.env_metrics_port()
 
         def stopped_inside_an_episode() -> bool:
             os.kill(agent.pid, signal.SIGSTOP)
-            if fed.env_open_sessions() > 0:
+            if open_sessions(metrics_port) > 0:
                 return True
             os.kill(agent.pid, signal.SIGCONT)
             return False
