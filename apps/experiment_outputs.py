@@ -12,6 +12,7 @@ from typing import Any
 
 from apps.experiment_methods import BY_KEY, PRETRAINED
 from apps.experiment_rounds import mean_band, write_rounds
+from apps.experiment_scores import row_label
 
 
 def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
@@ -22,7 +23,8 @@ def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str,
     of = lambda group: [n for n, s in summary["methods"].items() if s["group"] == group]  # noqa: E731
     figures = (("methods.png", of("main"), "Local, Centralized, FedIT and Fed-SE"),
                ("ablations.png", ["Fed-SE"] + of("ablation"), "Fed-SE and its ablations"),
-               ("selectors.png", ["Fed-SE"] + of("selection"), "Fed-SE (every client a round), the selectors and FedBuff"),
+               ("selectors.png", ["Fed-SE"] + of("selection"),
+                "Fed-SE (every client a round), the selectors and FedBuff"),
                ("variants.png", ["Fed-SE"] + of("variants"), "Fed-SE and its variants within the method"),
                ("ranks.png", ["Fed-SE"] + of("ranks"), "Fed-SE (every client at rank 8) and mixed ranks 4/16/8"))
     # Each figure whose own methods ran (Fed-SE, beside the others as their reference, is the main figure's).
@@ -67,7 +69,8 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
         for name in shown:
             per_round = summary["curves"][name][panel]
             xs = [t for t, vals in enumerate(per_round) if any(v is not None for v in vals)]
-            mean_band(ax, xs, [[100 * v for v in per_round[t] if v is not None] for t in xs], name)
+            mean_band(ax, xs, [[100 * v for v in per_round[t] if v is not None] for t in xs],
+                      curve_label(summary, name))
         ax.set_title(panel)
         ax.set_xlabel("round (0 = base model)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -84,6 +87,13 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
     fig.tight_layout(rect=(0, (0.025 + 0.05 * legend_rows) / rows, 1, 1 - 0.05 / rows))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def curve_label(summary: dict[str, Any], name: str) -> str:
+    """A method's name in a figure's legend, with its seeds where it ran on fewer than the title's."""
+    per_round, seeds = summary["curves"][name]["Avg."], summary["seeds"]
+    ran = [1.0 if any(vals[i] is not None for vals in per_round) else None for i in range(len(seeds))]
+    return row_label(name, ran, seeds)
 
 
 def plot_bytes(summary: dict[str, Any], path: pathlib.Path) -> None:

@@ -111,7 +111,7 @@ def _cell(values: Iterable[float | None], signed: bool = False) -> str:
     return f"{text} ± {100 * sd:.1f}{noise}"
 
 
-def _label(name: str, per_seed: list[float | None], seeds: list[int]) -> str:
+def row_label(name: str, per_seed: list[float | None], seeds: list[int]) -> str:
     """A row's name, with the seeds it ran on (a value in `per_seed`) where that is fewer than the
     table's: its mean and spread are over those alone (its differences are paired by seed, so over those too)."""
     ran = [seed for seed, v in zip(seeds, per_seed) if v is not None]
@@ -133,8 +133,8 @@ def table(summary: dict[str, Any]) -> str:
         lines = lines[:2]  # no method of the paper's table ran: only the other tables
     for name, s in main:
         gain = _cell(_paired(s["avg"], base["avg"]), signed=True) if base and name != PRETRAINED else "-"
-        lines.append(f"| {_label(name, s['avg'], summary['seeds'])} | " + " | ".join(_cell(s["env"][e]) for e in envs)
-                     + f" | {_cell(s['avg'])} | {gain} |")
+        cells = " | ".join(_cell(s["env"][e]) for e in envs)
+        lines.append(f"| {row_label(name, s['avg'], summary['seeds'])} | {cells} | {_cell(s['avg'])} | {gain} |")
     ref = scored.get("Fed-SE")
     if ref and "FedIT" in scored:  # the paper's claim: self-evolution above static federated tuning
         lines += ["", f"Fed-SE - FedIT: {_cell(_paired(ref['avg'], scored['FedIT']['avg']), signed=True)} "
@@ -154,7 +154,7 @@ def table(summary: dict[str, Any]) -> str:
             s = scored[name]
             gain = _cell(_paired(s["avg"], ref["avg"]), signed=True) if ref and name != "Fed-SE" else "-"
             over = f" {_cell(_paired(s['avg'], fedit['avg']), signed=True)} |" if fedit else ""
-            label = _label(fedse if name == "Fed-SE" else name, s["avg"], summary["seeds"])
+            label = row_label(fedse if name == "Fed-SE" else name, s["avg"], summary["seeds"])
             lines.append(f"| {label} | " + " | ".join(_cell(s["env"][e]) for e in envs)
                          + f" | {_cell(s['avg'])} | {gain} |{over} {s['mb_per_round']:.2f} |")
         timed = [f"{name} {statistics.mean(scored[name]['s_per_round']):.1f} s" for name in variants
@@ -210,7 +210,7 @@ def late_table(summary: dict[str, Any]) -> list[str]:
              "", "| Method | Avg. |" + (" Δ vs FedIT |" if fedit else ""), "|---|---:|" + ("---:|" if fedit else "")]
     for name, values in late.items():
         over = "-" if name == "FedIT" else _cell(_paired(values, fedit), signed=True) if fedit else ""
-        lines.append(f"| {_label(name, values, seeds)} | {_cell(values)} |" + (f" {over} |" if fedit else ""))
+        lines.append(f"| {row_label(name, values, seeds)} | {_cell(values)} |" + (f" {over} |" if fedit else ""))
     return lines
 
 
@@ -228,9 +228,10 @@ def work_table(scored: dict[str, Any]) -> list[str]:
     rows = [(name, cells) for name, cells in rows if any(c != "-" for c in cells)]
     if not rows:
         return []
-    return ["", "Model throughput, tokens/s (MFU against this machine's measured matmul peak), mean over seeds and "
-                "client rounds:", "", "| Method | " + " | ".join(WORK_PHASES) + " |", "|---|" + "---:|" * len(WORK_PHASES)] \
-        + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    head = ["", "Model throughput, tokens/s (MFU against this machine's measured matmul peak), mean over seeds and "
+                "client rounds:", "", "| Method | " + " | ".join(WORK_PHASES) + " |",
+            "|---|" + "---:|" * len(WORK_PHASES)]
+    return head + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
 
 
 def curves(methods: list[Method], seeds: list[int], runs: dict[tuple[str, int], dict[str, Any]],

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from apps import experiment as ex
+from apps.experiment_outputs import curve_label
 from fedse.config import ConfigError
 from services.client_agent.config import ClientConfig
 
@@ -145,6 +146,10 @@ def test_the_variants_table_gives_each_change_against_fedit_too():
     assert lines[0].startswith("Held-out success (%) after round 1, mean ± sd over 2 seed(s);")
     assert lines[at + 2:at + 4] == ["| Fed-SE | 50.0 ± 14.1 | 50.0 ± 14.1 | - | +0.0 ± 14.1 ≈ | 2.00 |",
                                     "| demonstrations kept at half (seed 0) | 70.0 | 70.0 | +30.0 | +20.0 | 2.00 |"]
+    # So does its line in the figure's legend.
+    summary = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)
+    assert [curve_label(summary, n) for n in ("Fed-SE", "demonstrations kept at half")] == [
+        "Fed-SE", "demonstrations kept at half (seed 0)"]
 
 
 def test_settings_come_from_the_budget_unless_given():
