@@ -12,7 +12,7 @@ from typing import Any
 
 from apps.experiment_methods import BY_KEY, PRETRAINED
 from apps.experiment_rounds import mean_band, write_rounds
-from apps.experiment_scores import row_label
+from apps.experiment_scores import seeds_label
 
 
 def write_outputs(summary: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]],
@@ -92,8 +92,8 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
 def curve_label(summary: dict[str, Any], name: str) -> str:
     """A method's name in a figure's legend, with its seeds where it ran on fewer than the title's."""
     per_round, seeds = summary["curves"][name]["Avg."], summary["seeds"]
-    ran = [1.0 if any(vals[i] is not None for vals in per_round) else None for i in range(len(seeds))]
-    return row_label(name, ran, seeds)
+    return seeds_label(name, [seed for i, seed in enumerate(seeds) if any(vals[i] is not None for vals in per_round)],
+                       seeds)
 
 
 def plot_bytes(summary: dict[str, Any], path: pathlib.Path) -> None:

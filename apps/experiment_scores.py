@@ -114,7 +114,11 @@ def _cell(values: Iterable[float | None], signed: bool = False) -> str:
 def row_label(name: str, per_seed: list[float | None], seeds: list[int]) -> str:
     """A row's name, with the seeds it ran on (a value in `per_seed`) where that is fewer than the
     table's: its mean and spread are over those alone (its differences are paired by seed, so over those too)."""
-    ran = [seed for seed, v in zip(seeds, per_seed) if v is not None]
+    return seeds_label(name, [seed for seed, v in zip(seeds, per_seed) if v is not None], seeds)
+
+
+def seeds_label(name: str, ran: list[int], seeds: list[int]) -> str:
+    """`name`, naming the seeds in `ran` where they are fewer than all of `seeds`."""
     return name if len(ran) == len(seeds) else f"{name} (seed{'s' * (len(ran) > 1)} {', '.join(map(str, ran))})"
 
 

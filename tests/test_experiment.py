@@ -142,12 +142,12 @@ def test_the_variants_table_gives_each_change_against_fedit_too():
     assert "| Within the method | maze | Avg. | Δ vs Fed-SE | MB sent / client / round |" in table
     # A change that ran on fewer seeds than the table says which: its mean and Δs are over those alone.
     del runs[("expert-half", 1)]
-    lines = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)["table"].splitlines()
+    summary = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)
+    lines = summary["table"].splitlines()
     assert lines[0].startswith("Held-out success (%) after round 1, mean ± sd over 2 seed(s);")
     assert lines[at + 2:at + 4] == ["| Fed-SE | 50.0 ± 14.1 | 50.0 ± 14.1 | - | +0.0 ± 14.1 ≈ | 2.00 |",
                                     "| demonstrations kept at half (seed 0) | 70.0 | 70.0 | +30.0 | +20.0 | 2.00 |"]
     # So does its line in the figure's legend.
-    summary = ex.summarise(cfg, [ex.BY_KEY[k] for k in cfg.method_keys()], [0, 1], runs)
     assert [curve_label(summary, n) for n in ("Fed-SE", "demonstrations kept at half")] == [
         "Fed-SE", "demonstrations kept at half (seed 0)"]
 
