@@ -64,13 +64,12 @@ def plot_curves(summary: dict[str, Any], names: list[str], path: pathlib.Path, t
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
-    shown = [n for n in names if n in summary["curves"]]
+    shown = {n: curve_label(summary, n) for n in names if n in summary["curves"]}
     for ax, panel in zip(axes.flat, panels):
-        for name in shown:
+        for name, label in shown.items():
             per_round = summary["curves"][name][panel]
             xs = [t for t, vals in enumerate(per_round) if any(v is not None for v in vals)]
-            mean_band(ax, xs, [[100 * v for v in per_round[t] if v is not None] for t in xs],
-                      curve_label(summary, name))
+            mean_band(ax, xs, [[100 * v for v in per_round[t] if v is not None] for t in xs], label)
         ax.set_title(panel)
         ax.set_xlabel("round (0 = base model)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
